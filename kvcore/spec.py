@@ -1,0 +1,419 @@
+"""Geometry and the stride table, computed from a format's grammar for any layout.
+
+The one idea: in almost every layout the ``HS`` elements of one (layer, K/V, token,
+head) are one contiguous run, so a token row is addressed by a base per (layer, K/V)
+and the byte strides of block, token-in-block and head. Layouts that split a head into
+chunks (vLLM's old CPU/ROCm K cache: 16-byte chunks interleaved across tokens; a
+transposed V) add one level, ``chunk``. Everything is in **bytes**, so the element dtype
+is metadata: fp8 stored as uint8, int8 buffer views carrying bf16 and packed K|V rows
+need no special case. Padding and permuted views are only other strides.
+
+:class:`Spec` is the generic spec: it reads axis roles from the format name and strides
+from the tensors themselves. A plugin overrides it (``kvcore_spec`` hook) only for
+layouts whose tokens have no single address pattern.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+
+from kvcore.errors import GeometryError
+from kvcore.formats import KVFormat
+
+__all__ = ["PlaneStrides", "StrideTable", "Spec", "walk_leaves"]
+
+
+@dataclass(frozen=True)
+class PlaneStrides:
+    """Byte strides of one K or V plane.
+
+    ``address(slot, head, chunk) = base + (slot // block_size) * block
+    + (slot % block_size) * token + head * head + chunk * chunk``, then
+    ``chunk_bytes`` contiguous bytes; ``n_chunks * chunk_bytes`` is one head's row.
+    """
+
+    block: int
+    token: int
+    head: int
+    chunk: int
+    chunk_bytes: int
+    n_chunks: int
+
+    @property
+    def row_contiguous(self) -> bool:
+        """True when a whole token row (all heads) is one contiguous run."""
+        run = self.chunk_bytes * self.n_chunks
+        return self.n_chunks == 1 and self.head == run
+
+
+@dataclass(frozen=True)
+class StrideTable:
+    """Everything a transfer kernel needs, and nothing about format names.
+
+    Attributes:
+        num_layers: layers in this table (a layer subset keeps its order).
+        kv_size: 2 (K, V) or 1 (MLA / key-only).
+        block_size: tokens per block; a slot ``s`` is block ``s // block_size``,
+            offset ``s % block_size`` (1 for fused NBBS axes).
+        num_slots: valid slots are ``0 <= s < num_slots``.
+        num_heads: heads per token row.
+        head_bytes: bytes of one head's row (``HS * element_size``).
+        dtype: element dtype; device: the cache's device.
+        planes: one :class:`PlaneStrides` per K/V plane.
+        bases: ``bases[layer][kv] = (tensor, byte_offset)``: the byte offset into that
+            tensor's storage where the plane starts.
+    """
+
+    num_layers: int
+    kv_size: int
+    block_size: int
+    num_slots: int
+    num_heads: int
+    head_bytes: int
+    dtype: torch.dtype
+    device: torch.device
+    planes: tuple[PlaneStrides, ...]
+    bases: tuple[tuple[tuple[torch.Tensor, int], ...], ...]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row in the staging buffer (``NH * HS * element_size``)."""
+        return self.num_heads * self.head_bytes
+
+    def ptrs(self) -> torch.Tensor:
+        """int64 ``[num_layers, kv_size]`` plane base addresses (bytes), on the CPU."""
+        return torch.tensor(
+            [[t.untyped_storage().data_ptr() + off for (t, off) in layer] for layer in self.bases],
+            dtype=torch.int64,
+        ).reshape(self.num_layers, self.kv_size)
+
+    def subset(self, layers: Sequence[int]) -> "StrideTable":
+        return replace(self, num_layers=len(layers), bases=tuple(self.bases[i] for i in layers))
+
+    def signature(self) -> tuple:
+        """What fixes the mapping (layer, K/V, slot, head, byte) → memory address: two
+        tables with one signature move the same bytes."""
+        return (
+            self.num_layers,
+            self.kv_size,
+            self.block_size,
+            self.num_slots,
+            self.num_heads,
+            self.head_bytes,
+            self.planes,
+            tuple(tuple((t.untyped_storage().data_ptr() + off) for (t, off) in layer) for layer in self.bases),
+        )
+
+
+def walk_leaves(node: Any, depth: int, where: str = "kv_caches") -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Flatten ``depth`` list levels into ``[(index_path, tensor), ...]`` in container order.
+
+    Raises:
+        GeometryError: a level is not a list/tuple, is empty, or a leaf is not a tensor.
+    """
+    if depth == 0:
+        if not isinstance(node, torch.Tensor):
+            raise GeometryError(f"{where} should be a torch.Tensor here, got {type(node).__name__}")
+        return [((), node)]
+    if not isinstance(node, (list, tuple)) or len(node) == 0:
+        kind = type(node).__name__ if not isinstance(node, (list, tuple)) else "an empty list"
+        raise GeometryError(f"{where} should be a non-empty list here ({depth} list level(s) left), got {kind}")
+    out = []
+    for i, child in enumerate(node):
+        for path, t in walk_leaves(child, depth - 1, f"{where}[{i}]"):
+            out.append(((i,) + path, t))
+    return out
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    return f"shape={tuple(t.shape)} stride={tuple(t.stride())} dtype={t.dtype}"
+
+
+class Spec:
+    """The generic spec: geometry and stride table from a format's grammar.
+
+    Args:
+        format: the :class:`KVFormat`.
+        kv_caches: a container nested exactly as the format's list levels
+            (``NL_X_...``: a list of NL tensors; ``TWO_X_NL_X_...``: [K list, V list];
+            ``NL_X_TWO_X_...``: NL (K, V) pairs; no list level: one tensor).
+        dtype: the element dtype when the tensors are a byte view of it (vLLM 0.33's
+            int8 buffers carrying bf16, fp8 stored as uint8 viewed as float8). The
+            element axis (HS/CS) must then be contiguous and its byte size divisible by
+            the element size. Default: the tensors' dtype.
+        params: extra facts the name cannot carry: ``head_size`` (K head size of a
+            packed CS axis; default CS/2).
+
+    Raises:
+        GeometryError: the container does not nest as the format says, tensors of one
+            layout disagree in shape/dtype/device/strides, an axis literal is wrong
+            (TWO must be 2, ONE 1), K and V head sizes differ, or the strides would make
+            two addresses alias or reach past the tensor's storage.
+    """
+
+    def __init__(self, format: KVFormat, kv_caches: Any, *, dtype: torch.dtype | None = None, params: dict | None = None):
+        self.format = format
+        self.syntax = format.syntax
+        self.kv_caches = kv_caches
+        self.params = dict(params or {})
+        self._dtype_arg = dtype
+        self.leaves = walk_leaves(kv_caches, len(self.syntax.list_levels))
+        first = self.leaves[0][1]
+        for path, t in self.leaves:
+            if t.dtype != first.dtype or t.device != first.device:
+                raise GeometryError(
+                    f"format {format.name}: kv_caches{list(path)} is {t.dtype} on {t.device} but the first tensor is "
+                    f"{first.dtype} on {first.device}; one layout holds one dtype on one device (use detect_per_layer for mixed caches)"
+                )
+        self.storage_dtype = first.dtype
+        self.dtype: torch.dtype = dtype or first.dtype
+        self.device: torch.device = first.device
+        self.axis_sizes: dict[str, int] = {}
+        self._build()
+        self._check_bounds()
+
+    # -- the generic construction ----------------------------------------------------
+    def _build(self) -> None:
+        syn, fmt = self.syntax, self.format
+        if syn.blocked_scale or syn.has("NP"):
+            raise GeometryError(
+                f"format {fmt.name} has blocked-scale records or plane tuples; it needs a spec of its own "
+                "from the plugin that registers it (kvcore_spec hook), and none answered"
+            )
+        sizes: dict[str, int] = {}
+        # list levels
+        for depth, tok in enumerate(syn.list_levels):
+            lens = {len(_node_at(self.kv_caches, p[:depth])) for p, _ in self.leaves}
+            if len(lens) != 1:
+                raise GeometryError(f"format {fmt.name}: list level {tok} has different lengths {sorted(lens)}")
+            sizes[tok] = lens.pop()
+        if sizes.get("TWO", 2) != 2:
+            raise GeometryError(f"format {fmt.name}: the TWO list level must hold 2 entries (K, V), got {sizes['TWO']}")
+        # tensor axes
+        nd = len(syn.axes)
+        ref_path, ref = self.leaves[0]
+        for path, t in self.leaves:
+            if t.dim() != nd:
+                raise GeometryError(
+                    f"format {fmt.name} expects {nd}-D tensors {fmt.symbolic}, but kv_caches{list(path)} is "
+                    f"{t.dim()}-D ({_describe_tensor(t)})"
+                )
+            if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
+                raise GeometryError(
+                    f"format {fmt.name}: kv_caches{list(path)} ({_describe_tensor(t)}) differs from kv_caches{list(ref_path)} "
+                    f"({_describe_tensor(ref)}); a layout is uniform across its layers (use detect_per_layer for hybrid models)"
+                )
+        for i, tok in enumerate(syn.axes):
+            n = int(ref.shape[i])
+            lit = {"TWO": 2, "ONE": 1}.get(tok)
+            if lit is not None and n != lit:
+                raise GeometryError(f"format {fmt.name}: axis {i} ({tok}) must have size {lit}, got {n} ({_describe_tensor(ref)})")
+            if tok not in ("TWO", "ONE"):
+                sizes[tok] = n
+        isz = ref.element_size()
+        esz = torch.empty(0, dtype=self.dtype).element_size()
+        st = {tok: int(ref.stride(i)) * isz for i, tok in enumerate(syn.axes) if tok != "ONE"}
+        for tok, s in st.items():
+            if s < 0:
+                raise GeometryError(f"format {fmt.name}: negative stride on axis {tok} ({_describe_tensor(ref)}); flip the view first")
+        etok = "CS" if syn.has("CS") else "HS"
+        e_axis = syn.axis(etok)
+        if e_axis is None:
+            raise GeometryError(f"format {fmt.name}: the element axis {etok} must be a tensor axis")
+        e_units = sizes[etok]
+        e_stride = st[etok]
+        if esz != isz:
+            if e_stride != isz:
+                raise GeometryError(
+                    f"format {fmt.name}: the tensors are {self.storage_dtype} but carry {self.dtype}; that needs a contiguous "
+                    f"element axis, and {etok} has stride {ref.stride(e_axis)}"
+                )
+            if (e_units * isz) % esz:
+                raise GeometryError(
+                    f"format {fmt.name}: the {etok} axis holds {e_units * isz} bytes, not a whole number of {self.dtype} elements ({esz} B)"
+                )
+            e_count = e_units * isz // esz
+            e_stride = esz
+        else:
+            e_count = e_units
+        if etok == "CS":
+            hs = int(self.params.get("head_size") or 0) or (e_count // 2)
+            if e_count % 2 and not self.params.get("head_size"):
+                raise GeometryError(f"format {fmt.name}: packed K|V axis CS={e_count} is odd; K and V head sizes must be given (head_size)")
+            if 2 * hs != e_count:
+                raise GeometryError(
+                    f"format {fmt.name}: CS={e_count} elements but head_size={hs}: K and V head sizes differ "
+                    f"(K {hs}, V {e_count - hs}); the staging layout [2, NL, T, NH*HS] needs equal K and V head sizes"
+                )
+        else:
+            hs = e_count
+        self.head_size_ = hs
+        # geometry
+        self.num_layers_ = sizes.get("NL", 1)
+        self.kv_size_ = syn.kv_size
+        self.num_heads_ = sizes.get("NH", 1)
+        if syn.has("NBBS"):
+            self.block_size_, self.num_blocks_ = None, None
+            self.num_slots_ = sizes["NBBS"]
+            blk, tokst, bs_int = st["NBBS"], 0, 1
+            sizes["PBS"] = sizes["NBBS"]
+        else:
+            self.block_size_, self.num_blocks_ = sizes["BS"], sizes["NB"]
+            self.num_slots_ = sizes["NB"] * sizes["BS"]
+            blk, tokst, bs_int = st["NB"], st["BS"], sizes["BS"]
+        head = st.get("NH", 0)
+        if e_stride == esz:
+            chunk, chunk_bytes, n_chunks = 0, hs * esz, 1
+        else:
+            chunk, chunk_bytes, n_chunks = e_stride, esz, hs
+        plane = PlaneStrides(block=blk, token=tokst, head=head, chunk=chunk, chunk_bytes=chunk_bytes, n_chunks=n_chunks)
+        # bases per (layer, kv)
+        kv_delta = st["TWO"] if syn.axis("TWO") is not None else (hs * e_stride if etok == "CS" else 0)
+        layer_delta = st.get("NL", 0) if syn.axis("NL") is not None else 0
+        bases = []
+        for layer in range(self.num_layers_):
+            row = []
+            for kv in range(self.kv_size_):
+                t = self._leaf_for(layer, kv)
+                off = t.storage_offset() * isz + layer_delta * (layer if syn.axis("NL") is not None else 0)
+                if syn.axis("TWO") is not None or etok == "CS":
+                    off += kv * kv_delta
+                row.append((t, off))
+            bases.append(tuple(row))
+        self.axis_sizes = sizes
+        self.table = StrideTable(
+            num_layers=self.num_layers_,
+            kv_size=self.kv_size_,
+            block_size=bs_int,
+            num_slots=self.num_slots_,
+            num_heads=self.num_heads_,
+            head_bytes=hs * esz,
+            dtype=self.dtype,
+            device=self.device,
+            planes=(plane,) * self.kv_size_,
+            bases=tuple(bases),
+        )
+        # axes living inside one tensor must not alias each other
+        extents = [
+            ("block", self.num_blocks_ or self.num_slots_, blk),
+            ("token", bs_int, tokst),
+            ("head", self.num_heads_, head),
+            ("chunk", n_chunks, chunk),
+        ]
+        if syn.axis("TWO") is not None or etok == "CS":
+            extents.append(("K/V", 2, kv_delta))
+        if syn.axis("NL") is not None:
+            extents.append(("layer", self.num_layers_, layer_delta))
+        _check_no_alias(fmt.name, extents, chunk_bytes, ref)
+
+    def _leaf_for(self, layer: int, kv: int) -> torch.Tensor:
+        lv = self.syntax.list_levels
+        node = self.kv_caches
+        if lv == ():
+            return node
+        if lv == ("NL",):
+            return node[layer]
+        if lv == ("TWO", "NL"):
+            return node[kv][layer]
+        if lv == ("NL", "TWO"):
+            return node[layer][kv]
+        raise GeometryError(f"format {self.format.name}: no generic addressing for list levels {lv}")
+
+    def _check_bounds(self) -> None:
+        tb = self.table
+        for layer in tb.bases:
+            for kv, (t, off) in enumerate(layer):
+                p = tb.planes[kv]
+                nblocks = -(-tb.num_slots // tb.block_size)
+                last = (
+                    off
+                    + (nblocks - 1) * p.block
+                    + (min(tb.block_size, tb.num_slots) - 1) * p.token
+                    + (tb.num_heads - 1) * p.head
+                    + (p.n_chunks - 1) * p.chunk
+                    + p.chunk_bytes
+                )
+                nbytes = t.untyped_storage().nbytes()
+                if off < 0 or last > nbytes:
+                    raise GeometryError(
+                        f"format {self.format.name}: the geometry reaches byte {last} but the tensor's storage holds {nbytes} "
+                        f"({_describe_tensor(t)}); the sizes or strides do not describe this tensor"
+                    )
+
+    # -- accessors (KVLayout forwards to these) --------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.num_layers_
+
+    @property
+    def num_blocks(self) -> int:
+        if self.num_blocks_ is None:
+            raise GeometryError(
+                f"format {self.format.name} fuses blocks and tokens in one axis (NBBS): it has no num_blocks; "
+                "use page_buffer_size, or detect with a block_size/page_size hint that splits it"
+            )
+        return self.num_blocks_
+
+    @property
+    def block_size(self) -> int:
+        if self.block_size_ is None:
+            raise GeometryError(
+                f"format {self.format.name} fuses blocks and tokens in one axis (NBBS): it has no block_size; "
+                "use page_buffer_size, or detect with a block_size/page_size hint that splits it"
+            )
+        return self.block_size_
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_heads_
+
+    @property
+    def head_size(self) -> int:
+        return self.head_size_
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_size_
+
+    @property
+    def page_buffer_size(self) -> int:
+        return self.num_slots_
+
+    def stride_table(self) -> StrideTable:
+        return self.table
+
+    def kernel_leaves(self) -> list[torch.Tensor]:
+        """The tensors in kernel order (layer lists: one per layer; K/V lists: all K then
+        all V; per-layer tuples: K0, V0, K1, V1, ...; one tensor: itself)."""
+        return [t for _, t in self.leaves]
+
+    def leaf_layer(self, path: tuple[int, ...]) -> int:
+        lv = self.syntax.list_levels
+        if "NL" not in lv:
+            return -1
+        return path[lv.index("NL")]
+
+
+def _node_at(node: Any, path: tuple[int, ...]) -> Any:
+    for i in path:
+        node = node[i]
+    return node
+
+
+def _check_no_alias(name: str, extents: list[tuple[str, int, int]], inner_bytes: int, ref: torch.Tensor) -> None:
+    """Axes (size, byte stride) of one tensor must nest without overlap: sorted by stride,
+    each stride must step over everything inside it."""
+    axes = sorted([(s, n, a) for (a, n, s) in extents if n > 1], key=lambda x: x[0])
+    extent = inner_bytes
+    inner_name = "one element run"
+    for stride, n, axis in axes:
+        if stride < extent:
+            raise GeometryError(
+                f"format {name}: axis {axis} steps {stride} bytes but {inner_name} inside it spans {extent} bytes, so two "
+                f"addresses alias ({_describe_tensor(ref)}); these strides are not this format's layout"
+            )
+        extent = stride * (n - 1) + extent
+        inner_name = f"the {axis} axis"

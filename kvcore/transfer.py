@@ -1,0 +1,202 @@
+"""Moving tokens and blocks between a paged KV cache and a staging buffer.
+
+Staging layout (the "memory object" offloading systems store; LMCache's ``KV_2LTD``):
+``[kv_size, NL, T, NH*HS]`` — K/V major, then layer, then token — in the layout's
+element dtype; MLA ``[1, NL, T, HS]``; one layer (``layers=i``) ``[kv_size, T, NH*HS]``.
+
+``slot_mapping`` is int64 (or int32) ``[T]`` with ``slot = block_id * block_size +
+offset``. A negative slot is engine padding: that row is not moved in either
+direction, and the destination row is left as it was. ``skip_prefix=n`` leaves the
+first n rows alone the same way (the engine already holds those tokens).
+
+Everything is validated before the first byte moves: a bad call raises
+:class:`~kvcore.TransferError` and leaves the cache (and the staging buffer) unchanged.
+A transfer allocates memory proportional to the tokens it moves, never to the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvcore.errors import GeometryError, TransferError
+from kvcore.kernels import TransferPlan, select_kernel
+from kvcore.layout import KVLayout
+
+__all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_blocks"]
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def _layers(layout: KVLayout, layers: Sequence[int] | int | None) -> list[int]:
+    n = layout.num_layers
+    if layers is None:
+        return list(range(n))
+    seq = [layers] if isinstance(layers, int) else list(layers)
+    if not seq:
+        raise TransferError("layers is empty; pass None for all layers or a non-empty list of layer indices")
+    for i in seq:
+        if not isinstance(i, int) or isinstance(i, bool) or not (0 <= i < n):
+            raise TransferError(f"layer index {i!r} is out of range: this layout has {n} layers (0..{n - 1})")
+    if len(set(seq)) != len(seq):
+        raise TransferError(f"layers {seq} repeats a layer")
+    return seq
+
+
+def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: bool) -> tuple[torch.Tensor, int]:
+    if not isinstance(slot_mapping, torch.Tensor):
+        try:
+            slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.int64)
+        except (TypeError, ValueError) as e:
+            raise TransferError(f"slot_mapping must be an integer tensor [T], got {type(slot_mapping).__name__}: {e}") from None
+    if slot_mapping.dtype not in _INT_DTYPES:
+        raise TransferError(f"slot_mapping must hold integers (int64), got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1:
+        raise TransferError(f"slot_mapping must be 1-D [T], got shape {tuple(slot_mapping.shape)}")
+    t = slot_mapping.numel()
+    if not isinstance(skip_prefix, int) or not (0 <= skip_prefix <= t):
+        raise TransferError(f"skip_prefix must be between 0 and the number of tokens ({t}), got {skip_prefix!r}")
+    slots = slot_mapping.to(device=layout.device, dtype=torch.int64)
+    if skip_prefix:
+        slots = slots.clone()
+        slots[:skip_prefix] = -1
+    n_slots = layout.page_buffer_size
+    if t:
+        hi = int(slots.max())
+        if hi >= n_slots:
+            i = int(torch.nonzero(slots >= n_slots)[0])
+            raise TransferError(
+                f"slot_mapping[{i}] = {int(slots[i])} is out of range: this cache has {n_slots} slots per layer "
+                f"(valid 0..{n_slots - 1}; negative slots are padding and are skipped)"
+            )
+    valid = slots[slots >= 0]
+    nv = int(valid.numel())
+    if check_duplicates and nv > 1:
+        u = torch.unique(valid)
+        if u.numel() != nv:
+            srt, _ = torch.sort(valid)
+            dup = int(srt[1:][srt[1:] == srt[:-1]][0])
+            raise TransferError(f"slot {dup} appears more than once in slot_mapping; a scatter would write it twice")
+    slots = torch.where(slots < 0, torch.full_like(slots, -1), slots)
+    return slots, nv
+
+
+def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], single: bool, t: int, what: str) -> torch.Tensor:
+    if not isinstance(staging, torch.Tensor):
+        raise TransferError(f"{what} must be a torch.Tensor, got {type(staging).__name__}")
+    want = layout.staging_shape(t, layers[0] if single else layers)
+    if tuple(staging.shape) != want:
+        lay = "[kv_size, T, NH*HS]" if single else "[kv_size, NL, T, NH*HS]"
+        raise TransferError(f"{what} has shape {tuple(staging.shape)}, expected {want} ({lay} for this layout and {t} tokens)")
+    if staging.dtype != layout.dtype:
+        raise TransferError(
+            f"{what} is {staging.dtype} but the cache holds {layout.dtype}; pass a {layout.dtype} buffer "
+            "(the bytes move unchanged, so the dtypes must match)"
+        )
+    dev = layout.device
+    if staging.device != dev and not (dev.type == "cuda" and staging.device.type == "cpu"):
+        raise TransferError(f"{what} is on {staging.device} but the cache is on {dev}; use a buffer on {dev}" + (" or in pinned host memory" if dev.type == "cuda" else ""))
+    if staging.numel() and staging.stride(-1) != 1:
+        raise TransferError(f"{what}'s last dimension must be contiguous (stride 1), got strides {tuple(staging.stride())}")
+    return staging.unsqueeze(1) if single else staging
+
+
+def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gather: bool) -> torch.Tensor:
+    sel = _layers(layout, layers)
+    single = isinstance(layers, int)
+    slots, nv = _slots(layout, slot_mapping, skip_prefix, check_duplicates=not gather)
+    t = slots.numel()
+    if staging is None:
+        staging = torch.zeros(layout.staging_shape(t, layers if single else sel), dtype=layout.dtype, device=layout.device)
+    st4 = _check_staging(layout, staging, sel, single, t, "out" if gather else "src")
+    table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
+    plan = TransferPlan(table=table, slots=slots, staging=st4, num_valid=nv)
+    if nv:
+        kernel = select_kernel(layout.device.type, layout.format.name, st4.device.type)
+        (kernel.gather if gather else kernel.scatter)(plan)
+    return staging
+
+
+def gather(
+    layout: KVLayout,
+    slot_mapping,
+    out: torch.Tensor | None = None,
+    *,
+    layers: Sequence[int] | int | None = None,
+    skip_prefix: int = 0,
+) -> torch.Tensor:
+    """Copy the tokens at ``slot_mapping`` from the paged cache into a staging buffer.
+
+    Args:
+        layout: from :func:`kvcore.detect`.
+        slot_mapping: int64 ``[T]``; negative = padding (row left untouched).
+        out: ``[kv_size, NL, T, NH*HS]`` (``[kv_size, T, NH*HS]`` when ``layers`` is an
+            int) of ``layout.dtype``, on the cache's device (or pinned host memory for a
+            CUDA cache). Allocated when None.
+        layers: a layer subset (staging order follows it), or one layer index.
+        skip_prefix: leave the first n rows untouched.
+    Returns:
+        the staging buffer.
+    Raises:
+        TransferError: before anything is written, for a slot >= page_buffer_size, a
+            bad shape, dtype or device, or a bad layer index.
+    """
+    return _run(layout, slot_mapping, out, layers, skip_prefix, True)
+
+
+def scatter(
+    layout: KVLayout,
+    slot_mapping,
+    src: torch.Tensor,
+    *,
+    layers: Sequence[int] | int | None = None,
+    skip_prefix: int = 0,
+) -> None:
+    """Copy staged tokens into the paged cache at ``slot_mapping`` (the inverse of
+    :func:`gather`). Negative slots and the first ``skip_prefix`` rows are not written.
+
+    Raises:
+        TransferError: before anything is written, for a slot out of range, a slot that
+            appears twice, or a bad shape, dtype, device or layer index.
+    """
+    if src is None:
+        raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
+    _run(layout, slot_mapping, src, layers, skip_prefix, False)
+
+
+def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = None) -> torch.Tensor:
+    """The slot mapping that covers whole blocks: ``block_id * block_size + [0, BS)``.
+
+    Raises:
+        TransferError: a block id outside ``0..num_blocks-1`` (negative ids are padding and
+            map to -1 slots), or a layout without blocks (fused NBBS).
+    """
+    try:
+        bs, nb = layout.block_size, layout.num_blocks
+    except GeometryError as e:
+        raise TransferError(f"block transfers need blocks: {e}") from None
+    if not isinstance(block_ids, torch.Tensor):
+        block_ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    if block_ids.dtype not in _INT_DTYPES or block_ids.dim() != 1:
+        raise TransferError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
+    b = block_ids.to(device=layout.device, dtype=torch.int64)
+    if b.numel() and int(b.max()) >= nb:
+        i = int(torch.nonzero(b >= nb)[0])
+        raise TransferError(f"block_ids[{i}] = {int(b[i])} is out of range: this cache has {nb} blocks (0..{nb - 1})")
+    slots = (b[:, None] * bs + torch.arange(bs, device=b.device)[None, :]).flatten()
+    slots = torch.where(b.repeat_interleave(bs) < 0, torch.full_like(slots, -1), slots)
+    if num_tokens is not None:
+        slots = slots[:num_tokens]
+    return slots
+
+
+def gather_blocks(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, layers=None, skip_prefix: int = 0) -> torch.Tensor:
+    """Gather whole blocks: staging ``[kv_size, NL, len(block_ids)*BS, NH*HS]``, block
+    ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`."""
+    return gather(layout, slots_for_blocks(layout, block_ids), out, layers=layers, skip_prefix=skip_prefix)
+
+
+def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, layers=None, skip_prefix: int = 0) -> None:
+    """Scatter whole blocks (the inverse of :func:`gather_blocks`)."""
+    scatter(layout, slots_for_blocks(layout, block_ids), src, layers=layers, skip_prefix=skip_prefix)
