@@ -66,3 +66,15 @@ def kvcore_register_kernels(register: Callable[..., Any]) -> None:
     (None for all), ``priority`` (higher wins), ``available()`` and
     ``gather(plan)`` / ``scatter(plan)``.
     """
+
+
+@hookspec
+def kvcore_register_fixtures(register: Callable[..., Any]) -> None:
+    """Offer allocation fixtures for the conformance suite. Called once, at load.
+
+    Call ``register(kvcore.testing.FixtureCase(...))`` for each format the plugin
+    registers (at least one case per format): a function that allocates a cache
+    exactly as the engine's own code does (shapes *and* strides), the hints to detect
+    it with, the declared geometry, and an engine-side view used as the semantic
+    oracle. See :class:`kvcore.testing.FixtureCase`.
+    """

@@ -1,0 +1,1 @@
+"""kvcore-sglang: sglang's KV cache layouts for kvcore."""

@@ -1,0 +1,10 @@
+"""Entry point of the kvcore-sglang plugin (group ``kvcore``)."""
+
+from __future__ import annotations
+
+from kvcore import hookimpl
+
+
+@hookimpl
+def kvcore_register_formats(register):
+    return None

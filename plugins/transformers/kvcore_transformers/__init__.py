@@ -1,0 +1,1 @@
+"""kvcore-transformers: transformers's KV cache layouts for kvcore."""

@@ -1,0 +1,1 @@
+"""kvcore-vllm: vllm's KV cache layouts for kvcore."""
