@@ -78,3 +78,13 @@ def kvcore_register_fixtures(register: Callable[..., Any]) -> None:
     it with, the declared geometry, and an engine-side view used as the semantic
     oracle. See :class:`kvcore.testing.FixtureCase`.
     """
+
+
+@hookspec
+def kvcore_register_demos(register: Callable[..., Any]) -> None:
+    """Offer an end-to-end demo for ``kvcore demo --engine NAME``. Called once, at load.
+
+    Call ``register(name, run, help)`` where ``run(argv: list[str]) -> int`` parses its
+    own options, prints what it did, and returns the process exit code (1 on any
+    mismatch).
+    """

@@ -78,6 +78,7 @@ class PluginHost:
         self.format_owner: dict[str, str] = {}
         self.kernels: list[Any] = []
         self.kernel_owner: dict[int, str] = {}
+        self.demos: dict[str, tuple[Any, str, str]] = {}
         self.info: dict[str, PluginInfo] = {}
         self.disabled: set[str] = set()
         self._loaded = False
@@ -161,9 +162,15 @@ class PluginHost:
                 info.kernels.append(str(kernel.name))
                 return kernel
 
+            def register_demo(demo_name: str, run: Any, help: str = "", /) -> None:
+                if demo_name in self.demos:
+                    raise PluginError(f"demo {demo_name!r} is registered by two plugins: {self.demos[demo_name][2]!r} and {name!r}")
+                self.demos[demo_name] = (run, help, name)
+
             try:
                 caller("kvcore_register_formats", others)(register=register_format)
                 caller("kvcore_register_kernels", others)(register=register_kernel)
+                caller("kvcore_register_demos", others)(register=register_demo)
             except Exception:
                 self._remove(name)
                 raise
@@ -174,6 +181,7 @@ class PluginHost:
                 del self.formats[fname]
                 del self.format_owner[fname]
             self.kernels = [k for k in self.kernels if self.kernel_owner.get(id(k)) != name]
+            self.demos = {d: v for d, v in self.demos.items() if v[2] != name}
             if self.pm.has_plugin(name):
                 self.pm.unregister(name=name)
             self.info.pop(name, None)
@@ -276,3 +284,8 @@ def format_owner(name: str) -> str:
 
 def kernels() -> list[Any]:
     return list(host().kernels)
+
+
+def demos() -> dict[str, tuple[Any, str, str]]:
+    """Registered demos: name -> (run, help, plugin)."""
+    return dict(host().demos)
