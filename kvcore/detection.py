@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ def _has_tensor(x: Any) -> bool:
 
 def describe_input(kv_caches: Any, limit: int = 6) -> str:
     """One line per distinct leaf: shape, stride, dtype, device, and where it is."""
-    rows: "OrderedDict[tuple, list[str]]" = OrderedDict()
+    rows: OrderedDict[tuple, list[str]] = OrderedDict()
 
     def walk(x: Any, path: str) -> None:
         if isinstance(x, torch.Tensor):
@@ -211,7 +212,7 @@ def detect_per_layer(
     h = _hints_dict(hints)
     host = registry.host()
     for g in groups:
-        by_sig: "OrderedDict[Any, list[int]]" = OrderedDict()
+        by_sig: OrderedDict[Any, list[int]] = OrderedDict()
         for i in g:
             by_sig.setdefault(_signature(container[i]), []).append(i)
         for idxs in by_sig.values():
@@ -271,13 +272,13 @@ def resolve(candidates: Sequence[Candidate], *, engine: str, deciding_hints: Seq
     for c in candidates:
         try:
             lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
-        except (GeometryError,) as e:
+        except GeometryError as e:
             log.debug("candidate %s rejected: %s", c.format, e)
             continue
         built.append((c, lay))
     if not built:
         return None
-    groups: "OrderedDict[tuple, list[tuple[Candidate, Any]]]" = OrderedDict()
+    groups: OrderedDict[tuple, list[tuple[Candidate, Any]]] = OrderedDict()
     for c, lay in built:
         sig = (lay.kv_size, lay.stride_table().signature())
         groups.setdefault(sig, []).append((c, lay))

@@ -25,10 +25,10 @@ The token vocabulary is LMCache's ``EngineKVFormat`` naming
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
-from typing import Mapping
 
 from kvcore.errors import FormatError
 

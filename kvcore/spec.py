@@ -15,15 +15,32 @@ layouts whose tokens have no single address pattern.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from kvcore.errors import GeometryError
 from kvcore.formats import KVFormat
 
-__all__ = ["PlaneStrides", "StrideTable", "Spec", "walk_leaves"]
+__all__ = ["Segment", "PlaneStrides", "StrideTable", "Spec", "walk_leaves"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A further run of a token's row that does not follow the main run's pattern.
+
+    ``address(slot, head) = base + (slot // block_size) * block + offset
+    + (slot % block_size) * token + head * head``, then ``nbytes`` contiguous bytes.
+    Blocked-scale records use one: a block's values come first (the main run), then
+    its scales (this segment, ``offset = BS * value_bytes``, ``token = scale_bytes``).
+    """
+
+    offset: int
+    token: int
+    head: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -32,7 +49,8 @@ class PlaneStrides:
 
     ``address(slot, head, chunk) = base + (slot // block_size) * block
     + (slot % block_size) * token + head * head + chunk * chunk``, then
-    ``chunk_bytes`` contiguous bytes; ``n_chunks * chunk_bytes`` is one head's row.
+    ``chunk_bytes`` contiguous bytes; ``n_chunks * chunk_bytes`` is the main run of one
+    head's row, and each :class:`Segment` in ``extra`` follows it in the staged row.
     """
 
     block: int
@@ -41,12 +59,18 @@ class PlaneStrides:
     chunk: int
     chunk_bytes: int
     n_chunks: int
+    extra: tuple[Segment, ...] = ()
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes of one head's staged row: the main run plus every extra segment."""
+        return self.chunk_bytes * self.n_chunks + sum(x.nbytes for x in self.extra)
 
     @property
     def row_contiguous(self) -> bool:
         """True when a whole token row (all heads) is one contiguous run."""
         run = self.chunk_bytes * self.n_chunks
-        return self.n_chunks == 1 and self.head == run
+        return self.n_chunks == 1 and not self.extra and self.head == run
 
 
 @dataclass(frozen=True)
@@ -90,7 +114,7 @@ class StrideTable:
             dtype=torch.int64,
         ).reshape(self.num_layers, self.kv_size)
 
-    def subset(self, layers: Sequence[int]) -> "StrideTable":
+    def subset(self, layers: Sequence[int]) -> StrideTable:
         return replace(self, num_layers=len(layers), bases=tuple(self.bases[i] for i in layers))
 
     def signature(self) -> tuple:
@@ -336,6 +360,16 @@ class Spec:
                     + (p.n_chunks - 1) * p.chunk
                     + p.chunk_bytes
                 )
+                for x in p.extra:
+                    last = max(
+                        last,
+                        off
+                        + (nblocks - 1) * p.block
+                        + x.offset
+                        + (min(tb.block_size, tb.num_slots) - 1) * x.token
+                        + (tb.num_heads - 1) * x.head
+                        + x.nbytes,
+                    )
                 nbytes = t.untyped_storage().nbytes()
                 if off < 0 or last > nbytes:
                     raise GeometryError(

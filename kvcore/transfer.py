@@ -16,7 +16,7 @@ A transfer allocates memory proportional to the tokens it moves, never to the ca
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -96,7 +96,10 @@ def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], s
         )
     dev = layout.device
     if staging.device != dev and not (dev.type == "cuda" and staging.device.type == "cpu"):
-        raise TransferError(f"{what} is on {staging.device} but the cache is on {dev}; use a buffer on {dev}" + (" or in pinned host memory" if dev.type == "cuda" else ""))
+        raise TransferError(
+            f"{what} is on {staging.device} but the cache is on {dev}; use a buffer on {dev}"
+            + (" or in pinned host memory" if dev.type == "cuda" else "")
+        )
     if staging.numel() and staging.stride(-1) != 1:
         raise TransferError(f"{what}'s last dimension must be contiguous (stride 1), got strides {tuple(staging.stride())}")
     return staging.unsqueeze(1) if single else staging

@@ -25,6 +25,8 @@ def _unit_width(table: StrideTable, staging: torch.Tensor) -> int:
     vals = [table.head_bytes, table.row_bytes]
     for p in table.planes:
         vals += [p.block, p.token, p.head, p.chunk, p.chunk_bytes]
+        for x in p.extra:
+            vals += [x.offset, x.token, x.head, x.nbytes]
     for layer in table.bases:
         for _, off in layer:
             vals.append(off)
@@ -66,14 +68,31 @@ class ReferenceKernel:
                 if key not in views:
                     views[key] = torch.empty(0, dtype=dt, device=t.device).set_(st, 0, (st.nbytes() // w,), (1,))
                 p = table.planes[kv]
-                row.append(
+                parts = [
                     torch.as_strided(
+                        views[key],
+                        (nblocks, table.block_size, table.num_heads, p.n_chunks * (p.chunk_bytes // w)),
+                        (p.block // w, p.token // w, p.head // w, 1),
+                        off // w,
+                    )
+                    if p.n_chunks == 1
+                    else torch.as_strided(
                         views[key],
                         (nblocks, table.block_size, table.num_heads, p.n_chunks, p.chunk_bytes // w),
                         (p.block // w, p.token // w, p.head // w, p.chunk // w, 1),
                         off // w,
                     )
-                )
+                ]
+                for x in p.extra:
+                    parts.append(
+                        torch.as_strided(
+                            views[key],
+                            (nblocks, table.block_size, table.num_heads, x.nbytes // w),
+                            (p.block // w, x.token // w, x.head // w, 1),
+                            (off + x.offset) // w,
+                        )
+                    )
+                row.append(parts)
             yield row
 
     def _run(self, plan: TransferPlan, gather: bool) -> None:
@@ -101,17 +120,24 @@ class ReferenceKernel:
         else:
             su = staging.view(torch.uint8).view(dt)
             idx = sel
+        nv = sel.numel()
+        nh = table.num_heads
         for li, planes in enumerate(self._planes(table, w)):
-            for kv, plane in enumerate(planes):
+            for kv, parts in enumerate(planes):
                 if gather:
-                    rows = plane[blk, off].reshape(sel.numel(), -1)
+                    rows = [part[blk, off].reshape(nv, nh, -1) for part in parts]
+                    row = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
                     if idx is None:
-                        su[kv, li] = rows
+                        su[kv, li] = row.reshape(nv, -1)
                     else:
-                        su[kv, li, idx] = rows
+                        su[kv, li, idx] = row.reshape(nv, -1)
                 else:
-                    src = su[kv, li] if idx is None else su[kv, li, idx]
-                    plane[blk, off] = src.reshape(sel.numel(), *plane.shape[2:])
+                    src = (su[kv, li] if idx is None else su[kv, li, idx]).reshape(nv, nh, -1)
+                    start = 0
+                    for part in parts:
+                        width = part[0, 0].numel() // nh
+                        part[blk, off] = src[:, :, start : start + width].reshape(nv, *part.shape[2:])
+                        start += width
         if host_staging and gather:
             staging.view(torch.uint8).view(dt)[:, :, sel_h] = tmp.to(staging.device)
 
