@@ -159,7 +159,12 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     if det.format is None:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
     n_layer_names = names if names is not None else None
-    layout = build_layout(det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine)
+    try:
+        layout = build_layout(det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine)
+    except GeometryError as e:
+        raise DetectionError(
+            f"engine {engine!r}: detected {det.format} but the tensors do not fit it: {e}\ntensors:\n{describe_input(container)}"
+        ) from e
     if n_layer_names is not None and len(n_layer_names) == layout.num_layers:
         layout.layer_names = tuple(n_layer_names)
     log.debug("detected %s %s for engine %s (%s)", layout.format.name, layout.describe(), engine, det.note)
