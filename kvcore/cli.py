@@ -1,0 +1,1100 @@
+"""The ``kvcore`` command line.
+
+Subcommands (``kvcore COMMAND --help`` explains each, with examples)::
+
+    kvcore plugins  [--json]                      what loaded, from where, what it registered
+    kvcore formats  [--json] [--engine E]         every registered layout, with its source
+    kvcore describe NAME [--sizes NL=32,...]      parse any layout name, render its shape
+    kvcore detect   FILE|- [--engine E] [--hints JSON] [--json] [--per-layer]
+                                                  detect a cache described in JSON (from a log)
+    kvcore doctor   [--json]                      versions, devices, kernels, compilers
+    kvcore demo     [--engine vllm] [ARGS...]     run a plugin's end-to-end demo
+    kvcore bench    ...                           transfer benchmarks (kvcore.bench)
+    kvcore check    ...                           the conformance suite (kvcore.testing.check)
+
+Exit codes: 0 success; 1 the question was understood but the answer is a failure
+(nothing recognises the cache, a demo or check found a mismatch); 2 a usage error (bad
+arguments, a malformed format name, an unreadable input file, an unknown demo, a missing
+optional module). ``--json`` output goes to stdout alone; diagnostics go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import textwrap
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["main", "build_parser", "load_tensor_description", "parse_sizes"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported on stderr, exit code 2."""
+
+
+# -- small output helpers ----------------------------------------------------------------
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+    """A plain left-aligned text table."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _err(msg: str) -> None:
+    print(f"kvcore: {msg}", file=sys.stderr)
+
+
+def _dtype_name(dt: Any) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _format_facts(fmt: Any) -> list[str]:
+    syn = fmt.syntax
+    facts = [syn.container]
+    if syn.is_mla:
+        facts.append("MLA")
+    facts.append("HND" if syn.is_hnd else ("NHD" if syn.has("NH") and syn.has("BS") else "-"))
+    if syn.fused_kv:
+        facts.append("fused-KV")
+    if syn.fused_nbbs:
+        facts.append("NBBS")
+    if syn.two_major:
+        facts.append("KV-major")
+    if syn.blocked_scale:
+        facts.append("blocked-scale")
+    return facts
+
+
+def _format_dict(fmt: Any) -> dict[str, Any]:
+    from kvcore import registry
+
+    try:
+        owner = registry.format_owner(fmt.name)
+    except KeyError:
+        owner = None
+    return {
+        "name": fmt.name,
+        "symbolic": fmt.symbolic,
+        "kv_size": fmt.kv_size,
+        "is_mla": fmt.is_mla,
+        "container": fmt.container,
+        "is_hnd": fmt.is_hnd,
+        "fused_kv": fmt.fused_kv,
+        "fused_nbbs": fmt.fused_nbbs,
+        "two_major": fmt.two_major,
+        "engines": list(fmt.engines),
+        "attention_backends": list(fmt.attention_backends),
+        "description": fmt.description,
+        "sources": [{"engine": s.engine, "version": s.version, "file": s.file} for s in fmt.sources],
+        "plugin": owner,
+    }
+
+
+# -- plugins -----------------------------------------------------------------------------
+
+
+def _load_plugins_capturing() -> list[str]:
+    """Load plugins, returning the warnings loading produced (broken plugins)."""
+    from kvcore import registry
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registry.host()
+    return [str(w.message) for w in caught]
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    import kvcore
+
+    _load_plugins_capturing()
+    infos = kvcore.plugins()
+    if args.json:
+        _print_json([i.as_dict() for i in infos])
+        return EXIT_OK
+    rows = []
+    for i in infos:
+        dist = f"{i.distribution} {i.version or ''}".strip() if i.distribution else "(registered in code)"
+        if i.error:
+            rows.append([i.name, dist, "FAILED", "", "", i.error])
+        else:
+            rows.append(
+                [i.name, dist, "ok", len(i.formats), ", ".join(i.kernels) or "-", ", ".join(h.replace("kvcore_", "") for h in i.hooks)]
+            )
+    print(_table(rows, ["plugin", "distribution", "status", "formats", "kernels", "hooks / error"]))
+    for i in infos:
+        if i.formats and args.verbose:
+            print(f"\n{i.name} registers:")
+            for f in i.formats:
+                print(f"  {f}")
+    failed = [i for i in infos if i.error]
+    if failed:
+        print(
+            f"\n{len(failed)} plugin(s) failed to load; fix or uninstall them, or set KVCORE_DISABLE_PLUGINS="
+            + ",".join(i.name for i in failed),
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+# -- formats -----------------------------------------------------------------------------
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    import kvcore
+
+    _load_plugins_capturing()
+    fmts = kvcore.formats()
+    if args.engine:
+        want = args.engine.lower()
+        known = sorted({e for f in fmts for e in f.engines})
+        fmts = [f for f in fmts if want in (e.lower() for e in f.engines)]
+        if not fmts:
+            _err(f"no registered format names engine {args.engine!r}; engines with formats: {', '.join(known) or 'none'}")
+    if args.json:
+        _print_json([_format_dict(f) for f in fmts])
+        return EXIT_OK
+    if not fmts:
+        if not args.engine:
+            print("no formats are registered: install an engine plugin (e.g. kvcore-vllm); `kvcore plugins` shows what loaded")
+        return EXIT_OK
+    rows = []
+    for f in fmts:
+        d = _format_dict(f)
+        src = str(f.sources[0]) if f.sources else "-"
+        if len(f.sources) > 1:
+            src += f" (+{len(f.sources) - 1} more)"
+        eng = ",".join(f.engines) or "-"
+        if f.attention_backends:
+            eng += " / " + ",".join(f.attention_backends)
+        rows.append([f.name, f.symbolic, f.kv_size, " ".join(_format_facts(f)), eng, src, d["plugin"]])
+    print(_table(rows, ["name", "shape", "kv", "facts", "engines / backends", "source", "plugin"]))
+    return EXIT_OK
+
+
+# -- describe ----------------------------------------------------------------------------
+
+_SIZE_KEYS = ("NL", "NB", "BS", "NBBS", "PBS", "NH", "HS", "CS", "NP", "VALS", "SCALES")
+
+
+def parse_sizes(text: str | None) -> dict[str, int]:
+    """``"NL=32,NB=2048,BS=16"`` → ``{"NL": 32, "NB": 2048, "BS": 16}``.
+
+    Raises:
+        UsageError: an entry without ``=``, an unknown key, or a value that is not a positive int.
+    """
+    out: dict[str, int] = {}
+    if not text:
+        return out
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" not in part:
+            raise UsageError(f"--sizes entry {part!r} must be KEY=VALUE, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
+        k, v = (x.strip() for x in part.split("=", 1))
+        k = k.upper()
+        if k not in _SIZE_KEYS:
+            raise UsageError(f"--sizes key {k!r} is not a size; use {', '.join(_SIZE_KEYS)}")
+        try:
+            n = int(v)
+        except ValueError:
+            raise UsageError(f"--sizes {k}={v!r} is not an integer") from None
+        if n <= 0:
+            raise UsageError(f"--sizes {k}={n} must be positive")
+        out[k] = n
+    if "NBBS" in out:
+        out.setdefault("PBS", out.pop("NBBS"))
+    return out
+
+
+def _complete_sizes(syn: Any, sizes: dict[str, int]) -> dict[str, int]:
+    """Fill sizes a format derives from others: PBS = NB*BS, CS = 2*HS (K first, equal K/V widths)."""
+    s = dict(sizes)
+    if "PBS" not in s and "NB" in s and "BS" in s:
+        s["PBS"] = s["NB"] * s["BS"]
+    if "CS" not in s and "HS" in s:
+        s["CS"] = 2 * s["HS"]
+    return s
+
+
+def _axis_value(tok: str, sizes: dict[str, int]) -> int | None:
+    from kvcore.grammar import TOKENS
+
+    t = TOKENS[tok]
+    if t.literal is not None:
+        return t.literal
+    if tok == "NBBS":
+        return sizes.get("PBS")
+    if tok == "BSV":
+        return sizes["BS"] * sizes["VALS"] if "BS" in sizes and "VALS" in sizes else None
+    if tok == "BSS":
+        return sizes["BS"] * sizes["SCALES"] if "BS" in sizes and "SCALES" in sizes else None
+    return sizes.get(tok)
+
+
+def _parse_dtype(name: str) -> Any:
+    import torch
+
+    key = str(name).strip().lower().replace("torch.", "")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32", "fp64": "float64"}
+    key = aliases.get(key, key)
+    allowed = (
+        "bfloat16",
+        "float16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+    )
+    if key not in allowed or not isinstance(getattr(torch, key, None), torch.dtype):
+        raise UsageError(f"unknown dtype {name!r}; use one of {', '.join(allowed)}")
+    return getattr(torch, key)
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcore import registry
+    from kvcore.errors import FormatError
+    from kvcore.grammar import TOKENS, parse
+
+    try:
+        syn = parse(args.name)
+    except FormatError as e:
+        _err(str(e))
+        return EXIT_USAGE
+    sizes = _complete_sizes(syn, parse_sizes(args.sizes))
+    dtype = _parse_dtype(args.dtype) if args.dtype else None
+    _load_plugins_capturing()
+    fmt = registry.host().formats.get(syn.name)
+    axes = [{"token": t, "role": TOKENS[t].role.value, "label": TOKENS[t].label, "size": _axis_value(t, sizes)} for t in syn.axes]
+    levels = [{"token": t, "role": TOKENS[t].role.value, "label": TOKENS[t].label, "size": _axis_value(t, sizes)} for t in syn.list_levels]
+    out: dict[str, Any] = {
+        "name": syn.name,
+        "symbolic": syn.symbolic(),
+        "concrete": syn.concrete(sizes) if sizes else None,
+        "list_levels": levels,
+        "axes": axes,
+        "facts": {
+            "kv_size": syn.kv_size,
+            "is_mla": syn.is_mla,
+            "container": syn.container,
+            "is_hnd": syn.is_hnd,
+            "fused_kv": syn.fused_kv,
+            "fused_nbbs": syn.fused_nbbs,
+            "two_major": syn.two_major,
+            "blocked_scale": syn.blocked_scale,
+        },
+        "registered": fmt is not None,
+    }
+    all_sizes = [d["size"] for d in levels + axes]
+    if sizes and all(v is not None for v in all_sizes):
+        elements = math.prod(all_sizes)
+        out["elements"] = elements
+        nl = sizes.get("NL")
+        if nl:
+            out["elements_per_layer"] = elements // nl
+        if dtype is not None:
+            esz = torch.empty(0, dtype=dtype).element_size()
+            out["dtype"] = _dtype_name(dtype)
+            out["bytes"] = elements * esz
+            if nl:
+                out["bytes_per_layer"] = elements * esz // nl
+    elif sizes:
+        missing = sorted({t for t in syn.list_levels + syn.axes if _axis_value(t, sizes) is None})
+        out["missing_sizes"] = missing
+    if fmt is not None:
+        d = _format_dict(fmt)
+        out.update({k: d[k] for k in ("engines", "attention_backends", "description", "sources", "plugin")})
+    if args.json:
+        _print_json(out)
+        return EXIT_OK
+    print(f"format     {syn.name}" + ("" if fmt is not None else "   (not registered by any plugin)"))
+    print(f"symbolic   {out['symbolic']}")
+    if out["concrete"]:
+        print(f"concrete   {out['concrete']}")
+    if "missing_sizes" in out:
+        print(f"           (no size given for {', '.join(out['missing_sizes'])})")
+    print("axes       " + ", ".join(f"{a['token']}={a['role']}" for a in levels + axes))
+    f = out["facts"]
+    print(
+        f"facts      kv_size={f['kv_size']} mla={f['is_mla']} container={f['container']} hnd={f['is_hnd']} "
+        f"fused_kv={f['fused_kv']} fused_nbbs={f['fused_nbbs']} kv_major={f['two_major']} blocked_scale={f['blocked_scale']}"
+    )
+    if "elements" in out:
+        line = f"size       {out['elements']:,} elements"
+        if "bytes" in out:
+            line += f", {out['bytes']:,} bytes ({_human_bytes(out['bytes'])}) as {out['dtype']}"
+        print(line)
+        if "elements_per_layer" in out:
+            line = f"per layer  {out['elements_per_layer']:,} elements"
+            if "bytes_per_layer" in out:
+                line += f", {_human_bytes(out['bytes_per_layer'])}"
+            print(line)
+    if fmt is not None:
+        print(f"plugin     {out['plugin']}")
+        if fmt.engines or fmt.attention_backends:
+            print(
+                f"engines    {', '.join(fmt.engines) or '-'}"
+                + (f"  (backends: {', '.join(fmt.attention_backends)})" if fmt.attention_backends else "")
+            )
+        if fmt.description:
+            print(f"about      {fmt.description}")
+        for i, s in enumerate(fmt.sources):
+            print(("sources    " if i == 0 else "           ") + str(s))
+    return EXIT_OK
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+# -- detect: tensors from a JSON description ---------------------------------------------
+
+
+class _LeafSpec:
+    __slots__ = ("shape", "stride", "dtype", "storage", "storage_offset", "where")
+
+    def __init__(self, shape, stride, dtype, storage, storage_offset, where):
+        self.shape, self.stride, self.dtype = shape, stride, dtype
+        self.storage, self.storage_offset, self.where = storage, storage_offset, where
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _int_list(v: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise UsageError(f"{where}: {what} must be a list of integers, got {v!r}")
+    return tuple(v)
+
+
+_LEAF_KEYS = {"shape", "stride", "dtype", "storage", "storage_offset", "repeat", "storage_offset_step"}
+
+
+def _parse_leaf(d: dict, where: str, default_dtype: str | None, index: int | None = None) -> _LeafSpec:
+    unknown = set(d) - _LEAF_KEYS
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {sorted(unknown)}; a tensor takes {sorted(_LEAF_KEYS)}")
+    shape = _int_list(d["shape"], "shape", where)
+    if any(n < 0 for n in shape):
+        raise UsageError(f"{where}: shape {list(shape)} has a negative size")
+    stride = _int_list(d["stride"], "stride", where) if "stride" in d else _contiguous_stride(shape)
+    if len(stride) != len(shape):
+        raise UsageError(f"{where}: stride {list(stride)} has {len(stride)} entries but shape {list(shape)} has {len(shape)}")
+    if any(s < 0 for s in stride):
+        raise UsageError(f"{where}: negative strides {list(stride)} are not supported")
+    dt = d.get("dtype", default_dtype)
+    if dt is None:
+        raise UsageError(f'{where}: no dtype (give "dtype": "bfloat16" on the tensor or at the top level)')
+    off = d.get("storage_offset", 0)
+    step = d.get("storage_offset_step", 0)
+    for name, v in (("storage_offset", off), ("storage_offset_step", step)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise UsageError(f"{where}: {name} must be a non-negative integer, got {v!r}")
+    if index is not None:
+        off += index * step
+    storage = d.get("storage")
+    if storage is not None and not isinstance(storage, str):
+        raise UsageError(f"{where}: storage must be a name (string) shared by the tensors that view one buffer")
+    return _LeafSpec(shape, stride, _parse_dtype(dt), storage, off, where)
+
+
+def _is_leaf(d: dict) -> bool:
+    return "shape" in d
+
+
+def _expand(node: Any, where: str, default_dtype: str | None) -> Any:
+    """JSON node → the same nesting with :class:`_LeafSpec` leaves (``repeat`` expanded)."""
+    if isinstance(node, dict):
+        if _is_leaf(node):
+            n = node.get("repeat")
+            if n is None:
+                return _parse_leaf(node, where, default_dtype)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise UsageError(f"{where}: repeat must be a positive integer, got {n!r}")
+            return _Repeated([_parse_leaf(node, f"{where}[{i}]", default_dtype, i) for i in range(n)])
+        if "repeat" in node and "of" in node:
+            n = node["repeat"]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise UsageError(f"{where}: repeat must be a positive integer, got {n!r}")
+            return _Repeated([_expand(node["of"], f"{where}[{i}]", default_dtype) for i in range(n)])
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            sub = _expand(v, f"{where}[{k!r}]", default_dtype)
+            if isinstance(sub, _Repeated):
+                if "{i}" not in k:
+                    raise UsageError(
+                        f"{where}: key {k!r} repeats its tensor; put '{{i}}' in the name (e.g. model.layers.{{i}}.self_attn.attn)"
+                    )
+                for i, item in enumerate(sub.items):
+                    out[k.replace("{i}", str(i))] = item
+            else:
+                out[k] = sub
+        if not out:
+            raise UsageError(f"{where}: an empty mapping describes no tensors")
+        return out
+    if isinstance(node, list):
+        items: list[Any] = []
+        for i, v in enumerate(node):
+            sub = _expand(v, f"{where}[{i}]", default_dtype)
+            items.extend(sub.items if isinstance(sub, _Repeated) else [sub])
+        if not items:
+            raise UsageError(f"{where}: an empty list describes no tensors")
+        return items
+    raise UsageError(f'{where}: expected a tensor ({{"shape": [...], "dtype": ...}}), a list or a mapping, got {node!r}')
+
+
+class _Repeated:
+    def __init__(self, items: list[Any]):
+        self.items = items
+
+
+def _leaves(node: Any) -> list[_LeafSpec]:
+    if isinstance(node, _LeafSpec):
+        return [node]
+    if isinstance(node, _Repeated):
+        node = node.items
+    vals = node.values() if isinstance(node, dict) else node
+    return [x for v in vals for x in _leaves(v)]
+
+
+def _extent_elems(leaf: _LeafSpec) -> int:
+    if any(n == 0 for n in leaf.shape):
+        return leaf.storage_offset
+    return leaf.storage_offset + sum((n - 1) * s for n, s in zip(leaf.shape, leaf.stride)) + 1
+
+
+def _materialize(node: Any, device: str) -> Any:
+    """Build the tensors: each leaf its own storage of the minimal size, or views of one
+    shared storage per ``storage`` name. On ``meta`` nothing is allocated."""
+    import torch
+
+    leaves = _leaves(node)
+    shared: dict[str, int] = {}
+    for lf in leaves:
+        if lf.storage:
+            esz = torch.empty(0, dtype=lf.dtype).element_size()
+            shared[lf.storage] = max(shared.get(lf.storage, 0), _extent_elems(lf) * esz)
+    bases: dict[str, Any] = {}
+    for name, nbytes in shared.items():
+        bases[name] = torch.empty(max(nbytes, 1) + 8, dtype=torch.uint8, device=device)
+
+    def build(lf: _LeafSpec):
+        if lf.storage:
+            base = bases[lf.storage]
+            esz = torch.empty(0, dtype=lf.dtype).element_size()
+            usable = (base.numel() // esz) * esz
+            typed = base[:usable].view(lf.dtype)
+            return torch.as_strided(typed, lf.shape, lf.stride, lf.storage_offset)
+        n = _extent_elems(lf)
+        if lf.storage_offset:
+            flat = torch.empty(max(n, 1), dtype=lf.dtype, device=device)
+            return torch.as_strided(flat, lf.shape, lf.stride, lf.storage_offset)
+        return torch.empty_strided(lf.shape, lf.stride, dtype=lf.dtype, device=device)
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, _LeafSpec):
+            return build(x)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return [walk(v) for v in x]
+
+    return walk(node)
+
+
+def load_tensor_description(doc: Any, device: str = "meta") -> tuple[Any, str | None, dict]:
+    """Turn a JSON tensor description into tensors: ``(kv_caches, engine, hints)``.
+
+    The document is ``{"engine": ..., "hints": {...}, "dtype": ..., "kv_caches": NODE}`` or a
+    bare NODE, where NODE is a tensor ``{"shape": [...], "stride": [...], "dtype": "bfloat16",
+    "storage_offset": 0, "storage": "name", "repeat": N, "storage_offset_step": S}``, a list
+    of NODEs, or a mapping of layer name → NODE (a name with ``{i}`` expands a repeated
+    tensor). ``stride`` defaults to contiguous; tensors naming one ``storage`` are views of
+    one buffer (vLLM 0.33 views into one allocation); ``{"repeat": N, "of": NODE}``
+    repeats any node. Strides and offsets are in elements of the tensor's dtype.
+
+    Raises:
+        UsageError: malformed descriptions (the message says where).
+    """
+    if isinstance(doc, dict) and "kv_caches" in doc:
+        extra = set(doc) - {"engine", "hints", "dtype", "kv_caches", "comment"}
+        if extra:
+            raise UsageError(f"unknown top-level key(s) {sorted(extra)}; use engine, hints, dtype, kv_caches")
+        node, engine, hints, dtype = doc["kv_caches"], doc.get("engine"), doc.get("hints") or {}, doc.get("dtype")
+    else:
+        node, engine, hints, dtype = doc, None, {}, None
+    if not isinstance(hints, dict):
+        raise UsageError(f"hints must be a JSON object, got {hints!r}")
+    tree = _expand(node, "kv_caches", dtype)
+    if isinstance(tree, _Repeated):
+        tree = tree.items
+    return _materialize(tree, device), engine, hints
+
+
+def _read_json(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{'stdin' if path == '-' else path} is not valid JSON: {e}") from None
+
+
+def _parse_hints(text: str | None) -> dict:
+    if not text:
+        return {}
+    raw = text
+    if text.startswith("@"):
+        try:
+            raw = open(text[1:], encoding="utf-8").read()
+        except OSError as e:
+            raise UsageError(f"cannot read hints file {text[1:]}: {e.strerror or e}") from None
+    try:
+        h = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UsageError(f'--hints must be a JSON object such as \'{{"kv_cache_layout": "HND"}}\' (or @file): {e}') from None
+    if not isinstance(h, dict):
+        raise UsageError(f"--hints must be a JSON object, got {h!r}")
+    return h
+
+
+def _layout_dict(layout: Any) -> dict[str, Any]:
+    from kvcore import registry
+
+    d = layout.summary()
+    d["engine"] = layout.engine
+    d["layer_names"] = list(layout.layer_names) if layout.layer_names else None
+    d["elements_per_layer"] = layout.elements_per_layer
+    d["bytes_per_layer"] = layout.elements_per_layer * layout.element_size
+    try:
+        d["plugin"] = registry.format_owner(layout.format.name)
+    except KeyError:
+        d["plugin"] = None
+    d["sources"] = [str(s) for s in layout.format.sources]
+    try:
+        d["shape_desc"] = layout.shape_desc().model_dump()
+    except Exception as e:  # noqa: BLE001 - a plugin spec may not answer; report, don't fail
+        d["shape_desc"] = f"unavailable: {e}"
+    return d
+
+
+def _print_layout(d: dict[str, Any], indent: str = "") -> None:
+    rows = [
+        ("format", d["format"] + (f"   (plugin {d['plugin']})" if d.get("plugin") else "")),
+        ("shape", f"{d['symbolic']}  =  {d['concrete']}"),
+        ("layers", f"{d['num_layers']}" + (f"  ({d['layer_names'][0]} .. {d['layer_names'][-1]})" if d.get("layer_names") else "")),
+        ("blocks", "fused (NBBS)" if d.get("num_blocks") is None else f"{d['num_blocks']} x {d['block_size']} tokens"),
+        ("slots/layer", d["page_buffer_size"]),
+        (
+            "heads",
+            f"{d['num_heads']} x {d['head_size']} (hidden {d['hidden_dim']}), kv_size {d['kv_size']}, {'HND' if d['is_hnd'] else 'NHD'}",
+        ),
+        ("dtype", d["dtype"] + (f" (stored as {d['storage_dtype']})" if d["storage_dtype"] != d["dtype"] else "")),
+        ("device", d["device"]),
+        ("per layer", _human_bytes(d["bytes_per_layer"])),
+    ]
+    if d.get("note"):
+        rows.append(("decided", d["note"]))
+    for s in d.get("sources") or []:
+        rows.append(("source", s))
+    for k, v in rows:
+        print(f"{indent}{k:<12} {v}")
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    import kvcore
+
+    doc = _read_json(args.file)
+    device = args.device
+    kv_caches, engine, hints = load_tensor_description(doc, device=device)
+    engine = args.engine or engine
+    if not engine:
+        raise UsageError('no engine: pass --engine (vllm, sglang, ...) or put "engine" in the JSON')
+    hints = {**hints, **_parse_hints(args.hints)}
+    _load_plugins_capturing()
+    try:
+        if args.per_layer:
+            per = kvcore.detect_per_layer(kv_caches, engine, hints=hints)
+            groups: list[Any] = []
+            excluded: list[int] = []
+            for i, lay in enumerate(per):
+                if lay is None:
+                    excluded.append(i)
+                elif all(lay is not g for g in groups):
+                    groups.append(lay)
+            result: Any = {"groups": [_layout_dict(g) for g in groups], "excluded_layers": excluded}
+        else:
+            result = _layout_dict(kvcore.detect(kv_caches, engine, hints))
+    except kvcore.DetectionError as e:
+        if args.json:
+            _print_json(
+                {
+                    "error": type(e).__name__,
+                    "message": str(e),
+                    "candidates": getattr(e, "candidates", []),
+                    "hints": getattr(e, "hints", []),
+                }
+            )
+        _err(str(e))
+        return EXIT_FAIL
+    except kvcore.KVCoreError as e:
+        if args.json:
+            _print_json({"error": type(e).__name__, "message": str(e)})
+        _err(f"{type(e).__name__}: {e}")
+        return EXIT_FAIL
+    if args.json:
+        _print_json(result)
+    elif args.per_layer:
+        for n, g in enumerate(result["groups"]):
+            print(f"group {n}: layers {g['layer_ids']}")
+            _print_layout(g, indent="  ")
+        if result["excluded_layers"]:
+            print(f"not KV (excluded): layers {result['excluded_layers']}")
+    else:
+        _print_layout(result)
+    return EXIT_OK
+
+
+# -- doctor ------------------------------------------------------------------------------
+
+
+def _devices() -> list[dict[str, Any]]:
+    import torch
+
+    out: list[dict[str, Any]] = [{"type": "cpu", "count": os.cpu_count() or 1, "names": [platform.processor() or platform.machine()]}]
+    try:
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+            out.append({"type": "cuda", "count": n, "names": [torch.cuda.get_device_name(i) for i in range(n)], "backend": kind})
+    except Exception as e:  # noqa: BLE001 - a broken driver is a finding, not a crash
+        out.append({"type": "cuda", "count": 0, "error": str(e)})
+    for name in ("xpu", "mps"):
+        mod = getattr(torch, name, None) if name == "xpu" else getattr(torch.backends, "mps", None)
+        try:
+            if mod is not None and mod.is_available():
+                cnt = mod.device_count() if hasattr(mod, "device_count") else 1
+                out.append({"type": name, "count": cnt})
+        except Exception as e:  # noqa: BLE001
+            out.append({"type": name, "count": 0, "error": str(e)})
+    return out
+
+
+def _serving_kernel(rows: list[dict], device_type: str) -> dict[str, Any] | None:
+    cands = [r for r in rows if device_type in r["device_types"] and r["formats"] == "all" and r["available"]]
+    cands.sort(key=lambda r: -r["priority"])
+    return cands[0] if cands else None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    import kvcore
+    from kvcore.kernels import kernel_report
+
+    plugin_warnings = _load_plugins_capturing()
+    rows = kernel_report()
+    devices = _devices()
+    serving = {}
+    for d in devices:
+        k = _serving_kernel(rows, d["type"])
+        specific = [r["name"] for r in rows if d["type"] in r["device_types"] and r["formats"] != "all" and r["available"]]
+        serving[d["type"]] = {
+            "kernel": k["name"] if k else None,
+            "why": k["why"] if k else "no available kernel claims this device type",
+            "format_specific": specific,
+        }
+    compilers = {}
+    for c in ("c++", "g++", "clang++", "nvcc", "hipcc", "icpx", "ninja"):
+        p = shutil.which(c)
+        if p is None and c == "nvcc" and os.environ.get("CUDA_HOME"):
+            cand = os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+            p = cand if os.path.exists(cand) else None
+        compilers[c] = p
+    env = {k: v for k, v in os.environ.items() if k.startswith("KVCORE_")}
+    report = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "kvcore": kvcore.__version__,
+        "torch": torch.__version__,
+        "torch_cuda": getattr(torch.version, "cuda", None),
+        "devices": devices,
+        "plugins": [i.as_dict() for i in kvcore.plugins()],
+        "plugin_warnings": plugin_warnings,
+        "kernels": rows,
+        "serving": serving,
+        "compilers": compilers,
+        "env": env,
+    }
+    if args.json:
+        _print_json(report)
+        return EXIT_OK
+    print(f"python     {report['python']}  ({report['platform']})")
+    print(f"kvcore     {report['kvcore']}")
+    print(f"torch      {report['torch']}" + (f"  (CUDA {report['torch_cuda']})" if report["torch_cuda"] else ""))
+    print(
+        "devices    " + "; ".join(f"{d['type']} x{d['count']}" + (f" ({', '.join(d['names'])})" if d.get("names") else "") for d in devices)
+    )
+    ok = [i for i in kvcore.plugins() if not i.error]
+    bad = [i for i in kvcore.plugins() if i.error]
+    print("plugins    " + ", ".join(f"{i.name} {i.version or ''}".strip() for i in ok))
+    for i in bad:
+        print(f"  FAILED   {i.name}: {i.error}")
+    print("\nkernels")
+    print(
+        textwrap.indent(
+            _table(
+                [
+                    [
+                        r["name"],
+                        ",".join(r["device_types"]),
+                        r["formats"] if r["formats"] == "all" else len(r["formats"]),
+                        r["priority"],
+                        "yes" if r["available"] else "no",
+                        r["why"],
+                    ]
+                    for r in rows
+                ],
+                ["name", "devices", "formats", "prio", "available", "why"],
+            ),
+            "  ",
+        )
+    )
+    print("\nserving")
+    for dev, s in serving.items():
+        extra = f" (+ format-specific: {', '.join(s['format_specific'])})" if s["format_specific"] else ""
+        print(f"  {dev:<6} {s['kernel'] or '-'}: {s['why']}{extra}")
+    print("\ncompilers  " + ", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()))
+    if env:
+        print("env        " + " ".join(f"{k}={v}" for k, v in env.items()))
+    return EXIT_OK
+
+
+# -- demo, bench, check: dispatch ---------------------------------------------------------
+
+
+def _demo_listing(demos: dict) -> str:
+    if not demos:
+        return "  (none: install an engine plugin that registers one, e.g. kvcore-vllm)"
+    return "\n".join(f"  {n:<12} {h or ''}  [plugin {p}]" for n, (_, h, p) in sorted(demos.items()))
+
+
+def run_demo(argv: list[str]) -> int:
+    """``kvcore demo [--engine NAME] [--list] [DEMO ARGS...]``: everything except
+    ``--engine``/``--list`` goes to the demo's own ``run(argv)``."""
+    from kvcore import registry
+
+    p = argparse.ArgumentParser(prog="kvcore demo", add_help=False)
+    p.add_argument("--engine", default=None)
+    p.add_argument("--list", action="store_true")
+    ns, rest = p.parse_known_args(argv)
+    _load_plugins_capturing()
+    demos = registry.demos()
+    if ns.list or (ns.engine is None and any(a in ("-h", "--help") for a in rest)):
+        print(DEMO_HELP)
+        print("\nregistered demos:\n" + _demo_listing(demos))
+        return EXIT_OK
+    engine = ns.engine or "vllm"
+    if engine not in demos:
+        _err(f"no demo named {engine!r} is registered. Registered demos:\n{_demo_listing(demos)}")
+        return EXIT_USAGE
+    run, _, plugin = demos[engine]
+    try:
+        rc = run(list(rest))
+    except SystemExit as e:  # the demo's own argparse
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
+    return int(rc or 0)
+
+
+def _optional_module(name: str) -> Any:
+    """Import an optional command module; ``None`` when it is absent (not when it is broken)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name or (e.name and name.startswith(e.name + ".")):
+            return None
+        raise
+
+
+_DISPATCH = {
+    "bench": ("kvcore.bench", "transfer benchmarks"),
+    "check": ("kvcore.testing.check", "the conformance suite"),
+}
+
+
+# -- the parser --------------------------------------------------------------------------
+
+DEMO_HELP = """\
+Run a plugin's end-to-end demo: allocate an engine's KV cache exactly as the engine does,
+fill it with values that encode (layer, K/V, token, head, element), detect it, offload
+requests by slot mapping, restore them into other blocks, verify bit-exact and semantically,
+and print a table with the transfer speed. Exit 1 on any mismatch.
+
+options:
+  --engine NAME   which registered demo to run (default: vllm)
+  --list          list the registered demos
+  ...             everything else goes to the demo (kvcore demo --engine vllm --help)
+
+examples:
+  kvcore demo
+  kvcore demo --engine vllm --json --num-blocks 64
+  kvcore demo --list"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvcore`` parser. ``command``: the subcommand about to run; only then are the
+    optional modules (bench, check) imported to add their arguments."""
+    top = argparse.ArgumentParser(
+        prog="kvcore",
+        formatter_class=_Formatter,
+        description=(
+            "kvcore: know how every LLM serving engine lays out its KV cache, and move it fast.\n"
+            "A layout's name is its shape template (NL_X_TWO_NB_BS_NH_HS = NL x [2, NB, BS, NH, HS]);\n"
+            "engines and devices are plugins."
+        ),
+        epilog=(
+            "examples:\n"
+            "  kvcore formats --engine vllm\n"
+            "  kvcore describe NL_X_TWO_NB_NH_BS_HS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128\n"
+            '  kvcore detect cache.json --engine vllm --hints \'{"kv_cache_layout": "HND"}\'\n'
+            "  kvcore demo\n\n"
+            "exit codes: 0 ok, 1 failure (not recognised, mismatch), 2 usage error"
+        ),
+    )
+    top.add_argument("--version", action="version", version=f"kvcore {_version()}")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "plugins",
+        help="what loaded, from which distribution, and what each registered",
+        formatter_class=_Formatter,
+        description="List kvcore plugins: the distribution and version each came from, the formats, kernels and hooks it "
+        "registered, and plugins that failed to load with their error.",
+        epilog="examples:\n  kvcore plugins\n  kvcore plugins --json | jq '.[] | select(.error)'\n  KVCORE_DISABLE_PLUGINS=sglang kvcore plugins",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-v", "--verbose", action="store_true", help="also list each plugin's formats")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser(
+        "formats",
+        help="every registered layout: shape, facts, engines, source, plugin",
+        formatter_class=_Formatter,
+        description="Table of the registered formats: name, symbolic shape, kv_size, derived facts (container, MLA, "
+        "HND/NHD, fused K/V, fused NBBS, K/V-major), the engines and attention backends that allocate it, where that "
+        "fact comes from (engine version file), and the plugin that registers it.",
+        epilog="examples:\n  kvcore formats\n  kvcore formats --engine vllm\n  kvcore formats --json",
+    )
+    p.add_argument("--engine", help="only formats this engine allocates")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_formats)
+
+    p = sub.add_parser(
+        "describe",
+        help="parse any layout name; render symbolic and concrete shapes",
+        formatter_class=_Formatter,
+        description="Parse a format name (registered or not) in kvcore's layout grammar and print its symbolic shape, its "
+        "concrete shape for --sizes, its axes and derived facts, and, if a plugin registers it, its sources. Tokens: NL "
+        "layers, NB blocks, BS block size, NBBS fused blocks*tokens (PBS), NH KV heads, HS head size, CS packed K|V "
+        "(2*HS), TWO / ONE literal axes, NP planes, BSV/BSS blocked-scale records; '_' separates axes, '_X_' a list level.",
+        epilog=(
+            "examples:\n"
+            "  kvcore describe NL_X_TWO_NB_BS_NH_HS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16\n"
+            "  kvcore describe TWO_X_NL_X_NBBS_NH_HS --sizes NL=32,PBS=65536,NH=8,HS=128\n"
+            "  kvcore describe NL_X_NB_BS_HS --json\n\n"
+            "a malformed name prints the grammar error and exits 2"
+        ),
+    )
+    p.add_argument("name", help="a format name, e.g. NL_X_TWO_NB_BS_NH_HS")
+    p.add_argument(
+        "--sizes",
+        help="comma-separated sizes: NL, NB, BS, PBS (NBBS), NH, HS, CS, NP, VALS, SCALES; PBS and CS are derived from NB*BS and 2*HS when omitted",
+    )
+    p.add_argument("--dtype", help="element dtype to compute bytes (bfloat16, float16, float8_e4m3fn, uint8, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_describe)
+
+    p = sub.add_parser(
+        "detect",
+        help="detect the layout of a cache described in JSON (shapes, strides, dtypes)",
+        formatter_class=_Formatter,
+        description=(
+            "Detect a KV cache you only know from a log: describe its tensors in JSON and kvcore builds them on the\n"
+            "'meta' device (nothing is allocated), asks the engine's plugin, and prints the layout or why it cannot decide.\n\n"
+            'JSON: {"engine": "vllm", "hints": {...}, "dtype": "bfloat16", "kv_caches": NODE}, or a bare NODE.\n'
+            'NODE: a tensor {"shape": [...], "stride": [...], "dtype": ..., "storage_offset": 0}, a list of NODEs,\n'
+            'or a mapping layer-name -> NODE. "repeat": N on a tensor means N identical layers (in a mapping, the\n'
+            'name must contain {i}); {"repeat": N, "of": NODE} repeats any node. Tensors that name the same\n'
+            '"storage" are views of one buffer ("storage_offset_step" advances the offset per repeat). stride defaults\n'
+            "to contiguous; strides and offsets count elements of the tensor's dtype."
+        ),
+        epilog=(
+            "example (vLLM FlashAttention, Llama-3-8B, HND allocated and exposed as NHD):\n"
+            "  cat > cache.json <<'EOF'\n"
+            '  {"engine": "vllm", "dtype": "bfloat16",\n'
+            '   "kv_caches": {"model.layers.{i}.self_attn.attn":\n'
+            '     {"shape": [2, 2048, 16, 8, 128], "stride": [33554432, 16384, 128, 2048, 1], "repeat": 32}}}\n'
+            "  EOF\n"
+            "  kvcore detect cache.json\n"
+            '  kvcore detect - --engine vllm --hints \'{"attention_backend": "FLASH_ATTN"}\' --json < cache.json\n\n'
+            "exit 1 when no plugin recognises the cache or two layouts fit (the message names the deciding hint)"
+        ),
+    )
+    p.add_argument("file", help="JSON file, or - for stdin")
+    p.add_argument("--engine", help='engine name (overrides the file\'s "engine")')
+    p.add_argument("--hints", help='JSON object of hints, or @file (merged over the file\'s "hints")')
+    p.add_argument(
+        "--device",
+        default="meta",
+        choices=["meta", "cpu"],
+        help="where to build the tensors (default meta: allocates nothing; cpu allocates the minimal storage)",
+    )
+    p.add_argument("--per-layer", action="store_true", help="hybrid models: detect each group of like layers (detect_per_layer)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_detect)
+
+    p = sub.add_parser(
+        "doctor",
+        help="versions, devices, plugins, which kernel serves each device and why, compilers",
+        formatter_class=_Formatter,
+        description="Report the environment kvcore runs in: Python and torch versions, devices present, plugins (and "
+        "failures), every transfer kernel with whether it is available and why, which kernel serves each device type, "
+        "and the compilers found for native kernels.",
+        epilog="examples:\n  kvcore doctor\n  kvcore doctor --json",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)
+
+    sub.add_parser(
+        "demo",
+        help="run a plugin's end-to-end demo (default: vllm)",
+        add_help=False,
+        formatter_class=_Formatter,
+        description=DEMO_HELP,
+    )
+
+    for name, (module, what) in _DISPATCH.items():
+        p = sub.add_parser(
+            name,
+            help=f"{what} ({module})",
+            formatter_class=_Formatter,
+            description=f"Dispatches to {module}; `kvcore {name} --help` lists its options when it is installed.",
+            epilog=f"examples:\n  kvcore {name} --help",
+        )
+        p.set_defaults(func=None, module=module)
+        if command == name:
+            mod = _optional_module(module)
+            if mod is None:
+                p.set_defaults(missing=True)
+            else:
+                mod.add_arguments(p)
+                p.set_defaults(func=mod.run, missing=False)
+    return top
+
+
+def _version() -> str:
+    try:
+        import kvcore
+
+        return kvcore.__version__
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _run(argv: list[str]) -> int:
+    if argv and argv[0] == "demo":
+        return run_demo(argv[1:])
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    if command in _DISPATCH:
+        module = _DISPATCH[command][0]
+        if _optional_module(module) is None:
+            _err(f"`kvcore {command}` needs {module}, which is not installed in this kvcore build")
+            return EXIT_USAGE
+    parser = build_parser(command)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USAGE
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:  # pragma: no cover - guarded above
+        _err(f"`kvcore {args.command}` is not available")
+        return EXIT_USAGE
+    return int(func(args) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvcore`` console script. Returns the exit code."""
+    from kvcore.errors import KVCoreError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except UsageError as e:
+        _err(str(e))
+        return EXIT_USAGE
+    except KVCoreError as e:
+        _err(f"{type(e).__name__}: {e}")
+        return EXIT_FAIL
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:  # `kvcore formats | head`
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 - report, don't dump a traceback on users
+        if os.environ.get("KVCORE_DEBUG"):
+            traceback.print_exc()
+        else:
+            _err(f"internal error: {type(e).__name__}: {e} (set KVCORE_DEBUG=1 for the traceback, and please report it)")
+        return EXIT_FAIL
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
