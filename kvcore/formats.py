@@ -62,6 +62,13 @@ class KVFormat(BaseModel):
     description: str = ""
     sources: list[Source] = Field(default_factory=list)
 
+    def __init__(self, **data) -> None:
+        # a malformed name raises kvcore's FormatError (naming the bad token), not
+        # pydantic's ValidationError; model_validate() still reports it as a ValidationError
+        if "name" in data:
+            parse(data["name"])
+        super().__init__(**data)
+
     @field_validator("name")
     @classmethod
     def _parse_name(cls, v: str) -> str:

@@ -125,8 +125,17 @@ class Syntax:
 
     @property
     def fused_kv(self) -> bool:
-        """K and V packed in the element axis (``CS``)."""
-        return self.has("CS")
+        """K and V of one (token, head) packed in one contiguous row, K first: a ``CS``
+        axis, or a ``TWO`` axis directly outside ``HS`` (``..._TWO_HS``).
+
+        Source: LMCache ``csrc/engine_kv_format.h`` ``FormatFacts::is_fused_packed``, true
+        for ``NL_X_NB_NH_BS_TWO_HS`` / ``NL_X_NB_BS_NH_TWO_HS`` (#10/#11) and the CS
+        members #12/#13 (``../shared/reference/lmcache_kv_format.md`` §1.3).
+        """
+        if self.has("CS"):
+            return True
+        k, e = self.axis("TWO"), self.axis("HS")
+        return k is not None and e is not None and e == k + 1 and e == len(self.axes) - 1
 
     @property
     def fused_nbbs(self) -> bool:
@@ -158,7 +167,6 @@ class Syntax:
 _ELEMENT_TOKENS = ("HS", "CS", "BSV")
 
 
-@lru_cache(maxsize=512)
 def parse(name: str) -> Syntax:
     """Parse a format name.
 
@@ -170,9 +178,18 @@ def parse(name: str) -> Syntax:
     """
     if not isinstance(name, str) or not name:
         raise FormatError(f"a format name is a non-empty string like 'NL_X_TWO_NB_BS_NH_HS', got {name!r}")
+    return _parse(name)
+
+
+@lru_cache(maxsize=512)
+def _parse(name: str) -> Syntax:
     parts = name.split("_")
     groups: list[list[str]] = [[]]
     for i, tok in enumerate(parts):
+        if tok == "" and i == len(parts) - 1 and i > 0 and parts[i - 1] == "X":
+            raise FormatError(f"format {name!r}: ends with a dangling '_X_'; the last group must name the tensor's axes")
+        if tok == "":
+            raise FormatError(f"format {name!r}: empty token {i} (a doubled, leading or trailing '_'); axes are separated by one '_'")
         if tok == "X":
             if not groups[-1]:
                 raise FormatError(f"format {name!r}: '_X_' at token {i} has no axis before it")
