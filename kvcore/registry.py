@@ -91,30 +91,41 @@ class PluginHost:
             if self._loaded:
                 return
             self._loaded = True
-            from kvcore import builtin
+            try:
+                self._load_all()
+            except BaseException:
+                # a strict-mode failure or a duplicate format: leave no half-loaded host
+                # behind, so the next question raises again instead of answering partially
+                disabled = set(self.disabled)
+                self.__init__()
+                self.disabled = disabled
+                raise
 
-            self._add(builtin, "kvcore", dist=("kvcore", _dist_version("kvcore")))
-            strict = os.environ.get("KVCORE_STRICT_PLUGINS", "") not in ("", "0", "false", "False")
-            disabled = _env_list("KVCORE_DISABLE_PLUGINS") | self.disabled
-            eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-            seen: set[str] = set()
-            for ep in eps:
-                if ep.name in seen or ep.name in disabled or self.pm.has_plugin(ep.name):
-                    continue
-                seen.add(ep.name)
-                dist = (ep.dist.name, ep.dist.version) if ep.dist is not None else (None, None)
-                try:
-                    obj = ep.load()
-                except Exception as e:  # noqa: BLE001 - a broken plugin must not break kvcore
-                    self._fail(ep.name, dist, f"import failed: {type(e).__name__}: {e}", strict, e)
-                    continue
-                try:
-                    self._add(obj, ep.name, dist=dist)
-                except PluginError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    self._remove(ep.name)
-                    self._fail(ep.name, dist, f"registration failed: {type(e).__name__}: {e}", strict, e)
+    def _load_all(self) -> None:
+        from kvcore import builtin
+
+        self._add(builtin, "kvcore", dist=("kvcore", _dist_version("kvcore")))
+        strict = os.environ.get("KVCORE_STRICT_PLUGINS", "") not in ("", "0", "false", "False")
+        disabled = _env_list("KVCORE_DISABLE_PLUGINS") | self.disabled
+        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        seen: set[str] = set()
+        for ep in eps:
+            if ep.name in seen or ep.name in disabled or self.pm.has_plugin(ep.name):
+                continue
+            seen.add(ep.name)
+            dist = (ep.dist.name, ep.dist.version) if ep.dist is not None else (None, None)
+            try:
+                obj = ep.load()
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not break kvcore
+                self._fail(ep.name, dist, f"import failed: {type(e).__name__}: {e}", strict, e)
+                continue
+            try:
+                self._add(obj, ep.name, dist=dist)
+            except PluginError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                self._remove(ep.name)
+                self._fail(ep.name, dist, f"registration failed: {type(e).__name__}: {e}", strict, e)
 
     def _fail(self, name: str, dist: tuple, why: str, strict: bool, exc: Exception) -> None:
         d = f" (distribution {dist[0]} {dist[1]})" if dist[0] else ""
@@ -132,7 +143,10 @@ class PluginHost:
         with self._lock:
             if self.pm.has_plugin(name):
                 raise PluginError(f"a kvcore plugin named {name!r} is already registered; unregister it first")
-            self.pm.register(obj, name=name)
+            try:
+                self.pm.register(obj, name=name)
+            except (ValueError, pluggy.PluginValidationError) as e:
+                raise PluginError(f"kvcore plugin {name!r} cannot be registered: {e}") from e
             info = PluginInfo(name=name, distribution=dist[0], version=dist[1])
             info.hooks = sorted(h.name for h in (self.pm.get_hookcallers(obj) or []))
             self.info[name] = info
@@ -225,7 +239,12 @@ def register_plugin(plugin: Any, name: str | None = None) -> str:
     """
     h = host()
     name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-    h._add(plugin, name)
+    try:
+        h._add(plugin, name)
+    except PluginError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a hook of the plugin failed while registering
+        raise PluginError(f"kvcore plugin {name!r} failed while registering: {type(e).__name__}: {e}") from e
     return name
 
 

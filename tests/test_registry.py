@@ -1,0 +1,206 @@
+"""The plugin host: register/unregister, duplicate formats, broken entry points, strict
+mode, disabling plugins, lazy once-only loading."""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import pytest
+
+import kvcore
+from kvcore import KVCorePluginWarning, KVFormat, PluginError, hookimpl
+from kvcore import registry
+
+
+def _plugin_module(modname: str, *format_names: str, boom: Exception | None = None) -> types.ModuleType:
+    """A fake plugin module registering ``format_names`` (or raising ``boom``)."""
+    mod = types.ModuleType(modname)
+
+    @hookimpl
+    def kvcore_register_formats(register):
+        if boom is not None:
+            raise boom
+        for n in format_names:
+            register(KVFormat(name=n, engines=[modname]))
+
+    mod.kvcore_register_formats = kvcore_register_formats
+    return mod
+
+
+class _Plugin:
+    def __init__(self, *names):
+        self.names = names
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for n in self.names:
+            register(KVFormat(name=n))
+
+
+def test_register_and_unregister(core_only):
+    assert [p.name for p in kvcore.plugins()] == ["kvcore"]
+    assert kvcore.formats() == []
+    name = kvcore.register_plugin(_Plugin("NL_X_NB_BS_HS", "NL_X_TWO_NB_BS_NH_HS"), name="testplug")
+    assert name == "testplug"
+    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS", "NL_X_TWO_NB_BS_NH_HS"]
+    assert kvcore.get_format("NL_X_NB_BS_HS").name == "NL_X_NB_BS_HS"
+    assert registry.format_owner("NL_X_NB_BS_HS") == "testplug"
+    info = {p.name: p for p in kvcore.plugins()}["testplug"]
+    assert info.formats == ["NL_X_NB_BS_HS", "NL_X_TWO_NB_BS_NH_HS"]
+    assert info.hooks == ["kvcore_register_formats"]
+    assert info.error is None
+    kvcore.unregister_plugin("testplug")
+    assert kvcore.formats() == []
+    assert [p.name for p in kvcore.plugins()] == ["kvcore"]
+    with pytest.raises(kvcore.FormatError):
+        kvcore.get_format("NL_X_NB_BS_HS")
+
+
+def test_register_a_module_uses_its_name(core_only):
+    mod = _plugin_module("kvcore_test_modplug", "NL_X_NB_BS_HS")
+    assert kvcore.register_plugin(mod) == "kvcore_test_modplug"
+    assert registry.format_owner("NL_X_NB_BS_HS") == "kvcore_test_modplug"
+
+
+def test_builtin_plugin_registers_the_reference_kernel(core_only):
+    info = kvcore.plugins()[0]
+    assert info.name == "kvcore" and "reference" in info.kernels
+    assert any(k.name == "reference" for k in registry.kernels())
+
+
+def test_duplicate_format_names_both_plugins_and_leaves_nothing_behind(core_only):
+    kvcore.register_plugin(_Plugin("NL_X_NB_BS_HS"), name="first")
+    with pytest.raises(PluginError) as ei:
+        kvcore.register_plugin(_Plugin("NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_BS_HS"), name="second")
+    msg = str(ei.value)
+    assert "'NL_X_NB_BS_HS'" in msg and "'first'" in msg and "'second'" in msg
+    # the failed plugin left nothing: not its other format, not itself
+    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
+    assert registry.format_owner("NL_X_NB_BS_HS") == "first"
+    assert "second" not in {p.name for p in kvcore.plugins()}
+    # the name is free again
+    kvcore.register_plugin(_Plugin("NL_X_TWO_NB_BS_NH_HS"), name="second")
+    assert len(kvcore.formats()) == 2
+
+
+def test_same_name_twice_and_same_object_twice(core_only):
+    p = _Plugin("NL_X_NB_BS_HS")
+    kvcore.register_plugin(p, name="a")
+    with pytest.raises(PluginError, match="'a' is already registered"):
+        kvcore.register_plugin(_Plugin("NL_X_NBBS_ONE_HS"), name="a")
+    with pytest.raises(PluginError, match="'b'"):
+        kvcore.register_plugin(p, name="b")
+    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
+
+
+def test_register_plugin_whose_hook_fails(core_only):
+    mod = _plugin_module("kvcore_test_failing", boom=RuntimeError("no GPU here"))
+    with pytest.raises(PluginError, match="kvcore_test_failing.*RuntimeError: no GPU here"):
+        kvcore.register_plugin(mod)
+    assert "kvcore_test_failing" not in {p.name for p in kvcore.plugins()}
+
+
+def test_register_something_that_is_not_a_format(core_only):
+    class Bad:
+        @hookimpl
+        def kvcore_register_formats(self, register):
+            register("NL_X_NB_BS_HS")
+
+    with pytest.raises(PluginError, match="register\\(\\) takes a kvcore.KVFormat"):
+        kvcore.register_plugin(Bad(), name="bad")
+
+
+def test_entry_points_load_lazily_and_once(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_ep_a", _plugin_module("kvcore_test_ep_a", "NL_X_NB_BS_HS"))
+    calls = fake_entry_points([("epa", "kvcore_test_ep_a")])
+    assert calls["n"] == 0  # nothing loaded at reset / import
+    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
+    assert calls["n"] == 1
+    kvcore.formats()
+    kvcore.plugins()
+    kvcore.get_format("NL_X_NB_BS_HS")
+    assert calls["n"] == 1  # once
+    assert registry.format_owner("NL_X_NB_BS_HS") == "epa"
+    registry.reset()
+    assert calls["n"] == 1
+    kvcore.plugins()
+    assert calls["n"] == 2
+
+
+def test_broken_entry_point_warns_and_the_rest_load(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_ep_good", _plugin_module("kvcore_test_ep_good", "NL_X_NB_BS_HS"))
+    fake_entry_points([("aaa_broken", "kvcore_test_no_such_module_xyz"), ("good", "kvcore_test_ep_good")])
+    with pytest.warns(KVCorePluginWarning) as rec:
+        names = [f.name for f in kvcore.formats()]
+    assert names == ["NL_X_NB_BS_HS"]
+    msg = str(rec[0].message)
+    assert "'aaa_broken'" in msg and "ModuleNotFoundError" in msg and "kvcore_test_no_such_module_xyz" in msg
+    assert "KVCORE_DISABLE_PLUGINS=aaa_broken" in msg
+    info = {p.name: p for p in kvcore.plugins()}
+    assert info["aaa_broken"].error.startswith("import failed: ModuleNotFoundError")
+    assert info["good"].error is None and info["good"].formats == ["NL_X_NB_BS_HS"]
+
+
+def test_entry_point_whose_registration_fails_warns(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_ep_boom", _plugin_module("kvcore_test_ep_boom", boom=KeyError("x")))
+    monkeypatch.setitem(sys.modules, "kvcore_test_ep_ok", _plugin_module("kvcore_test_ep_ok", "NL_X_NBBS_ONE_HS"))
+    fake_entry_points([("boom", "kvcore_test_ep_boom"), ("ok", "kvcore_test_ep_ok")])
+    with pytest.warns(KVCorePluginWarning, match="'boom'.*registration failed: KeyError"):
+        assert [f.name for f in kvcore.formats()] == ["NL_X_NBBS_ONE_HS"]
+
+
+def test_strict_mode_raises_and_keeps_raising(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_ep_good2", _plugin_module("kvcore_test_ep_good2", "NL_X_NB_BS_HS"))
+    fake_entry_points([("broken", "kvcore_test_no_such_module_xyz"), ("good", "kvcore_test_ep_good2")])
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match="'broken'.*ModuleNotFoundError"):
+        kvcore.formats()
+    # no half-loaded host answers the next question
+    with pytest.raises(PluginError, match="'broken'"):
+        kvcore.formats()
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "0")
+    with pytest.warns(KVCorePluginWarning):
+        assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
+
+
+def test_duplicate_between_entry_points_names_both(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_dup_a", _plugin_module("kvcore_test_dup_a", "NL_X_NB_BS_HS"))
+    monkeypatch.setitem(sys.modules, "kvcore_test_dup_b", _plugin_module("kvcore_test_dup_b", "NL_X_NB_BS_HS"))
+    fake_entry_points([("dupa", "kvcore_test_dup_a"), ("dupb", "kvcore_test_dup_b")])
+    with pytest.raises(PluginError, match="'dupa' and 'dupb'"):
+        kvcore.formats()
+    # disabling one of them resolves it
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGINS", "dupb")
+    assert registry.format_owner("NL_X_NB_BS_HS") == "dupa"
+
+
+def test_disable_by_environment(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_env_a", _plugin_module("kvcore_test_env_a", "NL_X_NB_BS_HS"))
+    monkeypatch.setitem(sys.modules, "kvcore_test_env_b", _plugin_module("kvcore_test_env_b", "NL_X_NBBS_ONE_HS"))
+    fake_entry_points([("a", "kvcore_test_env_a"), ("b", "kvcore_test_env_b"), ("broken", "kvcore_test_no_such_module_xyz")])
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGINS", " broken, a ")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the disabled broken plugin is not even imported
+        assert [f.name for f in kvcore.formats()] == ["NL_X_NBBS_ONE_HS"]
+    assert sorted(p.name for p in kvcore.plugins()) == ["b", "kvcore"]
+
+
+def test_disable_by_api(fake_entry_points, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcore_test_api_a", _plugin_module("kvcore_test_api_a", "NL_X_NB_BS_HS"))
+    fake_entry_points([("a", "kvcore_test_api_a")])
+    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
+    kvcore.disable_plugins("a")
+    assert kvcore.formats() == []
+    assert "a" not in {p.name for p in kvcore.plugins()}
+    with pytest.raises(PluginError, match="cannot be disabled"):
+        kvcore.disable_plugins("kvcore")
+    assert any(k.name == "reference" for k in registry.kernels())
+
+
+def test_plugins_lists_the_core_first(core_only):
+    kvcore.register_plugin(_Plugin("NL_X_NB_BS_HS"), name="aaa")
+    assert [p.name for p in kvcore.plugins()] == ["kvcore", "aaa"]
+    d = kvcore.plugins()[1].as_dict()
+    assert d["name"] == "aaa" and d["formats"] == ["NL_X_NB_BS_HS"] and d["error"] is None
