@@ -1,0 +1,424 @@
+"""Detection of SGLang's KV pools (engine name ``"sglang"``).
+
+Every way the tensors can be read is a :class:`kvcore.Candidate` (format + views of
+the caller's tensors, never copies); hints drop the readings they contradict
+(:mod:`kvcore_sglang.hints`), and :func:`kvcore.resolve` keeps the readings that build
+and raises :class:`kvcore.AmbiguousLayoutError` when two of them place bytes
+differently. Inputs (after :func:`kvcore.detect` turned dicts into lists):
+
+=============================================  ==========================================
+input                                          readings
+=============================================  ==========================================
+``[k_buffer, v_buffer]`` (two lists)            MHA device pool (0.5.3 separate tensors;
+                                               0.5.23 halves of one ``(2, rows, NH, HS)``
+                                               buffer per layer)
+``[(k0, v0), (k1, v1), ...]``                   MHA, one pair per layer (detect_per_layer)
+flat ``k_buffer + v_buffer`` (``2*NL``)          MHA, K layers then V layers (``k_v``)
+flat ``kv_buffer`` ``(rows, 1, D)``              MLA; with an even count and no hint also
+                                               one-head MHA ``k_v``: ambiguous
+flat 2-D uint8 ``(pages, page_size * 132)``     DSA/NSA indexer pool
+one tensor                                     HiCache host pool (``mem_layout``)
+:class:`~kvcore_sglang.pools.MambaState`        excluded: not KV
+=============================================  ==========================================
+
+Per-layer tensors: 3-D ``(rows, NH, HS)`` are NHD token rows (``rows = size +
+page_size``, SGLang 0.5.3 ``memory_pool.py::MHATokenToKVPool._create_buffers``);
+4-D ``(P, A, B, HS)`` are HND page rows ``(num_pages, NH, page_size, HS)`` (0.5.23
+``MHATokenToKVPool._kv_buffer_shapes``, ``use_hnd``) or page-split NHD views
+``(NB, BS, NH, HS)`` (LMCache's MP path): ``layout``, ``page_size`` or
+``num_kv_heads`` decide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore import Candidate, Detection, DetectionError, resolve
+from kvcore_sglang.formats import HOST_FORMATS, INDEXER_FORMAT
+from kvcore_sglang.hints import SGLangHints, element_dtype, parse_hints
+from kvcore_sglang.indexer import RECORD_SCALE_BYTES, index_page_view
+from kvcore_sglang.pools import MambaState
+
+__all__ = ["detect_sglang"]
+
+ENGINE = "sglang"
+_MAMBA_REASON = (
+    "SGLang recurrent (Mamba / linear-attention) state: MambaPool conv/temporal state tensors are indexed by request slot, "
+    "not by token (0.5.3 memory_pool.py::MambaPool), so they are not KV; kvcore moves KV tokens only"
+)
+
+
+def detect_sglang(kv_caches: Any, hints: dict[str, Any] | None) -> Detection:
+    """Recognise an SGLang KV pool (see the module docstring for the inputs).
+
+    Returns:
+        a :class:`kvcore.Detection` (``format=None`` with ``excluded`` for Mamba state).
+    Raises:
+        kvcore.DetectionError: nothing fits (the message says why each reading failed);
+            a hint contradicts the tensors; K and V head sizes differ.
+        kvcore.AmbiguousLayoutError: two readings fit and no hint decides.
+    """
+    h = parse_hints(hints)
+    if isinstance(kv_caches, torch.Tensor):
+        return _decide(_host_candidates(kv_caches, h), "host pool", ["mem_layout", "num_layers", "num_kv_heads", "is_mla"])
+    if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
+        raise DetectionError(
+            f"sglang: expected a list of per-layer tensors, [k_buffer, v_buffer] or a host pool tensor, got {type(kv_caches).__name__}"
+        )
+    entries = list(kv_caches)
+    if any(isinstance(e, MambaState) for e in entries):
+        if all(isinstance(e, MambaState) for e in entries):
+            return Detection(format=None, excluded=_MAMBA_REASON)
+        raise DetectionError("sglang: this list mixes Mamba state and KV layers; use kvcore.detect_per_layer (one entry per layer)")
+    if all(isinstance(e, torch.Tensor) for e in entries):
+        return _flat(entries, h)
+    if all(isinstance(e, (list, tuple)) for e in entries):
+        return _nested(entries, h)
+    raise DetectionError("sglang: a list whose entries mix tensors and lists; pass [k_buffer, v_buffer], kv_buffer, or one entry per layer")
+
+
+# -- deciding -----------------------------------------------------------------------
+
+
+def _decide(cands: list[Candidate], what: str, deciding: list[str], reasons: list[str] | None = None) -> Detection:
+    reasons = reasons or []
+    det = resolve(cands, engine=ENGINE, deciding_hints=deciding) if cands else None
+    if det is None:
+        why = "\n".join(f"  - {r}" for r in reasons) or "  - no SGLang layout has tensors of this rank and shape"
+        tried = ", ".join(dict.fromkeys(c.format for c in cands))
+        raise DetectionError(
+            f"sglang: these tensors are not an SGLang {what} kvcore knows"
+            + (f" (tried {tried}: the geometry did not fit)" if tried else "")
+            + f":\n{why}"
+        )
+    return det
+
+
+def _check(reasons: list[str], ok: bool, msg: str) -> bool:
+    if not ok:
+        reasons.append(msg)
+    return ok
+
+
+def _same(ts: list[torch.Tensor], what: str) -> torch.Tensor:
+    ref = ts[0]
+    for i, t in enumerate(ts):
+        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype or t.device != ref.device:
+            raise DetectionError(
+                f"sglang: {what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device} but {what}[0] is {tuple(ref.shape)} {ref.dtype} on "
+                f"{ref.device}; one pool's layers share a geometry (use kvcore.detect_per_layer for hybrid pools)"
+            )
+    return ref
+
+
+# -- lists ------------------------------------------------------------------------------
+
+
+def _flat(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
+    ranks = sorted({t.dim() for t in ts})
+    if len(ranks) != 1:
+        raise DetectionError(f"sglang: per-layer tensors of ranks {ranks} in one list; use kvcore.detect_per_layer to detect each group")
+    if h.kv_list_layout in ("nested", "pairs"):
+        raise DetectionError(
+            f"sglang: kv_list_layout={h.kv_list_layout!r} but the input is a flat list of tensors; "
+            "use kv_list_layout='k_v' (K layers then V layers) or pass [k_buffer, v_buffer]"
+        )
+    rank = ranks[0]
+    if rank == 2:
+        return _indexer(ts, h)
+    ref = _same(ts, "kv_caches")
+    reasons: list[str] = []
+    cands: list[Candidate] = []
+    one_head = (rank == 3 and ref.shape[1] == 1) or (rank == 4 and ref.shape[2] == 1)
+    mla_ok = _check(reasons, h.is_mla is not False, "is_mla=False excludes MLA") and _check(
+        reasons, h.kv_list_layout != "k_v", "kv_list_layout='k_v' says MHA K/V lists, not MLA"
+    )
+    if one_head and mla_ok:
+        cands += _mla_candidates(ts, h, reasons)
+    elif not one_head:
+        reasons.append(f"MLA pools are (rows, 1, D) per layer; these are {tuple(ref.shape)}")
+    n = len(ts)
+    if _check(reasons, h.is_mla is not True, "is_mla=True excludes MHA") and _check(
+        reasons, n % 2 == 0, f"a flat MHA list holds 2*NL tensors (K layers then V layers); this one holds {n}"
+    ):
+        cands += _mha_candidates(
+            ts[: n // 2], ts[n // 2 :], h, reasons, {"kv_list_layout": "k_v", "is_mla": False}, "MHA k_buffer + v_buffer"
+        )
+    return _decide(cands, "device pool", ["is_mla", "kv_list_layout", "layout", "page_size", "num_kv_heads"], reasons)
+
+
+def _nested(entries: list[Any], h: SGLangHints) -> Detection:
+    if not all(all(isinstance(x, torch.Tensor) for x in e) for e in entries):
+        raise DetectionError("sglang: a nested input holds tensors one level down: [k_buffer, v_buffer] or [(k, v), ...]")
+    # per-layer tuples of state tensors of different ranks (conv vs temporal state): not KV
+    if all(len({x.dim() for x in e}) > 1 for e in entries):
+        return Detection(format=None, excluded=_MAMBA_REASON)
+    if h.kv_list_layout == "k_v":
+        raise DetectionError(
+            "sglang: kv_list_layout='k_v' means a flat list of 2*NL tensors, but the input nests lists; drop the hint or flatten it"
+        )
+    if h.is_mla:
+        raise DetectionError(
+            "sglang: is_mla=True but the input is a nested K/V container; an MLA pool is one list kv_buffer of (rows, 1, D) tensors"
+        )
+    reasons: list[str] = []
+    readings: list[tuple[str, list[torch.Tensor], list[torch.Tensor]]] = []
+    if h.kv_list_layout in (None, "nested"):
+        # SGLang keeps k_buffer and v_buffer as Python lists of equal length
+        if len(entries) == 2 and all(isinstance(e, list) for e in entries) and len(entries[0]) == len(entries[1]):
+            readings.append(("nested", list(entries[0]), list(entries[1])))
+        else:
+            reasons.append("[k_buffer, v_buffer] is two Python lists of equal length (SGLang's k_buffer / v_buffer)")
+    if h.kv_list_layout in (None, "pairs"):
+        # one (k, v) per layer, as SGLang's get_kv_buffer(layer_id) returns it
+        if all(len(e) == 2 for e in entries):
+            readings.append(("pairs", [e[0] for e in entries], [e[1] for e in entries]))
+        else:
+            reasons.append("one (k, v) pair per layer needs exactly two tensors per entry")
+    if len(readings) == 2:
+        # 0.5.23 allocates a layer's K and V as halves of one buffer: only the reading that
+        # pairs each layer's K with its own V pairs tensors of one storage
+        shared = [r for r in readings if all(_one_storage(k, v) for k, v in zip(r[1], r[2]))]
+        if len(shared) == 1:
+            readings = shared
+    cands: list[Candidate] = []
+    for name, ks, vs in readings:
+        cands += _mha_candidates(ks, vs, h, reasons, {"kv_list_layout": name}, f"MHA {name}")
+    return _decide(cands, "device pool", ["kv_list_layout", "layout", "page_size", "num_kv_heads"], reasons)
+
+
+def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# -- MHA ----------------------------------------------------------------------------------
+
+
+def _mha_candidates(
+    ks: list[torch.Tensor], vs: list[torch.Tensor], h: SGLangHints, reasons: list[str], decided: dict[str, Any], label: str
+) -> list[Candidate]:
+    if not ks or len(ks) != len(vs):
+        reasons.append(f"{label}: K and V lists must be non-empty and of equal length, got {len(ks)} and {len(vs)}")
+        return []
+    k, v = _same(ks, "k_buffer"), _same(vs, "v_buffer")
+    if k.dim() != v.dim() or tuple(k.shape[:-1]) != tuple(v.shape[:-1]) or k.dtype != v.dtype:
+        reasons.append(f"{label}: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} differ beyond the head size")
+        return []
+    if k.dim() not in (3, 4):
+        reasons.append(f"{label}: MHA per-layer tensors are 3-D (rows, NH, HS) or 4-D page rows, got {k.dim()}-D {tuple(k.shape)}")
+        return []
+    hs, vhs = int(k.shape[-1]), int(v.shape[-1])
+    if hs != vhs or (h.v_head_size is not None and h.head_size is not None and h.v_head_size != h.head_size):
+        raise DetectionError(
+            f"sglang: MHA pool with K head size {hs} and V head size {vhs if hs != vhs else h.v_head_size} "
+            "(MHATokenToKVPool head_dim != v_head_dim): kvcore's staging layout [2, NL, T, NH*HS] carries one head size "
+            "for K and V, so no kvcore format can describe this pool; move K and V as two pools (detect k_buffer and "
+            "v_buffer each as a key-only MLA-style list with is_mla=True) or pad V to the K head size"
+        )
+    if not _check(reasons, h.head_size in (None, hs), f"{label}: head_size hint {h.head_size} but the tensors' head size is {hs}"):
+        return []
+    dtype = element_dtype(k.dtype, h)
+    out: list[Candidate] = []
+    ps = h.page_size
+    if k.dim() == 3:
+        rows, nh = int(k.shape[0]), int(k.shape[1])
+        if h.layout == "HND":
+            reasons.append(
+                f"{label}: layout='HND' pools are 4-D page rows (num_pages, NH, page_size, HS); these are 3-D token rows {tuple(k.shape)}"
+            )
+            return []
+        if not _check(
+            reasons, h.num_kv_heads in (None, nh), f"{label}: num_kv_heads hint {h.num_kv_heads} but the tensors hold {nh} heads"
+        ):
+            return []
+        if ps is None:
+            out.append(
+                Candidate("TWO_X_NL_X_NBBS_NH_HS", [ks, vs], dtype, note=f"SGLang {label}, NHD token rows", decided_by=decided, label=label)
+            )
+        elif _check(
+            reasons, rows % ps == 0, f"{label}: {rows} rows are not whole pages of page_size {ps} (SGLang allocates size + page_size rows)"
+        ):
+            split = [[t.unflatten(0, (rows // ps, ps)) for t in ks], [t.unflatten(0, (rows // ps, ps)) for t in vs]]
+            out.append(
+                Candidate(
+                    "TWO_X_NL_X_NB_BS_NH_HS",
+                    split,
+                    dtype,
+                    note=f"SGLang {label}, NHD token rows split into pages of {ps}",
+                    decided_by=decided,
+                    label=label,
+                )
+            )
+        return out
+    # 4-D: HND page rows (P, NH, page_size, HS) or page-split NHD views (NB, BS, NH, HS)
+    a, b = int(k.shape[1]), int(k.shape[2])
+    if (
+        _check(reasons, h.layout in (None, "HND"), f"{label}: layout={h.layout!r} excludes HND")
+        and _check(reasons, ps in (None, b), f"{label}: HND reading has page_size {b}, hint says {ps}")
+        and _check(reasons, h.num_kv_heads in (None, a), f"{label}: HND reading has {a} heads, hint says {h.num_kv_heads}")
+    ):
+        out.append(
+            Candidate(
+                "TWO_X_NL_X_NB_NH_BS_HS",
+                [ks, vs],
+                dtype,
+                note=f"SGLang {label}, HND page rows",
+                decided_by={**decided, "layout": "HND"},
+                label=f"{label} HND",
+            )
+        )
+    if (
+        _check(reasons, h.layout in (None, "NHD"), f"{label}: layout={h.layout!r} excludes page-split NHD")
+        and _check(reasons, ps in (None, a), f"{label}: page-split NHD reading has page_size {a}, hint says {ps}")
+        and _check(reasons, h.num_kv_heads in (None, b), f"{label}: page-split NHD reading has {b} heads, hint says {h.num_kv_heads}")
+    ):
+        out.append(
+            Candidate(
+                "TWO_X_NL_X_NB_BS_NH_HS",
+                [ks, vs],
+                dtype,
+                note=f"SGLang {label}, NHD page-split",
+                decided_by={**decided, "layout": "NHD"},
+                label=f"{label} NHD",
+            )
+        )
+    return out
+
+
+# -- MLA ----------------------------------------------------------------------------------
+
+
+def _mla_candidates(ts: list[torch.Tensor], h: SGLangHints, reasons: list[str]) -> list[Candidate]:
+    ref = ts[0]
+    d = int(ref.shape[-1])
+    if not _check(reasons, h.head_size in (None, d), f"MLA: head_size hint {h.head_size} but kv_cache_dim is {d}"):
+        return []
+    if not _check(reasons, h.num_layers in (None, len(ts)), f"MLA: num_layers hint {h.num_layers} but the list holds {len(ts)} layers"):
+        return []
+    dtype = element_dtype(ref.dtype, h)
+    decided = {"is_mla": True}
+    ps = h.page_size
+    if ref.dim() == 3:
+        rows = int(ref.shape[0])
+        if ps is None:
+            return [
+                Candidate("NL_X_NBBS_ONE_HS", list(ts), dtype, note="SGLang MLATokenToKVPool kv_buffer", decided_by=decided, label="MLA")
+            ]
+        if not _check(reasons, rows % ps == 0, f"MLA: {rows} rows are not whole pages of page_size {ps}"):
+            return []
+        return [
+            Candidate(
+                "NL_X_NB_BS_ONE_HS",
+                [t.unflatten(0, (rows // ps, ps)) for t in ts],
+                dtype,
+                note=f"SGLang MLATokenToKVPool kv_buffer split into pages of {ps}",
+                decided_by=decided,
+                label="MLA",
+            )
+        ]
+    if not _check(reasons, ps in (None, int(ref.shape[1])), f"MLA page-split view has page_size {int(ref.shape[1])}, hint says {ps}"):
+        return []
+    return [Candidate("NL_X_NB_BS_ONE_HS", list(ts), dtype, note="SGLang MLA kv_buffer, page-split view", decided_by=decided, label="MLA")]
+
+
+# -- indexer ----------------------------------------------------------------------------
+
+
+def _indexer(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
+    ref = _same(ts, "kv_caches")
+    width = int(ref.shape[1])
+    if ref.dtype != torch.uint8:
+        if h.page_size is None or width % h.page_size:
+            raise DetectionError(
+                f"sglang: 2-D per-layer tensors {tuple(ref.shape)} {ref.dtype} look like a bf16 DSA indexer pool "
+                "(num_pages, page_size * index_head_dim); pass the page_size hint to split its pages"
+            )
+        ps = h.page_size
+        views = [t.unflatten(1, (ps, 1, width // ps)) for t in ts]
+        return _decide(
+            [
+                Candidate(
+                    "NL_X_NB_BS_ONE_HS", views, element_dtype(ref.dtype, h), note="SGLang DSA indexer pool (bf16 keys)", label="indexer"
+                )
+            ],
+            "indexer pool",
+            [],
+        )
+    if h.page_size is not None:
+        ps = h.page_size
+        if width % ps or (width // ps) not in RECORD_SCALE_BYTES:
+            raise DetectionError(
+                f"sglang: indexer pages of {width} bytes are not page_size {ps} records of "
+                f"{' or '.join(map(str, RECORD_SCALE_BYTES))} bytes (index_head_dim 128 fp8 + fp32 scale per token)"
+            )
+    else:
+        fits = [w for w in RECORD_SCALE_BYTES if width % w == 0]
+        if not fits:
+            raise DetectionError(
+                f"sglang: 2-D uint8 tensors {tuple(ref.shape)} are not a DSA/NSA indexer pool: a page holds page_size records of "
+                f"{' or '.join(map(str, RECORD_SCALE_BYTES))} bytes; pass page_size if the record width differs"
+            )
+        ps = width // fits[0]
+    views = [index_page_view(t, ps) for t in ts]
+    note = f"SGLang DSA/NSA indexer pool: pages of {ps} tokens, fp8 keys then fp32 scales"
+    return _decide([Candidate(INDEXER_FORMAT, views, None, note=note, label="indexer")], "indexer pool", ["page_size"])
+
+
+# -- host pools -------------------------------------------------------------------------
+
+
+def _host_candidates(t: torch.Tensor, h: SGLangHints) -> list[Candidate]:
+    dtype = element_dtype(t.dtype, h)
+    s = tuple(int(x) for x in t.shape)
+    cands: list[Candidate] = []
+
+    def want(mem: str, mla: bool, nl: int, nh: int | None, ps_axis: int | None, rows: int | None) -> bool:
+        return (
+            h.mem_layout in (None, mem)
+            and h.is_mla in (None, mla)
+            and h.num_layers in (None, nl)
+            and (nh is None or h.num_kv_heads in (None, nh))
+            and (ps_axis is None or h.page_size in (None, ps_axis))
+            and (rows is None or h.page_size is None or rows % h.page_size == 0)
+        )
+
+    def add(mem: str, mla: bool) -> None:
+        name = HOST_FORMATS[mem][1 if mla else 0]
+        cands.append(
+            Candidate(
+                name,
+                t,
+                dtype,
+                note=f"SGLang HiCache {'MLA' if mla else 'MHA'} host pool, {mem}",
+                decided_by={"mem_layout": mem, "is_mla": mla},
+                label=f"{'MLA' if mla else 'MHA'} {mem}",
+            )
+        )
+
+    if t.dim() == 5 and s[0] == 2:
+        if want("layer_first", False, s[1], s[3], None, s[2]):
+            add("layer_first", False)
+        if want("page_first", False, s[2], s[3], None, s[1]):
+            add("page_first", False)
+    if t.dim() == 6 and s[0] == 2:
+        if want("page_first_direct", False, s[2], s[4], s[3], None):
+            add("page_first_direct", False)
+        if want("page_head", False, s[4], s[2], s[3], None):
+            add("page_head", False)
+    if t.dim() == 4 and s[2] == 1:
+        if want("layer_first", True, s[0], None, None, s[1]):
+            add("layer_first", True)
+        if want("page_first", True, s[1], None, None, s[0]):
+            add("page_first", True)
+    if t.dim() == 5 and s[3] == 1 and want("page_first_direct", True, s[1], None, s[2], None):
+        add("page_first_direct", True)
+    if not cands:
+        raise DetectionError(
+            f"sglang: one tensor {list(s)} {t.dtype} is not a HiCache host pool consistent with the hints "
+            f"({h.model_dump(exclude_none=True) or 'none'}): MHA layer_first (2, NL, size, NH, HS), page_first (2, size, NL, NH, HS), "
+            "page_first_direct (2, pages, NL, page_size, NH, HS), page_head (2, pages, NH, page_size, NL, HS); MLA layer_first "
+            "(NL, size, 1, D), page_first (size, NL, 1, D), page_first_direct (pages, NL, page_size, 1, D)"
+        )
+    return cands

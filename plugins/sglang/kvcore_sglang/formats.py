@@ -1,0 +1,140 @@
+"""Every layout SGLang allocates, as a kvcore format (the name is the shape template).
+
+Facts: ``../shared/reference/engine_layouts.md`` §2 (SGLang wheels 0.5.3 and 0.5.23),
+``lmcache_kv_format.md`` §3.4, and SGLang's ``python/sglang/srt/mem_cache/`` sources.
+
+Device pools are token-granular: one row per token slot, ``size + page_size`` rows, the
+extra page (slot 0's page) absorbing dummy writes of padded tokens.
+
+The DSA/NSA indexer pool is the blocked-scale format ``NL_X_NB_BSV_BSS`` (per page: all
+tokens' fp8 values, then all tokens' fp32 scales). vLLM's DeepSeek-V3.2 indexer cache has
+the same bytes, and the kvcore-vllm plugin registers that name (two plugins may not
+register one name), so this plugin does not register it; it detects SGLang's indexer pool
+as that format and answers ``kvcore_spec`` for it (:mod:`kvcore_sglang.indexer`), which
+serves it whether or not kvcore-vllm is installed.
+"""
+
+from __future__ import annotations
+
+from kvcore import KVFormat, Source
+
+__all__ = ["FORMATS", "INDEXER_FORMAT", "MEMORY_POOL", "HOST_MHA", "HOST_MLA"]
+
+MEMORY_POOL = "python/sglang/srt/mem_cache/memory_pool.py"
+HOST_MHA_053 = "python/sglang/srt/mem_cache/memory_pool_host.py::MHATokenToKVPoolHost.init_kv_buffer"
+HOST_MHA = "python/sglang/srt/mem_cache/pool_host/mha.py::MHATokenToKVPoolHost.init_kv_buffer"
+HOST_MLA = "python/sglang/srt/mem_cache/pool_host/mla.py::MLATokenToKVPoolHost.init_kv_buffer"
+HOST_MLA_053 = "python/sglang/srt/mem_cache/memory_pool_host.py::MLATokenToKVPoolHost.init_kv_buffer"
+
+INDEXER_FORMAT = "NL_X_NB_BSV_BSS"
+
+
+def _src(version: str, file: str) -> Source:
+    return Source(engine="sglang", version=version, file=file)
+
+
+FORMATS: list[KVFormat] = [
+    # -- device pools ------------------------------------------------------------------
+    KVFormat(
+        name="TWO_X_NL_X_NBBS_NH_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPool"],
+        description="SGLang MHA device pool, NHD token rows: k_buffer[l], v_buffer[l] each (size + page_size, NH, HS)",
+        sources=[
+            _src("0.5.3", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers"),
+            _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._kv_buffer_shapes / _create_buffers_normal"),
+        ],
+    ),
+    KVFormat(
+        name="TWO_X_NL_X_NB_BS_NH_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPool"],
+        description="SGLang MHA device pool, NHD, token rows split into pages by a page_size hint (views)",
+        sources=[
+            _src("0.5.3", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers"),
+            _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers_normal"),
+        ],
+    ),
+    KVFormat(
+        name="TWO_X_NL_X_NB_NH_BS_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPool (SGLANG_USE_HND_KVCACHE)"],
+        description="SGLang MHA device pool, HND page rows: k_buffer[l], v_buffer[l] each (num_pages, NH, page_size, HS)",
+        sources=[_src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._kv_buffer_shapes (use_hnd)")],
+    ),
+    KVFormat(
+        name="NL_X_NBBS_ONE_HS",
+        engines=["sglang"],
+        attention_backends=["MLATokenToKVPool"],
+        description="SGLang MLA device pool: kv_buffer[l] (size + page_size, 1, kv_lora_rank + qk_rope_head_dim)",
+        sources=[
+            _src("0.5.3", f"{MEMORY_POOL}::MLATokenToKVPool.__init__"),
+            _src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers"),
+        ],
+    ),
+    KVFormat(
+        name="NL_X_NB_BS_ONE_HS",
+        engines=["sglang"],
+        attention_backends=["MLATokenToKVPool"],
+        description="SGLang MLA device pool, token rows split into pages by a page_size hint (views)",
+        sources=[_src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers")],
+    ),
+    # -- HiCache host pools (one pinned tensor, the layer axis inside it) -----------------
+    KVFormat(
+        name="TWO_NL_NBBS_NH_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPoolHost layer_first"],
+        description="SGLang HiCache MHA host pool, layer_first: (2, NL, size, NH, HS)",
+        sources=[_src("0.5.3", HOST_MHA_053), _src("0.5.23", HOST_MHA)],
+    ),
+    KVFormat(
+        name="TWO_NBBS_NL_NH_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPoolHost page_first"],
+        description="SGLang HiCache MHA host pool, page_first (the default --hicache-mem-layout): (2, size, NL, NH, HS)",
+        sources=[_src("0.5.3", HOST_MHA_053), _src("0.5.23", HOST_MHA)],
+    ),
+    KVFormat(
+        name="TWO_NB_NL_BS_NH_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPoolHost page_first_direct"],
+        description="SGLang HiCache MHA host pool, page_first_direct: (2, page_num, NL, page_size, NH, HS)",
+        sources=[_src("0.5.3", HOST_MHA_053), _src("0.5.23", HOST_MHA)],
+    ),
+    KVFormat(
+        name="TWO_NB_NH_BS_NL_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPoolHost page_head"],
+        description="SGLang HiCache MHA host pool, page_head: (2, page_num, NH, page_size, NL, HS)",
+        sources=[_src("0.5.23", HOST_MHA)],
+    ),
+    KVFormat(
+        name="NL_NBBS_ONE_HS",
+        engines=["sglang"],
+        attention_backends=["MLATokenToKVPoolHost layer_first"],
+        description="SGLang HiCache MLA host pool, layer_first: (NL, size, 1, kv_cache_dim)",
+        sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
+    ),
+    KVFormat(
+        name="NBBS_NL_ONE_HS",
+        engines=["sglang"],
+        attention_backends=["MLATokenToKVPoolHost page_first"],
+        description="SGLang HiCache MLA host pool, page_first: (size, NL, 1, kv_cache_dim)",
+        sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
+    ),
+    KVFormat(
+        name="NB_NL_BS_ONE_HS",
+        engines=["sglang"],
+        attention_backends=["MLATokenToKVPoolHost page_first_direct"],
+        description="SGLang HiCache MLA host pool, page_first_direct: (page_num, NL, page_size, 1, kv_cache_dim)",
+        sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
+    ),
+]
+
+#: host pool formats by ``--hicache-mem-layout`` value, MHA then MLA
+HOST_FORMATS: dict[str, tuple[str, str | None]] = {
+    "layer_first": ("TWO_NL_NBBS_NH_HS", "NL_NBBS_ONE_HS"),
+    "page_first": ("TWO_NBBS_NL_NH_HS", "NBBS_NL_ONE_HS"),
+    "page_first_direct": ("TWO_NB_NL_BS_NH_HS", "NB_NL_BS_ONE_HS"),
+    "page_head": ("TWO_NB_NH_BS_NL_HS", None),
+}

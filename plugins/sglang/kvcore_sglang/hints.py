@@ -1,0 +1,148 @@
+"""Hints for ``kvcore.detect(..., engine="sglang", hints=...)``.
+
+SGLang's tensors do not say everything: a per-layer ``(rows, 1, D)`` tensor is an MLA
+latent or a one-KV-head MHA slice (tensor parallelism leaves one head per rank), a 4-D
+``(P, A, B, D)`` buffer is the HND page-row layout or a page-split NHD view when
+``A == B``, and a host pool's axis order depends on ``--hicache-mem-layout``. Hints are
+the facts the caller has from SGLang's own configuration.
+
+Fields (all optional; aliases in brackets):
+
+* ``page_size`` [``tokens_per_block``, ``block_size``]: SGLang's ``--page-size``
+  (``server_args.page_size``; default 1). Splits the fused token axis of the device
+  pools into ``[NB, BS]`` views, checks the page axis of HND / page-first-direct pools.
+* ``kv_list_layout``: how a list of per-layer tensors is arranged. ``"k_v"``: a flat
+  list of ``2*NL`` tensors, all K layers then all V layers (SGLang's
+  ``data_ptrs = cat(k_data_ptrs, v_data_ptrs)`` order, LMCache's MP path);
+  ``"nested"``: ``[k_buffer, v_buffer]``; ``"pairs"``: one ``(k, v)`` per layer (what
+  :func:`kvcore.detect_per_layer` hands a group). ``"k_v"`` also says "this is MHA".
+* ``layout`` [``kv_cache_layout``]: ``"NHD"`` (SGLang's default token rows) or
+  ``"HND"`` (``SGLANG_USE_HND_KVCACHE``: page rows ``(num_pages, NH, page_size, HS)``).
+* ``mem_layout`` [``hicache_mem_layout``]: a HiCache host pool's layout:
+  ``layer_first``, ``page_first`` (SGLang's default), ``page_first_direct``,
+  ``page_head``.
+* ``num_kv_heads``, ``head_size`` [``head_dim``], ``v_head_size`` [``v_head_dim``],
+  ``num_layers`` [``layer_num``]: the pool's ``head_num``, ``head_dim``,
+  ``v_head_dim``, ``layer_num``. Each must agree with the tensors (a contradiction is a
+  :class:`kvcore.DetectionError`); they also decide between candidate readings.
+* ``dtype`` [``kv_cache_dtype``]: ``--kv-cache-dtype`` (``auto``, ``fp8_e4m3``,
+  ``fp8_e5m2``, ``bf16``/``bfloat16``, ``fp16``/``float16``, ``fp32``/``float32``) or
+  a ``torch.dtype``. SGLang stores fp8 as ``torch.uint8`` (``store_dtype``, 0.5.3
+  ``memory_pool.py::KVCache.__init__``) because ``index_put`` lacks fp8; with an fp8
+  hint the layout's element dtype is the fp8 type over the same bytes.
+* ``is_mla``: the model uses MLA (``MLATokenToKVPool``).
+* ``sglang_version``: informational (``"0.5.3"``, ``"0.5.23"``); layouts are read
+  from the tensors' own shapes and strides, so no version switch is needed.
+
+Precedence: a structural hint (``is_mla``, ``kv_list_layout``, ``layout``,
+``mem_layout``) selects the reading outright; size hints (``page_size``,
+``num_kv_heads``, ``head_size``, ``num_layers``) drop readings whose axes disagree;
+then the tensors' shapes and strides; SGLang's defaults last (a 3-D token-row pool is
+NHD; no ``page_size`` keeps the fused token axis ``NBBS``). Readings still left that
+address memory differently raise :class:`kvcore.AmbiguousLayoutError` naming the hint
+that decides — the plugin never guesses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvcore import DetectionError
+
+__all__ = ["SGLangHints", "parse_hints", "element_dtype"]
+
+_DTYPE_NAMES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "uint8": torch.uint8,
+}
+
+
+class SGLangHints(BaseModel):
+    """Validated SGLang hints (see the module docstring for meaning and precedence)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True)
+
+    page_size: int | None = Field(None, ge=1, validation_alias=AliasChoices("page_size", "tokens_per_block", "block_size"))
+    kv_list_layout: Literal["k_v", "nested", "pairs"] | None = None
+    layout: Literal["NHD", "HND"] | None = Field(None, validation_alias=AliasChoices("layout", "kv_cache_layout"))
+    mem_layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] | None = Field(
+        None, validation_alias=AliasChoices("mem_layout", "hicache_mem_layout")
+    )
+    num_kv_heads: int | None = Field(None, ge=1)
+    head_size: int | None = Field(None, ge=1, validation_alias=AliasChoices("head_size", "head_dim"))
+    v_head_size: int | None = Field(None, ge=1, validation_alias=AliasChoices("v_head_size", "v_head_dim"))
+    num_layers: int | None = Field(None, ge=1, validation_alias=AliasChoices("num_layers", "layer_num"))
+    dtype: Any = Field(None, validation_alias=AliasChoices("dtype", "kv_cache_dtype"))
+    is_mla: bool | None = None
+    sglang_version: str | None = None
+
+    @field_validator("layout", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v: Any) -> Any:
+        if v is None or isinstance(v, torch.dtype):
+            return v
+        if isinstance(v, str) and v.lower().replace("torch.", "") in _DTYPE_NAMES:
+            return _DTYPE_NAMES[v.lower().replace("torch.", "")]
+        raise ValueError(
+            f"dtype/kv_cache_dtype {v!r} is not one SGLang KV pools store; accepted: a torch.dtype or {', '.join(_DTYPE_NAMES)}"
+        )
+
+
+def parse_hints(hints: Mapping[str, Any] | None) -> SGLangHints:
+    """Validate a hints dict.
+
+    Raises:
+        kvcore.DetectionError: an unknown key (listing the accepted ones) or a bad value.
+    """
+    try:
+        return SGLangHints.model_validate(dict(hints or {}))
+    except ValidationError as e:
+        accepted = []
+        for name, f in SGLangHints.model_fields.items():
+            alias = f.validation_alias
+            names = list(alias.choices) if isinstance(alias, AliasChoices) else [name]
+            accepted.append("/".join(str(n) for n in names))
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'hints'}: {err['msg']}" for err in e.errors())
+        raise DetectionError(f"sglang hints rejected ({problems}). Accepted hints: {', '.join(accepted)}") from None
+
+
+def element_dtype(storage: torch.dtype, hints: SGLangHints) -> torch.dtype | None:
+    """The element dtype to hand the spec (None = the tensors' own dtype).
+
+    SGLang keeps fp8 KV as ``torch.uint8`` (``store_dtype``); an fp8 ``dtype`` hint over
+    uint8 tensors makes the layout's element dtype that fp8 type (same bytes).
+
+    Raises:
+        kvcore.DetectionError: the hint names a dtype the tensors cannot be holding.
+    """
+    want = hints.dtype
+    if want is None or want == storage:
+        return None
+    if storage == torch.uint8 and torch.empty(0, dtype=want).element_size() == 1:
+        return want
+    raise DetectionError(
+        f"sglang: the dtype hint says {want} but the KV tensors hold {storage}; SGLang stores a KV pool in its dtype, "
+        "or as torch.uint8 for fp8 (fp8_e4m3 / fp8_e5m2). Fix the hint or pass the pool's own tensors"
+    )
