@@ -74,8 +74,11 @@ def _candidates(device_type: str, format_name: str):
     return sorted(out, key=lambda k: -int(getattr(k, "priority", 0)))
 
 
-def select_kernel(device_type: str, format_name: str, staging_device_type: str | None = None):
+def select_kernel(device_type: str, format_name: str, staging_device_type: str | None = None, table: StrideTable | None = None):
     """The kernel that serves ``format_name`` on ``device_type``.
+
+    A kernel may define ``supports(table) -> bool`` (e.g. native kernels that do not move
+    ``extra`` row segments); when ``table`` is given, kernels that decline it are skipped.
 
     Raises:
         TransferError: ``KVCORE_KERNEL`` names a kernel that cannot serve it, or no
@@ -93,6 +96,9 @@ def select_kernel(device_type: str, format_name: str, staging_device_type: str |
         raise TransferError(f"KVCORE_KERNEL={forced} does not serve {format_name} on {device_type}; kernels that do: {names}")
     for k in cands:
         ok = getattr(k, "accepts", None)
+        sup = getattr(k, "supports", None)
+        if table is not None and sup is not None and not sup(table):
+            continue
         if k.available() and (ok is None or ok(staging_device_type)):
             return k
     raise TransferError(f"no transfer kernel serves device type {device_type!r}")

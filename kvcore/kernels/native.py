@@ -1,8 +1,195 @@
-"""Native kernels (C++ CPU, CUDA) registered as ``torch.ops.kvcore.*``. Filled in by the
-native-kernels work; until then it offers none."""
+"""Native transfer kernels: the C++ CPU and CUDA ops of ``csrc/`` (``torch.ops.kvcore``).
+
+Both ops take the layout's stride table as data — plane base addresses ``[NL, kv_size]``,
+per-plane byte strides ``[kv_size, 6]`` (block, token, head, chunk, chunk_bytes,
+n_chunks) — plus the slot mapping and the staging buffer, and never see a format name:
+
+- ``native-cpu``: parallel over (layer, K/V, token) rows with ``at::parallel_for``, one
+  ``memcpy`` per contiguous run (a whole ``NH*HS`` row where the layout keeps it
+  contiguous, e.g. NHD; one head's row for HND; one chunk for chunked heads).
+- ``native-cuda``: every layer and both K/V planes in one launch, 16-byte vectorised
+  coalesced loads and stores where every address allows (else 8/4/2/1), 64-bit
+  offsets; the staging buffer may be device memory or pinned host memory, read or
+  written in place (zero-copy).
+
+Negative slots are skipped (the row stays untouched). Tables with ``extra`` row
+segments (blocked-scale records) are left to the reference kernel (``supports``).
+The library is built on first use (see :mod:`kvcore.kernels._build`); ``KVCORE_NATIVE=0``
+disables both kernels.
+"""
 
 from __future__ import annotations
 
+import math
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from kvcore.errors import TransferError
+from kvcore.kernels import TransferPlan
+from kvcore.kernels import _build
+from kvcore.spec import StrideTable
+
+__all__ = ["NativeCPUKernel", "NativeCUDAKernel", "kernels", "prepare"]
+
+_MAX_CACHED = 64
+
+
+class _Prepared:
+    """Per-table arguments of the native ops, computed once per stride table."""
+
+    __slots__ = ("ptrs", "strides", "base_align", "block_size", "num_heads", "head_bytes", "num_slots", "__weakref__")
+
+    def __init__(self, table: StrideTable, device: torch.device):
+        host = table.ptrs()
+        self.ptrs = host.to(device) if device.type != "cpu" else host
+        self.strides = torch.tensor(
+            [[p.block, p.token, p.head, p.chunk, p.chunk_bytes, p.n_chunks] for p in table.planes], dtype=torch.int64
+        ).reshape(table.kv_size, 6)
+        g = 16
+        for a in host.flatten().tolist():
+            g = math.gcd(g, int(a))
+        self.base_align = g if g in (1, 2, 4, 8, 16) else 1
+        self.block_size = int(table.block_size)
+        self.num_heads = int(table.num_heads)
+        self.head_bytes = int(table.head_bytes)
+        self.num_slots = int(table.num_slots)
+
+
+_CACHE: OrderedDict[int, tuple[weakref.ref, _Prepared]] = OrderedDict()
+
+
+def prepare(table: StrideTable) -> _Prepared:
+    """The op arguments for ``table`` (cached while the table lives)."""
+    key = id(table)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is table:
+        _CACHE.move_to_end(key)
+        return hit[1]
+    prep = _Prepared(table, table.device)
+    _CACHE[key] = (weakref.ref(table), prep)
+    while len(_CACHE) > _MAX_CACHED:
+        _CACHE.popitem(last=False)
+    return prep
+
+
+class _NativeKernel:
+    formats = None
+    priority = 10
+    device_type = "cpu"
+
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        return (self.device_type,)
+
+    def supports(self, table: StrideTable) -> bool:
+        """False for what the op does not move: extra row segments (blocked-scale records)."""
+        return table.kv_size in (1, 2) and all(not p.extra for p in table.planes)
+
+    def _call(self, plan: TransferPlan, gather: bool) -> None:
+        if not self.supports(plan.table):
+            # select_kernel skips this kernel when it is given the table; a caller that
+            # did not pass it still gets a correct transfer
+            from kvcore.kernels.reference import REFERENCE
+
+            (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
+            return
+        prep = prepare(plan.table)
+        op = torch.ops.kvcore.gather if gather else torch.ops.kvcore.scatter
+        slots = plan.slots if plan.slots.is_contiguous() else plan.slots.contiguous()
+        try:
+            op(
+                prep.ptrs,
+                prep.strides,
+                slots,
+                plan.staging,
+                prep.block_size,
+                prep.num_heads,
+                prep.head_bytes,
+                prep.num_slots,
+                prep.base_align,
+            )
+        except RuntimeError as e:  # the op validates before moving a byte
+            raise TransferError(f"{self.name} {'gather' if gather else 'scatter'} refused the transfer: {e}") from None
+
+    def gather(self, plan: TransferPlan) -> None:
+        self._call(plan, True)
+
+    def scatter(self, plan: TransferPlan) -> None:
+        self._call(plan, False)
+
+
+class NativeCPUKernel(_NativeKernel):
+    """The C++ CPU op (``csrc/kvcore_cpu.cpp``)."""
+
+    name = "native-cpu"
+    device_type = "cpu"
+
+    def available(self) -> bool:
+        return _build.load().loaded
+
+    def accepts(self, staging_device_type: str | None) -> bool:
+        return staging_device_type in (None, "cpu")
+
+    def why(self) -> str:
+        st = _build.status() if _build.status().attempted else _build.load()
+        if not st.loaded:
+            return f"unavailable: {st.reason}; the torch reference kernel serves CPU caches"
+        return (
+            f"C++ op torch.ops.kvcore (csrc/kvcore_cpu.cpp): at::parallel_for over (layer, K/V, token) rows on "
+            f"{torch.get_num_threads()} threads, one memcpy per contiguous run; {st.reason}"
+        )
+
+
+class NativeCUDAKernel(_NativeKernel):
+    """The CUDA op (``csrc/kvcore_cuda.cu``)."""
+
+    name = "native-cuda"
+    device_type = "cuda"
+
+    def available(self) -> bool:
+        if not torch.cuda.is_available():
+            return False
+        st = _build.load()
+        return st.loaded and st.cuda
+
+    def accepts(self, staging_device_type: str | None) -> bool:
+        return staging_device_type in (None, "cuda", "cpu")
+
+    def supports(self, table: StrideTable) -> bool:
+        return super().supports(table) and table.num_layers * table.kv_size <= 65535
+
+    def _call(self, plan: TransferPlan, gather: bool) -> None:
+        st = plan.staging
+        if st.device.type == "cpu" and not st.is_pinned():
+            # pageable host memory cannot be reached by the GPU: the reference kernel
+            # moves it through a device buffer proportional to the tokens
+            from kvcore.kernels.reference import REFERENCE
+
+            (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
+            return
+        super()._call(plan, gather)
+
+    def why(self) -> str:
+        if not torch.cuda.is_available():
+            return f"unavailable: no CUDA device visible to torch {torch.__version__}"
+        st = _build.status() if _build.status().attempted else _build.load()
+        if not st.loaded:
+            return f"unavailable: {st.reason}; the torch reference kernel serves CUDA caches"
+        if not st.cuda:
+            return f"unavailable: the op library was built without CUDA ({'; '.join(st.log) or st.reason})"
+        return (
+            "CUDA op torch.ops.kvcore (csrc/kvcore_cuda.cu): all layers and K/V in one launch, 16-byte coalesced "
+            f"vectors where aligned, staging on the GPU or in pinned host memory (zero-copy); {st.reason}"
+        )
+
+
+CPU_KERNEL = NativeCPUKernel()
+CUDA_KERNEL = NativeCUDAKernel()
+
 
 def kernels() -> list:
-    return []
+    """The native kernels to register (always both: ``available()`` says whether each
+    one can serve here, and ``why()`` says why not)."""
+    return [CPU_KERNEL, CUDA_KERNEL]

@@ -1,0 +1,101 @@
+// kvcore native transfer kernels: op schema and the CPU implementation.
+//
+// gather:  paged cache (through plane base addresses + byte strides) -> staging
+// scatter: staging -> paged cache
+// Parallel over rows (kv, layer, token) with at::parallel_for; each contiguous run
+// (a whole NH*HS row where the layout keeps it contiguous, else one head's row or one
+// chunk) is one memcpy. Bytes move unchanged, so every dtype (fp8, NaN payloads, -0)
+// is bit-exact.
+#include "kvcore_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace kvcore {
+namespace {
+
+template <bool kGather>
+void cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                  int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots) {
+  const char* op = kGather ? "gather" : "scatter";
+  check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op);
+  TORCH_CHECK(ptrs.device().is_cpu() && slots.device().is_cpu() && staging.device().is_cpu(), "kvcore.", op,
+              " (CPU): ptrs, slots and staging must be CPU tensors, got ", ptrs.device(), ", ", slots.device(), ", ",
+              staging.device());
+  const int64_t nl = ptrs.size(0), kv = ptrs.size(1), T = slots.size(0);
+  if (T == 0 || nl == 0) return;
+  const int64_t* base = ptrs.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  PlaneStrides pl[2] = {plane_at(strides, 0), plane_at(strides, kv - 1)};
+  bool contig[2] = {row_contiguous(pl[0], num_heads, head_bytes), row_contiguous(pl[1], num_heads, head_bytes)};
+  const int64_t esz = staging.element_size();
+  char* st = static_cast<char*>(staging.data_ptr());
+  const int64_t s0 = staging.stride(0) * esz, s1 = staging.stride(1) * esz, s2 = staging.stride(2) * esz;
+  const int64_t row_bytes = num_heads * head_bytes;
+  const int64_t rows = kv * nl * T;
+  // at least ~64 KiB of rows per thread: below that a thread costs more than it saves
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / row_bytes);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r % T;
+      const int64_t s = slot[t];
+      if (s < 0 || s >= num_slots) continue;
+      const int64_t kl = r / T;
+      const int64_t k = kl / nl, l = kl % nl;
+      const PlaneStrides& p = pl[k];
+      char* cache = reinterpret_cast<char*>(base[l * kv + k]) + (s / block_size) * p.block + (s % block_size) * p.token;
+      char* row = st + k * s0 + l * s1 + t * s2;
+      if (contig[k]) {
+        if (kGather) std::memcpy(row, cache, row_bytes);
+        else std::memcpy(cache, row, row_bytes);
+      } else if (p.n_chunks == 1) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          if (kGather) std::memcpy(row + h * head_bytes, cache + h * p.head, head_bytes);
+          else std::memcpy(cache + h * p.head, row + h * head_bytes, head_bytes);
+        }
+      } else {
+        for (int64_t h = 0; h < num_heads; ++h)
+          for (int64_t c = 0; c < p.n_chunks; ++c) {
+            char* a = cache + h * p.head + c * p.chunk;
+            char* b = row + h * head_bytes + c * p.chunk_bytes;
+            if (kGather) std::memcpy(b, a, p.chunk_bytes);
+            else std::memcpy(a, b, p.chunk_bytes);
+          }
+      }
+    }
+  });
+}
+
+void gather_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
+                 int64_t base_align) {
+  cpu_transfer<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots);
+  (void)base_align;
+}
+
+void scatter_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                 int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
+                 int64_t base_align) {
+  cpu_transfer<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots);
+  (void)base_align;
+}
+
+}  // namespace
+}  // namespace kvcore
+
+TORCH_LIBRARY(kvcore, m) {
+  m.def(
+      "gather(Tensor ptrs, Tensor strides, Tensor slots, Tensor(a!) staging, int block_size, int num_heads, int head_bytes, "
+      "int num_slots, int base_align) -> ()");
+  m.def(
+      "scatter(Tensor ptrs, Tensor strides, Tensor slots, Tensor staging, int block_size, int num_heads, int head_bytes, "
+      "int num_slots, int base_align) -> ()");
+  // the op-library version: bumped whenever the op schemas or semantics change
+  m.def("abi_version() -> int", []() -> int64_t { return 1; });
+}
+
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
+  m.impl("gather", &kvcore::gather_cpu);
+  m.impl("scatter", &kvcore::scatter_cpu);
+}

@@ -1,0 +1,258 @@
+// kvcore native transfer kernels: the CUDA implementation of kvcore::gather / scatter.
+//
+// One launch moves every layer and both K/V planes: blockIdx.y is the plane
+// (kv * NL + layer), blockIdx.x walks that plane's T * units_per_row transfer units.
+// A unit is the widest of 16/8/4/2/1 bytes that every base, stride, run length and the
+// staging buffer allow, so the common layouts move as 16-byte loads and stores, each
+// warp covering consecutive bytes of one row (coalesced). Each thread keeps kUnroll
+// independent loads in flight before its stores. Offsets are 64-bit. Slots outside
+// [0, num_slots) (negative = padding) are skipped: the destination row stays untouched.
+// The staging buffer is device memory or pinned host memory, read or written in place
+// (zero-copy, through its mapped device address): no device staging buffer, no copy.
+#include "kvcore_ops.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <limits>
+
+namespace kvcore {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+struct DevPlane {
+  int64_t block, token, head, chunk;  // bytes
+  uint32_t chunk_units;               // units per chunk run
+  uint32_t n_chunks;
+};
+
+struct Params {
+  const int64_t* ptrs;   // device [NL, kv] plane base addresses
+  const int64_t* slots;  // device [T]
+  char* staging;         // device address of staging[0, 0, 0, 0]
+  int64_t s_kv, s_layer, s_tok;  // staging byte strides
+  DevPlane plane[2];
+  int64_t num_slots;
+  uint32_t T, NL, kv, block_size;
+  uint32_t units_per_row, units_per_head;
+  bool slots32;  // every slot < 2^31: 32-bit division
+};
+
+enum Mode { kRowContig = 0, kHeadRuns = 1, kChunks = 2 };
+
+template <typename V>
+__device__ __forceinline__ V load_stream(const V* p) {
+  return __ldcs(p);
+}
+template <typename V>
+__device__ __forceinline__ void store_stream(V* p, const V& v) {
+  __stcs(p, v);
+}
+
+template <typename V, int kMode, bool kGather>
+__global__ void __launch_bounds__(kThreads) kv_transfer_kernel(const Params p) {
+  constexpr uint32_t W = sizeof(V);
+  const uint32_t plane_idx = blockIdx.y;  // kv * NL + layer
+  const uint32_t k = plane_idx / p.NL;
+  const uint32_t l = plane_idx - k * p.NL;
+  const DevPlane pl = k ? p.plane[1] : p.plane[0];
+  char* const base = reinterpret_cast<char*>(p.ptrs[l * p.kv + k]);
+  char* const srow0 = p.staging + k * p.s_kv + l * p.s_layer;
+  const uint32_t n = p.T * p.units_per_row;
+  const uint32_t first = blockIdx.x * (kThreads * kUnroll) + threadIdx.x;
+
+  V buf[kUnroll];
+  V* dst[kUnroll];
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    dst[j] = nullptr;
+    const uint32_t i = first + j * kThreads;
+    if (i >= n) continue;
+    const uint32_t t = i / p.units_per_row;
+    const uint32_t u = i - t * p.units_per_row;
+    const int64_t s = p.slots[t];
+    if (s < 0 || s >= p.num_slots) continue;
+    int64_t blk, off;
+    if (p.slots32) {
+      const uint32_t s32 = static_cast<uint32_t>(s);
+      const uint32_t b32 = s32 / p.block_size;
+      blk = b32;
+      off = s32 - b32 * p.block_size;
+    } else {
+      blk = s / p.block_size;
+      off = s - blk * p.block_size;
+    }
+    int64_t cofs = blk * pl.block + off * pl.token;
+    if (kMode == kRowContig) {
+      cofs += static_cast<int64_t>(u) * W;
+    } else if (kMode == kHeadRuns) {
+      const uint32_t h = u / p.units_per_head;
+      const uint32_t e = u - h * p.units_per_head;
+      cofs += h * pl.head + static_cast<int64_t>(e) * W;
+    } else {
+      const uint32_t r = u / pl.chunk_units;
+      const uint32_t e = u - r * pl.chunk_units;
+      const uint32_t h = r / pl.n_chunks;
+      const uint32_t c = r - h * pl.n_chunks;
+      cofs += h * pl.head + c * pl.chunk + static_cast<int64_t>(e) * W;
+    }
+    V* cache = reinterpret_cast<V*>(base + cofs);
+    V* row = reinterpret_cast<V*>(srow0 + t * p.s_tok + static_cast<int64_t>(u) * W);
+    if (kGather) {
+      buf[j] = load_stream(cache);
+      dst[j] = row;
+    } else {
+      buf[j] = load_stream(row);
+      dst[j] = cache;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j)
+    if (dst[j] != nullptr) store_stream(dst[j], buf[j]);
+}
+
+template <typename V, bool kGather>
+void launch_mode(int mode, const Params& p, dim3 grid, cudaStream_t stream) {
+  if (mode == kRowContig)
+    kv_transfer_kernel<V, kRowContig, kGather><<<grid, kThreads, 0, stream>>>(p);
+  else if (mode == kHeadRuns)
+    kv_transfer_kernel<V, kHeadRuns, kGather><<<grid, kThreads, 0, stream>>>(p);
+  else
+    kv_transfer_kernel<V, kChunks, kGather><<<grid, kThreads, 0, stream>>>(p);
+}
+
+template <bool kGather>
+void launch(int width, int mode, const Params& p, dim3 grid, cudaStream_t stream) {
+  switch (width) {
+    case 16: launch_mode<uint4, kGather>(mode, p, grid, stream); break;
+    case 8: launch_mode<uint2, kGather>(mode, p, grid, stream); break;
+    case 4: launch_mode<unsigned int, kGather>(mode, p, grid, stream); break;
+    case 2: launch_mode<unsigned short, kGather>(mode, p, grid, stream); break;
+    default: launch_mode<unsigned char, kGather>(mode, p, grid, stream); break;
+  }
+}
+
+int64_t gcd64(int64_t a, int64_t b) {
+  while (b) {
+    int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+// Device address of the staging buffer: itself on the GPU, or the mapped address of
+// pinned host memory (zero-copy). Unpinned host memory is refused before any write.
+char* staging_device_ptr(const at::Tensor& staging, const char* op) {
+  void* host = staging.data_ptr();
+  if (staging.is_cuda()) return static_cast<char*>(host);
+  cudaPointerAttributes attr{};
+  cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, "kvcore.", op,
+              " (CUDA): a host staging buffer must be pinned (torch.empty(..., pin_memory=True)) so the kernel can reach it ",
+              "directly; this one is pageable");
+  return static_cast<char*>(attr.devicePointer);
+}
+
+template <bool kGather>
+void cuda_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                   int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
+                 int64_t base_align) {
+  const char* op = kGather ? "gather" : "scatter";
+  check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op);
+  TORCH_CHECK(ptrs.is_cuda() && slots.is_cuda() && ptrs.device() == slots.device(), "kvcore.", op,
+              " (CUDA): ptrs and slots must be on the cache's GPU, got ", ptrs.device(), " and ", slots.device());
+  TORCH_CHECK(staging.is_cuda() ? staging.device() == slots.device() : staging.device().is_cpu(), "kvcore.", op,
+              " (CUDA): staging must be on ", slots.device(), " or in pinned host memory, got ", staging.device());
+  const int64_t nl = ptrs.size(0), kv = ptrs.size(1), T = slots.size(0);
+  if (T == 0 || nl == 0) return;
+  TORCH_CHECK(kv * nl <= 65535, "kvcore.", op, " (CUDA): at most 65535 (layer, K/V) planes per launch, got ", kv * nl);
+  TORCH_CHECK(block_size <= std::numeric_limits<uint32_t>::max(), "kvcore.", op, " (CUDA): block_size too large");
+  c10::cuda::CUDAGuard guard(slots.device());
+  char* st = staging_device_ptr(staging, op);
+
+  Params p{};
+  p.ptrs = ptrs.data_ptr<int64_t>();
+  p.slots = slots.data_ptr<int64_t>();
+  const int64_t esz = staging.element_size();
+  p.s_kv = staging.stride(0) * esz;
+  p.s_layer = staging.stride(1) * esz;
+  p.s_tok = staging.stride(2) * esz;
+  p.num_slots = num_slots;
+  p.NL = static_cast<uint32_t>(nl);
+  p.kv = static_cast<uint32_t>(kv);
+  p.block_size = static_cast<uint32_t>(block_size);
+  p.slots32 = num_slots <= (int64_t{1} << 31);
+
+  // widest unit every address and length allows; the caller vouches for the plane bases
+  // (base_align: a power of two dividing every base address, computed once per layout)
+  TORCH_CHECK(base_align >= 1 && (base_align & (base_align - 1)) == 0, "kvcore.", op,
+              " (CUDA): base_align must be a power of two, got ", base_align);
+  int64_t g = std::min<int64_t>(16, base_align);
+  g = gcd64(g, reinterpret_cast<int64_t>(st));
+  g = gcd64(g, p.s_kv);
+  g = gcd64(g, p.s_layer);
+  g = gcd64(g, p.s_tok);
+  bool contig = true, whole_heads = true;
+  for (int64_t k = 0; k < kv; ++k) {
+    PlaneStrides s = plane_at(strides, k);
+    contig = contig && row_contiguous(s, num_heads, head_bytes);
+    whole_heads = whole_heads && s.n_chunks == 1;
+    for (int64_t v : {s.block, s.token, s.head, s.chunk, s.chunk_bytes}) g = gcd64(g, v);
+  }
+  g = gcd64(g, head_bytes);
+  int width = static_cast<int>(g == 0 ? 16 : g);
+  if (width != 16 && width != 8 && width != 4 && width != 2) width = (width % 2 == 0) ? 2 : 1;
+  for (int64_t k = 0; k < kv; ++k) {
+    PlaneStrides s = plane_at(strides, k);
+    p.plane[k] = DevPlane{s.block, s.token, s.head, s.chunk, static_cast<uint32_t>(s.chunk_bytes / width),
+                          static_cast<uint32_t>(s.n_chunks)};
+  }
+  if (kv == 1) p.plane[1] = p.plane[0];
+  const int mode = contig ? kRowContig : (whole_heads ? kHeadRuns : kChunks);
+  const int64_t upr = num_heads * head_bytes / width;
+  TORCH_CHECK(upr <= std::numeric_limits<int32_t>::max(), "kvcore.", op, " (CUDA): a token row of ", upr * width,
+              " bytes is too large");
+  p.units_per_row = static_cast<uint32_t>(upr);
+  p.units_per_head = static_cast<uint32_t>(head_bytes / width);
+
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(slots.device().index());
+  // token chunks keep T * units_per_row within 32 bits
+  const int64_t max_tokens = std::max<int64_t>(1, (int64_t{1} << 31) / upr);
+  for (int64_t t0 = 0; t0 < T; t0 += max_tokens) {
+    const int64_t tn = std::min(max_tokens, T - t0);
+    Params q = p;
+    q.slots = p.slots + t0;
+    q.staging = st + t0 * p.s_tok;
+    q.T = static_cast<uint32_t>(tn);
+    const int64_t units = tn * upr;
+    dim3 grid(static_cast<unsigned>((units + kThreads * kUnroll - 1) / (kThreads * kUnroll)), static_cast<unsigned>(kv * nl));
+    launch<kGather>(width, mode, q, grid, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+void gather_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                 int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
+                 int64_t base_align) {
+  cuda_transfer<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+}
+
+void scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                  int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
+                 int64_t base_align) {
+  cuda_transfer<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+}
+
+}  // namespace
+}  // namespace kvcore
+
+TORCH_LIBRARY_IMPL(kvcore, CUDA, m) {
+  m.impl("gather", &kvcore::gather_cuda);
+  m.impl("scatter", &kvcore::scatter_cuda);
+}

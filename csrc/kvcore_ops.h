@@ -1,0 +1,83 @@
+// kvcore native transfer kernels: shared definitions.
+//
+// A kernel never sees a format name. It receives, per (layer, K/V) plane, a base
+// address, and per K/V plane six int64 numbers (bytes unless noted):
+//   block, token, head, chunk, chunk_bytes, n_chunks (count)
+// so that the bytes of (slot, head, chunk) live at
+//   base + (slot / block_size) * block + (slot % block_size) * token
+//        + head * head + chunk * chunk      ... chunk_bytes contiguous bytes,
+// and one head's staged row is n_chunks * chunk_bytes = head_bytes bytes.
+// The staging buffer is [kv_size, NL, T, row_bytes / itemsize] with a contiguous
+// last dim; row r = (kv, layer, token) starts at kv*s0 + layer*s1 + token*s2 bytes.
+// Slots outside [0, num_slots) (negative = engine padding) are skipped.
+#pragma once
+#include <cstdint>
+
+namespace kvcore {
+
+constexpr int kStrideFields = 6;  // block, token, head, chunk, chunk_bytes, n_chunks
+
+struct PlaneStrides {
+  int64_t block;
+  int64_t token;
+  int64_t head;
+  int64_t chunk;
+  int64_t chunk_bytes;
+  int64_t n_chunks;
+};
+
+}  // namespace kvcore
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+namespace kvcore {
+
+// Checks everything the op can check about its arguments before any byte moves.
+// (The plane base addresses are raw pointers: kvcore's Python layer proved them and the
+// slot range against the cache's storage; the op skips slots outside [0, num_slots).)
+inline void check_args(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                       int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, const char* op) {
+  TORCH_CHECK(ptrs.scalar_type() == at::kLong && ptrs.dim() == 2 && ptrs.is_contiguous(), "kvcore.", op,
+              ": ptrs must be a contiguous int64 [num_layers, kv_size] tensor of plane base addresses, got ", ptrs.scalar_type(),
+              " of shape ", ptrs.sizes());
+  const int64_t nl = ptrs.size(0), kv = ptrs.size(1);
+  TORCH_CHECK(kv == 1 || kv == 2, "kvcore.", op, ": kv_size (ptrs.size(1)) must be 1 (MLA) or 2 (K, V), got ", kv);
+  TORCH_CHECK(strides.device().is_cpu() && strides.scalar_type() == at::kLong && strides.dim() == 2 && strides.size(0) == kv &&
+                  strides.size(1) == kStrideFields && strides.is_contiguous(),
+              "kvcore.", op, ": strides must be a contiguous CPU int64 [kv_size, 6] tensor (block, token, head, chunk, chunk_bytes, ",
+              "n_chunks), got ", strides.scalar_type(), " of shape ", strides.sizes(), " on ", strides.device());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "kvcore.", op,
+              ": slots must be a contiguous int64 [T] tensor, got ", slots.scalar_type(), " of shape ", slots.sizes());
+  TORCH_CHECK(staging.dim() == 4 && staging.size(0) == kv && staging.size(1) == nl && staging.size(2) == slots.size(0), "kvcore.",
+              op, ": staging must be [kv_size=", kv, ", num_layers=", nl, ", T=", slots.size(0), ", row], got ", staging.sizes());
+  TORCH_CHECK(staging.numel() == 0 || staging.stride(3) == 1, "kvcore.", op,
+              ": the staging buffer's last dim must be contiguous, got strides ", staging.strides());
+  for (int d = 0; d < 3; ++d)
+    TORCH_CHECK(staging.stride(d) >= 0, "kvcore.", op, ": negative staging strides are not supported, got ", staging.strides());
+  TORCH_CHECK(block_size >= 1 && num_heads >= 1 && head_bytes >= 1 && num_slots >= 0, "kvcore.", op,
+              ": block_size, num_heads and head_bytes must be >= 1 and num_slots >= 0, got ", block_size, ", ", num_heads, ", ",
+              head_bytes, ", ", num_slots);
+  TORCH_CHECK(staging.size(3) * staging.element_size() == num_heads * head_bytes, "kvcore.", op, ": a staging row holds ",
+              staging.size(3) * staging.element_size(), " bytes but num_heads * head_bytes = ", num_heads * head_bytes);
+  const int64_t* s = strides.data_ptr<int64_t>();
+  for (int64_t k = 0; k < kv; ++k) {
+    const int64_t* p = s + k * kStrideFields;
+    for (int f = 0; f < kStrideFields; ++f)
+      TORCH_CHECK(p[f] >= 0, "kvcore.", op, ": plane ", k, " has a negative stride field ", f, " (", p[f], ")");
+    TORCH_CHECK(p[4] >= 1 && p[5] >= 1 && p[4] * p[5] == head_bytes, "kvcore.", op, ": plane ", k, " has chunk_bytes ", p[4],
+                " x n_chunks ", p[5], " != head_bytes ", head_bytes);
+  }
+}
+
+inline PlaneStrides plane_at(const at::Tensor& strides, int64_t k) {
+  const int64_t* p = strides.data_ptr<int64_t>() + k * kStrideFields;
+  return PlaneStrides{p[0], p[1], p[2], p[3], p[4], p[5]};
+}
+
+// A whole token row of the plane is one contiguous run of num_heads * head_bytes bytes.
+inline bool row_contiguous(const PlaneStrides& p, int64_t num_heads, int64_t head_bytes) {
+  return p.n_chunks == 1 && (num_heads == 1 || p.head == head_bytes);
+}
+
+}  // namespace kvcore
