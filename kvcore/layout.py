@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,27 +181,97 @@ class KVLayout:
         t = self.spec.stride_table()
         return t if layers is None else t.subset(list(layers))
 
+    def _layer_selection(self, layer_indices: Sequence[int] | None) -> list[int]:
+        n = self.num_layers
+        if layer_indices is None:
+            return list(range(n))
+        sel = list(layer_indices)
+        out = []
+        for i in sel:
+            try:
+                j = operator.index(i)
+            except TypeError:
+                j = None
+            if j is None or isinstance(i, bool) or not (0 <= j < n):
+                raise GeometryError(f"layer index {i!r} is out of range: this layout has {n} layers (0..{n - 1})")
+            out.append(j)
+        sel = out
+        if len(set(sel)) != len(sel):
+            raise GeometryError(f"layer indices {sel} repeat a layer")
+        return sel
+
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
-        """Base addresses in kernel order: one per layer for layer lists; all K then all
-        V for K/V lists; K0, V0, K1, V1 for per-layer tuples; one for a single tensor."""
-        sel = None if layer_indices is None else set(int(i) for i in layer_indices)
+        """Base addresses (``tensor.data_ptr()``) in kernel order, for ``layer_indices`` in
+        the order given (default: all layers): one per layer for layer lists; all K then
+        all V for K/V lists (``TWO_X_NL_X_...``); K0, V0, K1, V1, ... for per-layer tuples;
+        a single base for one cross-layer tensor. Order as LMCache's
+        ``KVFormatSpec.data_ptrs`` (``lmcache_kv_format.md`` §2.2).
+
+        Raises:
+            GeometryError: a layer index out of range or repeated.
+        """
+        sel = self._layer_selection(layer_indices)
+        by_layer: dict[int, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         out = []
         for path, t in self.spec.leaves:
             li = self.spec.leaf_layer(path)
-            if sel is None or li < 0 or li in sel:
+            if li < 0:
                 out.append(int(t.data_ptr()))
-        return out
+            else:
+                by_layer.setdefault(li, []).append((path, t))
+        if out:
+            return out
+        lv = self.format.syntax.list_levels
+        kv_outer = lv.index("NL") > 0  # K list then V list
+        leaves = [(path, t) for li in sel for (path, t) in by_layer.get(li, [])]
+        if kv_outer:
+            leaves.sort(key=lambda pt: pt[0][0])  # stable: K of the selected layers, then V
+        return [int(t.data_ptr()) for _, t in leaves]
 
     def shape_desc(self, layer_indices: Sequence[int] | None = None) -> PageBufferShapeDesc:
-        """A :class:`PageBufferShapeDesc` for ``layer_indices`` (default: all)."""
-        nl = self.num_layers if layer_indices is None else len(list(layer_indices))
-        tb = self.spec.stride_table()
+        """A :class:`PageBufferShapeDesc` for ``layer_indices`` (default: all).
+
+        ``block_stride_elems`` is the block axis's stride in elements of ``dtype`` when
+        the block axis (NB, or the fused NBBS slot axis) is dim 0 of the tensors and its
+        stride is larger than the tight one (dim-0 padding, LMCache's
+        ``block_stride_elems``, ``csrc/kv_transfer_plan_types.h``), else 0.
+
+        Raises:
+            GeometryError: a bad layer index, or strides a PageBufferShapeDesc cannot say
+                (padding or permutation anywhere but the block axis at dim 0); the
+                :meth:`stride_table` describes those, and kvcore's kernels use it.
+        """
+        nl = len(self._layer_selection(layer_indices))
         fused = self.format.fused_nbbs
         nb = self.page_buffer_size if fused else self.num_blocks
         bs = 1 if fused else self.block_size
         esz = self.element_size
-        tight = bs * self.num_heads * self.head_size * esz * (2 if self.format.fused_kv else 1)
-        blk = tb.planes[0].block
+        syn = self.format.syntax
+        block_axis = syn.axis("NBBS" if fused else "NB")
+        ref = self.spec.leaves[0][1] if self.spec.leaves else None
+        block_stride_elems = 0
+        if ref is not None and block_axis is not None and ref.dim() == len(syn.axes):
+            isz = ref.element_size()
+            tight = 1
+            for i in range(ref.dim() - 1, -1, -1):
+                n, s = int(ref.shape[i]), int(ref.stride(i))
+                if n == 1:
+                    continue
+                if s != tight:
+                    if i == 0 and i == block_axis and s > tight:
+                        if (s * isz) % esz:
+                            raise GeometryError(
+                                f"format {self.format.name}: the block stride ({s * isz} bytes) is not a whole number of "
+                                f"{self.dtype} elements; a PageBufferShapeDesc cannot describe it (use stride_table())"
+                            )
+                        block_stride_elems = s * isz // esz
+                        break
+                    raise GeometryError(
+                        f"format {self.format.name}: axis {i} ({syn.axes[i]}) has stride {s} where a tight layout has {tight} "
+                        f"(shape {tuple(ref.shape)}, stride {tuple(ref.stride())}); a PageBufferShapeDesc only describes padding of "
+                        "a dim-0 block axis. Use stride_table(), which describes any strides"
+                    )
+                tight *= n
         return PageBufferShapeDesc(
             kv_size=self.kv_size,
             nl=nl,
@@ -209,7 +280,7 @@ class KVLayout:
             nh=self.num_heads,
             hs=self.head_size,
             element_size=esz,
-            block_stride_elems=0 if (blk == tight or self.format.syntax.axis("NB") not in (0,)) else blk // esz,
+            block_stride_elems=block_stride_elems,
         )
 
     def sizes(self) -> dict[str, int]:

@@ -119,7 +119,23 @@ class StrideTable:
 
     def signature(self) -> tuple:
         """What fixes the mapping (layer, K/V, slot, head, byte) → memory address: two
-        tables with one signature move the same bytes."""
+        tables with one signature move the same bytes. The stride of an axis of extent 1
+        (one head, one token per block, one block, one chunk) addresses nothing, so it is
+        left out: ``[NB, BS, 1, HS]`` read as NHD or as HND is one answer."""
+        one_head = self.num_heads == 1
+        one_token = self.block_size == 1
+        one_block = self.num_slots <= self.block_size
+
+        def norm(p: PlaneStrides) -> PlaneStrides:
+            return replace(
+                p,
+                block=0 if one_block else p.block,
+                token=0 if one_token else p.token,
+                head=0 if one_head else p.head,
+                chunk=0 if p.n_chunks == 1 else p.chunk,
+                extra=tuple(replace(x, token=0 if one_token else x.token, head=0 if one_head else x.head) for x in p.extra),
+            )
+
         return (
             self.num_layers,
             self.kv_size,
@@ -127,7 +143,7 @@ class StrideTable:
             self.num_slots,
             self.num_heads,
             self.head_bytes,
-            self.planes,
+            tuple(norm(p) for p in self.planes),
             tuple(tuple((t.untyped_storage().data_ptr() + off) for (t, off) in layer) for layer in self.bases),
         )
 
@@ -198,6 +214,7 @@ class Spec:
         self.axis_sizes: dict[str, int] = {}
         self._build()
         self._check_bounds()
+        self._check_distinct_planes()
 
     # -- the generic construction ----------------------------------------------------
     def _build(self) -> None:
@@ -376,6 +393,22 @@ class Spec:
                         f"format {self.format.name}: the geometry reaches byte {last} but the tensor's storage holds {nbytes} "
                         f"({_describe_tensor(t)}); the sizes or strides do not describe this tensor"
                     )
+
+    def _check_distinct_planes(self) -> None:
+        """Two (layer, K/V) planes starting at one address alias at slot 0 (e.g. one
+        tensor registered for two layers): a scatter to one would overwrite the other."""
+        seen: dict[int, tuple[int, int]] = {}
+        for li, layer in enumerate(self.table.bases):
+            for kv, (t, off) in enumerate(layer):
+                addr = t.untyped_storage().data_ptr() + off
+                if addr in seen and t.untyped_storage().nbytes() > 0:
+                    pl, pk = seen[addr]
+                    raise GeometryError(
+                        f"format {self.format.name}: layer {li} {'KV'[kv] if self.kv_size_ == 2 else ''} and layer {pl} "
+                        f"{'KV'[pk] if self.kv_size_ == 2 else ''} start at the same address, so they alias (is one tensor "
+                        "registered twice?); every (layer, K/V) plane needs its own memory"
+                    )
+                seen[addr] = (li, kv)
 
     # -- accessors (KVLayout forwards to these) --------------------------------------
     @property

@@ -54,3 +54,90 @@ def fake_entry_points(monkeypatch):
     registry.reset()
     yield install
     registry._HOST = saved
+
+
+# -- an oracle independent of kvcore's stride table ------------------------------------
+
+_TOKEN_SIZES = {"NL": 2, "NB": 3, "BS": 4, "NH": 2, "HS": 8, "CS": 16, "NBBS": 12, "TWO": 2, "ONE": 1}
+
+
+def name_oracle_row(name, kv_caches, layer, kv, slot, *, block_size=None, dtype=None):
+    """``[NH, HS]`` view of one (layer, K/V, slot) row, by torch indexing of the tensors
+    along the axes the format name lists (not through kvcore's stride table)."""
+
+    from kvcore.grammar import parse
+
+    s = parse(name)
+    node = kv_caches
+    for lvl in s.list_levels:
+        node = node[{"NL": layer, "TWO": kv}[lvl]]
+    t = node
+    keep = []
+    idx = []
+    for i, tok in enumerate(s.axes):
+        if tok == "NL":
+            idx.append(layer)
+        elif tok == "TWO":
+            idx.append(kv)
+        elif tok == "NB":
+            idx.append(slot // t.shape[s.axes.index("BS")])
+        elif tok == "BS":
+            idx.append(slot % t.shape[i])
+        elif tok == "NBBS":
+            idx.append(slot)
+        elif tok == "ONE":
+            idx.append(0)
+        else:  # NH, HS, CS
+            idx.append(slice(None))
+            keep.append(tok)
+    row = t[tuple(idx)]
+    if "NH" not in keep:
+        row = row.unsqueeze(0)
+        keep = ["NH"] + keep
+    if keep[0] != "NH":
+        row = row.transpose(0, 1)
+    if dtype is not None and dtype != row.dtype:
+        row = row.view(dtype)
+    if "CS" in keep:
+        hs = row.shape[-1] // 2
+        row = row[:, kv * hs : (kv + 1) * hs]
+    return row
+
+
+def alloc_by_name(name, sizes=None, dtype=None, pad_elems=0):
+    """Allocate a cache for ``name`` with the axes in name order (contiguous), each dim-0
+    row padded by ``pad_elems`` elements; returns the container nested as the name says."""
+    import math
+
+    import torch
+
+    from kvcore.grammar import parse
+
+    dtype = dtype or torch.float32
+    sz = dict(_TOKEN_SIZES, **(sizes or {}))
+    s = parse(name)
+    shape = [sz[t] for t in s.axes]
+
+    def one():
+        inner = math.prod(shape[1:])
+        buf = torch.zeros(shape[0], inner + pad_elems, dtype=dtype)
+        return buf[:, :inner].view(*shape) if pad_elems else buf.view(*shape)
+
+    lv = s.list_levels
+    if lv == ():
+        return one()
+    if lv == ("NL",):
+        return [one() for _ in range(sz["NL"])]
+    if lv == ("TWO", "NL"):
+        return [[one() for _ in range(sz["NL"])] for _ in range(2)]
+    return [tuple(one() for _ in range(2)) for _ in range(sz["NL"])]
+
+
+@pytest.fixture
+def oracle():
+    return name_oracle_row
+
+
+@pytest.fixture
+def alloc():
+    return alloc_by_name

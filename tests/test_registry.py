@@ -10,8 +10,7 @@ import warnings
 import pytest
 
 import kvcore
-from kvcore import KVCorePluginWarning, KVFormat, PluginError, hookimpl
-from kvcore import registry
+from kvcore import KVCorePluginWarning, KVFormat, PluginError, hookimpl, registry
 
 
 def _plugin_module(modname: str, *format_names: str, boom: Exception | None = None) -> types.ModuleType:
