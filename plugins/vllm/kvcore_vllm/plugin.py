@@ -1,10 +1,55 @@
-"""Entry point of the kvcore-vllm plugin (group ``kvcore``)."""
+"""Entry point of the kvcore-vllm plugin (group ``kvcore``, name ``vllm``).
+
+Hooks: formats (:mod:`kvcore_vllm.formats`), detection for engine ``"vllm"``
+(:mod:`kvcore_vllm.detect`), specs for the two exotic layouts (:mod:`kvcore_vllm.specs`),
+allocation fixtures (:mod:`kvcore_vllm.fixtures`) and the ``vllm`` demo.
+"""
 
 from __future__ import annotations
 
 from kvcore import hookimpl
 
+ENGINE = "vllm"
+
 
 @hookimpl
 def kvcore_register_formats(register):
-    return None
+    from kvcore_vllm.formats import vllm_formats
+
+    for f in vllm_formats():
+        register(f)
+
+
+@hookimpl
+def kvcore_detect(kv_caches, engine, hints):
+    if engine != ENGINE:
+        return None
+    from kvcore_vllm.detect import detect_vllm
+
+    return detect_vllm(kv_caches, hints)
+
+
+@hookimpl
+def kvcore_spec(format):
+    from kvcore_vllm.specs import SPECS
+
+    if ENGINE not in getattr(format, "engines", ()):
+        return None
+    return SPECS.get(format.name)
+
+
+@hookimpl
+def kvcore_register_fixtures(register):
+    from kvcore_vllm.fixtures import fixture_cases
+
+    for case in fixture_cases():
+        register(case)
+
+
+@hookimpl
+def kvcore_register_demos(register):
+    register(
+        "vllm",
+        lambda argv: __import__("kvcore_vllm.demo", fromlist=["run"]).run(argv),
+        "allocate vLLM-shaped caches (Llama-3-8B FlashAttention NHD/HND, DeepSeek-V3 MLA), detect, offload and reload",
+    )

@@ -1,0 +1,351 @@
+"""Hints for vLLM detection: what the tensors cannot show, in vLLM's own vocabulary.
+
+:class:`VllmHints` accepts a dict, itself, or vLLM objects, and normalises every value to
+one spelling. Unknown values raise :class:`kvcore.DetectionError` listing the accepted
+ones.
+
+Precedence (highest first)
+--------------------------
+1. **explicit hints** (``hints={"kv_cache_layout": "HND", ...}``);
+2. **a vLLM object** passed as ``cache_config`` (anything with ``.cache_dtype``,
+   ``.block_size``, ``.kv_cache_layout`` -- vLLM's ``CacheConfig``; duck-typed, vLLM is
+   not imported) fills the fields the explicit hints left empty;
+3. **the environment**: ``VLLM_KV_CACHE_LAYOUT`` is read only when neither of the above
+   gave a layout (vLLM 0.11 ``vllm/v1/attention/backends/utils.py::get_kv_cache_layout``
+   reads the same variable);
+4. **strides**: where the tensors' strides show the physical order they decide NHD vs HND
+   and layer- vs block-outermost by themselves; a hint that contradicts them raises
+   :class:`kvcore.DetectionError` naming both;
+5. **version defaults**: a contiguous per-layer 5-D tensor with no hint is vLLM's default
+   NHD (``get_kv_cache_layout`` falls back to NHD, 0.11 l.345; 0.33's
+   ``_DEFAULT_LAYOUT_PREFERENCE`` starts with LBNHC); device ``xpu`` forces NHD
+   (``vllm/platforms/xpu.py``) and defaults block_size to 64.
+
+Sources: ``../shared/reference/engine_layouts.md`` §1.2, §1.5, §1.10, §1.15.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from kvcore import DetectionError
+
+__all__ = [
+    "VllmHints",
+    "KV_CACHE_LAYOUTS",
+    "LAYOUT_ALIASES",
+    "LAYOUT_FAMILY",
+    "BACKENDS",
+    "BACKEND_FAMILY",
+    "CACHE_DTYPES",
+    "ERAS",
+    "era_of",
+    "parse_hints",
+]
+
+#: vLLM 0.33 ``vllm/v1/kv_cache_layout.py::KVCacheLayout`` members.
+KV_CACHE_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: vLLM 0.33 ``vllm/config/cache.py::_LAYOUT_COMPAT_ALIASES``.
+LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+#: NHD/HND family of each member: tokens outside heads (NHD) or heads outside tokens
+#: (HND), as vLLM 0.33 ``flashinfer.py::_FLASHINFER_LAYOUT_NAMES`` maps them (LHBNC,
+#: ROCm's native layout, is not in that map; its heads sit outside its tokens: HND).
+LAYOUT_FAMILY = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND", "BHLNC": "HND", "LHBNC": "HND"}
+
+#: vLLM attention backend names (``vllm/attention/backends/registry.py`` enum names
+#: across 0.11-0.33) -> family used by the rules in :mod:`kvcore_vllm.rules`.
+BACKEND_FAMILY = {
+    "FLASH_ATTN": "FLASH_ATTN",
+    "FLASH_ATTN_VLLM_V1": "FLASH_ATTN",
+    "ROCM_AITER_FA": "FLASH_ATTN",
+    "FLEX_ATTENTION": "FLEX_ATTENTION",
+    "FLASHINFER": "FLASHINFER",
+    "FLASHINFER_VLLM_V1": "FLASHINFER",
+    "TRITON_ATTN": "TRITON_ATTN",
+    "TRITON_ATTN_VLLM_V1": "TRITON_ATTN",
+    "ROCM_ATTN": "TRITON_ATTN",
+    "ROCM_AITER_UNIFIED_ATTN": "TRITON_ATTN",
+    "TREE_ATTN": "FLASH_ATTN",
+    "FLASHMLA": "MLA",
+    "FLASHMLA_SPARSE": "MLA",
+    "TRITON_MLA": "MLA",
+    "CUTLASS_MLA": "MLA",
+    "FLASHINFER_MLA": "MLA",
+    "FLASH_ATTN_MLA": "MLA",
+    "ROCM_AITER_MLA": "MLA",
+    "CPU_ATTN": "CPU",
+    "TORCH_SDPA": "CPU",
+    "PALLAS": "PALLAS",
+    "PALLAS_VLLM_V1": "PALLAS",
+}
+BACKENDS = tuple(BACKEND_FAMILY)
+
+#: vLLM ``CacheConfig.cache_dtype`` strings -> storage kind. fp8 variants are stored as
+#: uint8 (``STR_DTYPE_TO_TORCH_DTYPE``, engine_layouts.md §1.2) and viewed as float8 by
+#: the kernels; ``fp8`` means e4m3 on CUDA.
+CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "fp8_inc": torch.float8_e4m3fn,
+    "fp8_ds_mla": torch.uint8,
+    "nvfp4_ds_mla": torch.uint8,
+    "int8_per_token_head": torch.int8,
+    "fp8_per_token_head": torch.uint8,
+}
+#: cache dtypes that only MLA backends use.
+MLA_CACHE_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
+
+_MODEL_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+
+#: Layout eras (first release of each): every vLLM version maps to the latest era at or
+#: below it. 0.11 also covers 0.12; 0.13 covers 0.14-0.23 (engine_layouts.md §1.1: the
+#: FA/FlashInfer formulas hold "up to about v0.23").
+ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
+
+DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu")
+
+
+def era_of(version: str) -> str:
+    """``"0.24.1"`` -> ``"0.24"``, ``"0.15"`` -> ``"0.13"``, ``"0.40"`` -> ``"0.33"``.
+
+    Raises:
+        DetectionError: not a version string, or older than 0.11 (the V1 engine's layouts
+            are the only ones kvcore-vllm knows).
+    """
+    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(version))
+    if not m:
+        raise DetectionError(f"vllm_version {version!r} is not a version; give it as '0.11.0', '0.24', '0.33.0', ...")
+    mm = (int(m.group(1)), int(m.group(2)))
+    keys = [tuple(int(x) for x in e.split(".")) for e in ERAS]
+    if mm < keys[0]:
+        raise DetectionError(
+            f"vllm_version {version!r} predates 0.11; kvcore-vllm knows the V1 layouts of 0.11 and later ({', '.join(ERAS)})"
+        )
+    era = ERAS[0]
+    for e, k in zip(ERAS, keys):
+        if mm >= k:
+            era = e
+    return era
+
+
+def _bad(field: str, value: Any, accepted) -> DetectionError:
+    return DetectionError(f"vLLM hint {field}={value!r} is not known; accepted values: {', '.join(map(str, accepted))}")
+
+
+class VllmHints(BaseModel):
+    """Facts about a vLLM KV cache, in vLLM's vocabulary (all optional).
+
+    Attributes:
+        kv_cache_layout: ``NHD``/``HND`` (<= 0.26) or a 0.33 ``KVCacheLayout`` member;
+            normalised to upper case. ``layout33`` gives the 0.33 name (aliases applied).
+        attention_backend: a vLLM backend name (``FLASH_ATTN``, ``FLASHINFER``,
+            ``TRITON_ATTN``, ``FLEX_ATTENTION``, ``FLASHMLA``, ``CPU_ATTN``, ``PALLAS``...).
+        num_kv_heads, block_size, head_size: per-rank geometry (head_size in elements;
+            MLA: kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V3).
+        cache_dtype: vLLM's ``--kv-cache-dtype`` string (``auto``, ``fp8_e4m3``, ...).
+        dtype: the model dtype (torch dtype or its name); the element dtype of byte views.
+        vllm_version: ``"0.11.0"``, ``"0.24"``...; selects that era's rules only.
+        device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``; ``cpu`` selects vLLM's CPU
+            backend rules, ``tpu`` the Pallas rules, ``xpu`` forces NHD.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            msgs = []
+            for err in e.errors():
+                orig = (err.get("ctx") or {}).get("error")
+                msgs.append(str(orig) if orig is not None else f"vLLM hint {'.'.join(map(str, err['loc']))}: {err['msg']}")
+            raise DetectionError("; ".join(msgs)) from None
+
+    kv_cache_layout: str | None = None
+    attention_backend: str | None = None
+    num_kv_heads: int | None = None
+    block_size: int | None = None
+    head_size: int | None = None
+    cache_dtype: str | None = None
+    dtype: Any = None
+    vllm_version: str | None = None
+    device_type: str | None = None
+
+    @field_validator("kv_cache_layout", mode="before")
+    @classmethod
+    def _layout(cls, v):
+        if v is None:
+            return None
+        v = getattr(v, "name", v)  # a KVCacheLayout enum member
+        s = str(v).strip().upper()
+        if s not in LAYOUT_ALIASES and s not in KV_CACHE_LAYOUTS:
+            raise _bad("kv_cache_layout", v, list(LAYOUT_ALIASES) + list(KV_CACHE_LAYOUTS))
+        return s
+
+    @field_validator("attention_backend", mode="before")
+    @classmethod
+    def _backend(cls, v):
+        if v is None:
+            return None
+        v = getattr(v, "name", v)
+        s = str(v).strip().upper()
+        if s not in BACKEND_FAMILY:
+            raise _bad("attention_backend", v, BACKENDS)
+        return s
+
+    @field_validator("cache_dtype", mode="before")
+    @classmethod
+    def _cache_dtype(cls, v):
+        if v is None:
+            return None
+        s = str(v).strip().lower()
+        if s not in CACHE_DTYPES:
+            raise _bad("cache_dtype", v, CACHE_DTYPES)
+        return s
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v):
+        if v is None or isinstance(v, torch.dtype):
+            return v
+        s = str(v).strip().lower().replace("torch.", "")
+        if s not in _MODEL_DTYPES:
+            raise _bad("dtype", v, _MODEL_DTYPES)
+        return _MODEL_DTYPES[s]
+
+    @field_validator("vllm_version", mode="before")
+    @classmethod
+    def _version(cls, v):
+        if v is None:
+            return None
+        era_of(str(v))
+        return str(v).strip()
+
+    @field_validator("device_type", mode="before")
+    @classmethod
+    def _device(cls, v):
+        if v is None:
+            return None
+        s = str(getattr(v, "type", v)).strip().lower().split(":")[0]
+        if s not in DEVICE_TYPES:
+            raise _bad("device_type", v, DEVICE_TYPES)
+        return s
+
+    @field_validator("num_kv_heads", "block_size", "head_size", mode="before")
+    @classmethod
+    def _positive(cls, v, info):
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise DetectionError(f"vLLM hint {info.field_name}={v!r} must be a positive int")
+        return v
+
+    # -- derived ---------------------------------------------------------------------
+    @property
+    def era(self) -> str | None:
+        return era_of(self.vllm_version) if self.vllm_version else None
+
+    @property
+    def family(self) -> str | None:
+        return BACKEND_FAMILY.get(self.attention_backend) if self.attention_backend else None
+
+    @property
+    def layout33(self) -> str | None:
+        """The 0.33 ``KVCacheLayout`` name (NHD -> LBNHC, HND -> LBHNC), or None."""
+        if self.kv_cache_layout is None:
+            return None
+        return LAYOUT_ALIASES.get(self.kv_cache_layout, self.kv_cache_layout)
+
+    @property
+    def layout_family(self) -> str | None:
+        """``NHD`` or ``HND`` (None without a layout hint)."""
+        if self.kv_cache_layout is None:
+            return None
+        if self.kv_cache_layout in LAYOUT_ALIASES:
+            return self.kv_cache_layout
+        return LAYOUT_FAMILY[self.kv_cache_layout]
+
+    @property
+    def is_mla(self) -> bool | None:
+        """True for MLA backends or MLA-only cache dtypes, False for other backends, else None."""
+        if self.cache_dtype in MLA_CACHE_DTYPES:
+            return True
+        if self.family is None:
+            return None
+        return self.family == "MLA"
+
+    def element_dtype(self) -> torch.dtype | None:
+        """The element dtype a byte (int8/uint8) view carries: the fp8 dtype for fp8 cache
+        dtypes, the model dtype for ``auto``, None when unknown."""
+        cd = CACHE_DTYPES.get(self.cache_dtype or "auto")
+        if cd is not None:
+            return cd
+        return self.dtype
+
+    @property
+    def default_block_size(self) -> int:
+        """vLLM's platform default block size: 64 on XPU, else 16 (engine_layouts.md §1.2)."""
+        return 64 if self.device_type == "xpu" else 16
+
+
+def parse_hints(hints: Any) -> VllmHints:
+    """Normalise hints given as a dict, a :class:`VllmHints`, or None.
+
+    A ``cache_config`` entry (vLLM's ``CacheConfig`` or anything with ``.cache_dtype``,
+    ``.block_size``, ``.kv_cache_layout``) fills missing fields; ``VLLM_KV_CACHE_LAYOUT``
+    is read only when no layout came from either. Unknown keys raise
+    :class:`kvcore.DetectionError` naming the accepted ones.
+    """
+    if isinstance(hints, VllmHints):
+        return hints
+    if hints is None:
+        d: dict[str, Any] = {}
+    elif isinstance(hints, Mapping):
+        d = {k: v for k, v in hints.items() if v is not None}
+    elif hasattr(hints, "model_dump"):
+        d = {k: v for k, v in hints.model_dump().items() if v is not None}
+    else:
+        raise DetectionError(f"vLLM hints must be a dict or VllmHints, got {type(hints).__name__}")
+    obj = d.pop("cache_config", None)
+    if obj is not None:
+        for field, attr in (("cache_dtype", "cache_dtype"), ("block_size", "block_size"), ("kv_cache_layout", "kv_cache_layout")):
+            val = getattr(obj, attr, None)
+            if field not in d and val is not None:
+                d[field] = val
+    if "kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+        d["kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
+    # the core passes hints meant for every plugin; keep ours, refuse misspellings of ours
+    known = set(VllmHints.model_fields)
+    generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}
+    unknown = set(d) - known - generic
+    if unknown:
+        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(known | {'cache_config'})}")
+    if "page_size" in d and "block_size" not in d:
+        d["block_size"] = d["page_size"]
+    return VllmHints(**{k: v for k, v in d.items() if k in known})

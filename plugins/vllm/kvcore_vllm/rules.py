@@ -1,0 +1,658 @@
+"""vLLM's KV cache layouts as data: one :class:`Rule` per (era, backend family, shape).
+
+A rule says what vLLM hands out and where its bytes live:
+
+* ``logical``: the axis tokens of the per-layer tensor as vLLM's
+  ``get_kv_cache_shape`` (<= 0.26) or ``create_kv_cache_views`` (0.33) gives it, after an
+  optional zero-copy ``transform`` (e.g. 0.33 CPU's ``[B, H, N, C]`` -> ``[B, H, 2, N, D]``);
+* ``layouts``: per layout key, the **physical** axis order of the whole cache, ``NL``
+  included. The key is ``NHD``/``HND`` (+ ``/cross`` for 0.13-0.2x cross-layer buffers)
+  for <= 0.26, a ``KVCacheLayout`` member for 0.33. The physical order *is* the kvcore
+  format name: ``NL`` first gives a layer list ``NL_X_...``; ``NL`` inside gives the one
+  cross-layer tensor (``NB_NL_TWO_BS_NH_HS``), rebuilt from the per-layer views that
+  share one buffer with a uniform layer stride.
+
+:func:`candidates` turns every rule consistent with the hints and the tensors into
+:class:`kvcore.Candidate`\\ s (views only; a candidate's views must follow its physical
+order, so strides decide NHD vs HND and layer- vs block-outermost wherever they can);
+:func:`kvcore.resolve` then merges readings that place bytes identically and raises
+:class:`kvcore.AmbiguousLayoutError` for the rest.
+
+Heads-outermost 0.33 layouts are named by their physical order too: ``LHBNC`` is a layer
+list of ``[NH, NB, BS, CS]`` tensors (``NL_X_NH_NB_BS_CS``), ``BHLNC`` the one tensor
+``NB_NH_NL_BS_CS``. (kvcore's generic spec reads strides, so the per-layer view
+``NL_X_NB_NH_BS_CS`` with a head stride larger than its block stride would move the same
+bytes; the name just would not say where they are.)
+
+Facts: ``../shared/reference/engine_layouts.md`` §1 (file and line numbers per release).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcore import Candidate, DetectionError, Source
+from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_FAMILY, VllmHints
+from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
+
+__all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name"]
+
+#: MLA latent widths vLLM's MLA backends accept: ``get_supported_head_sizes() == [576]``
+#: (0.11 ``mla/common.py``), plus fp8_ds_mla's 656-byte per-token record
+#: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8).
+MLA_WIDTHS = (576,)
+FP8_DS_MLA_BYTES = 656
+
+_FA = "vllm/v1/attention/backends/flash_attn.py::FlashAttentionBackend.get_kv_cache_shape"
+_FI = "vllm/v1/attention/backends/flashinfer.py::FlashInferBackend.get_kv_cache_shape"
+_TR = "vllm/v1/attention/backends/triton_attn.py::TritonAttentionBackend.get_kv_cache_shape"
+_FLEX = "vllm/v1/attention/backends/flex_attention.py::FlexAttentionBackend.get_kv_cache_shape"
+_MLA = "vllm/v1/attention/backends/mla/common.py::MLACommonBackend.get_kv_cache_shape"
+_XL = "vllm/v1/worker/kv_connector_model_runner_mixin.py::allocate_uniform_kv_caches"
+_V33 = "vllm/v1/kv_cache_interface.py::create_kv_cache_views; vllm/v1/kv_cache_layout.py::KVCacheLayout"
+_CPU = "vllm/v1/attention/backends/cpu_attn.py"
+_PALLAS = "vllm/v1/attention/backends/pallas.py::PallasAttentionBackend.get_kv_cache_shape"
+_IDX = "vllm/v1/attention/backends/mla/indexer.py; vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache"
+
+GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+def _o(s: str) -> tuple[str, ...]:
+    return tuple(s.split())
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One vLLM allocation: see the module docstring.
+
+    Attributes:
+        label: a short human name (shown in notes and ambiguity messages).
+        eras: layout eras (:data:`kvcore_vllm.hints.ERAS`) the rule holds for.
+        families: backend families (:data:`kvcore_vllm.hints.BACKEND_FAMILY` values).
+        rank: rank of the tensor vLLM hands out.
+        logical: axis tokens of the per-layer view after ``transform``.
+        layouts: layout key -> physical axis order (with ``NL``).
+        sources: where the facts come from.
+        transform: name of a zero-copy view transform (:data:`TRANSFORMS`), or "".
+        gate: "gpu" (excluded when device_type is cpu/tpu), "cpu" (needs device_type cpu
+            or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "" (any).
+        physical_ok: a tensor already permuted to a layout's physical order is a valid
+            reading when the layout hint names it (or sizes cannot tell).
+        mla: MLA latent (no K/V axis); blocked: blocked-scale records.
+    """
+
+    label: str
+    eras: tuple[str, ...]
+    families: tuple[str, ...]
+    rank: int
+    logical: tuple[str, ...]
+    layouts: dict[str, tuple[str, ...]]
+    sources: tuple[Source, ...]
+    transform: str = ""
+    gate: str = "gpu"
+    physical_ok: bool = False
+    mla: bool = False
+    blocked: bool = False
+    backends_label: tuple[str, ...] = field(default=())
+
+
+def _src(version: str, file: str) -> Source:
+    return Source(engine="vllm", version=version, file=file)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        label="FlashAttention K/V-major (2, NB, BS, NH, HS)",
+        eras=("0.11", "0.13"),
+        families=("FLASH_ATTN", "FLEX_ATTENTION"),
+        rank=5,
+        logical=_o("TWO NB BS NH HS"),
+        layouts={"NHD": _o("NL TWO NB BS NH HS"), "HND": _o("NL TWO NB NH BS HS")},
+        sources=(_src("0.11.0", _FA + " (l.78), get_kv_cache_stride_order HND (0,1,3,2,4)"), _src("0.11.0", _FLEX + " (l.86)")),
+        physical_ok=True,
+        backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "XPU"),
+    ),
+    Rule(
+        label="FlashAttention cross-layer (0.13-0.23)",
+        eras=("0.13",),
+        families=("FLASH_ATTN",),
+        rank=5,
+        logical=_o("TWO NB BS NH HS"),
+        layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB NH NL TWO BS HS")},
+        sources=(_src("0.13.0", _XL + "; FA stride order NHD (2,0,1,3,4,5), HND (2,4,0,1,3,5)"),),
+        backends_label=("FLASH_ATTN",),
+    ),
+    Rule(
+        label="FlashInfer blocks-first (NB, 2, BS, NH, HS)",
+        eras=("0.11", "0.13", "0.24"),
+        families=("FLASHINFER",),
+        rank=5,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
+        sources=(_src("0.11.0", _FI + " (l.184), HND stride order (0,1,3,2,4)"), _src("0.24.0", _FI)),
+        physical_ok=True,
+        backends_label=("FLASHINFER",),
+    ),
+    Rule(
+        label="FlashInfer cross-layer (0.13-0.23)",
+        eras=("0.13",),
+        families=("FLASHINFER",),
+        rank=5,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB TWO NH NL BS HS")},
+        sources=(_src("0.13.0", _XL + "; FlashInfer stride order NHD (1,0,2,3,4,5), HND (1,2,4,0,3,5)"),),
+        backends_label=("FLASHINFER",),
+    ),
+    Rule(
+        label="Triton blocks-first (NB, 2, BS, NH, HS)",
+        eras=("0.11", "0.13", "0.24"),
+        families=("TRITON_ATTN",),
+        rank=5,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"NHD": _o("NL NB TWO BS NH HS")},
+        sources=(_src("0.11.0", _TR + " (l.169), no stride order: NHD only"), _src("0.24.0", _TR)),
+        physical_ok=True,
+        backends_label=("TRITON_ATTN", "ROCM_ATTN"),
+    ),
+    Rule(
+        label="0.24 blocks-first (NB, 2, BS, NH, HS)",
+        eras=("0.24",),
+        families=("FLASH_ATTN",),
+        rank=5,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
+        sources=(_src("0.24.0", _FA + " (l.140)"),),
+        physical_ok=True,
+        backends_label=("FLASH_ATTN",),
+    ),
+    Rule(
+        label="0.24 FlexAttention (NB, 2, BS, NH, HS), stride order (0,2,1,3,4)",
+        eras=("0.24",),
+        families=("FLEX_ATTENTION",),
+        rank=5,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"NHD": _o("NL NB BS TWO NH HS")},
+        sources=(_src("0.24.0", _FLEX + ", stride order (0,2,1,3,4)"),),
+        physical_ok=True,
+        backends_label=("FLEX_ATTENTION",),
+    ),
+    Rule(
+        label="0.24 cross-layer",
+        eras=("0.24",),
+        families=("FLASH_ATTN",),
+        rank=5,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB NH NL TWO BS HS")},
+        sources=(_src("0.24.0", _XL + "; FA stride order NHD (1,0,2,3,4,5), HND (1,4,0,2,3,5)"),),
+        backends_label=("FLASH_ATTN",),
+    ),
+    Rule(
+        label="0.26 packed K|V (NB, NH, BS, 2*HS)",
+        eras=("0.26",),
+        families=GPU_FAMILIES,
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={"NHD": _o("NL NB BS NH CS"), "HND": _o("NL NB NH BS CS"), "NHD/cross": _o("NB NL BS NH CS")},
+        sources=(_src("0.26.0", _FA + " (l.131), stride order NHD (0,2,1,3), HND identity; cross-layer NHD (1,0,3,2,4)"),),
+        physical_ok=True,
+        backends_label=GPU_FAMILIES,
+    ),
+    Rule(
+        label="0.33 KVCacheLayout views [NB, NH, BS, C]",
+        eras=("0.33",),
+        families=GPU_FAMILIES,
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={
+            "LBNHC": _o("NL NB BS NH CS"),
+            "LBHNC": _o("NL NB NH BS CS"),
+            "LHBNC": _o("NL NH NB BS CS"),
+            "BLHNC": _o("NB NL NH BS CS"),
+            "BLNHC": _o("NB NL BS NH CS"),
+            "BHLNC": _o("NB NH NL BS CS"),
+        },
+        sources=(_src("0.33.0", _V33 + " (l.418); vllm/v1/worker/utils.py::allocate_kv_cache (l.564)"),),
+        backends_label=GPU_FAMILIES + ("ROCM_ATTN",),
+    ),
+    Rule(
+        label="CPU 0.11 paged (2, NB, BS*NH*HS)",
+        eras=("0.11",),
+        families=("CPU",),
+        rank=3,
+        logical=_o("TWO NB NH HS BS"),
+        layouts={"HND": _o("NL TWO NB NH HS BS")},
+        sources=(_src("0.11.0", _CPU + "::_PagedAttention.get_kv_cache_shape (l.751) / split_kv_cache"),),
+        transform="paged",
+        gate="cpu",
+        backends_label=("TORCH_SDPA",),
+    ),
+    Rule(
+        label="CPU 0.13 (2, NB, NH, BS, HS)",
+        eras=("0.13",),
+        families=("CPU",),
+        rank=5,
+        logical=_o("TWO NB NH BS HS"),
+        layouts={"HND": _o("NL TWO NB NH BS HS")},
+        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape"),),
+        gate="cpu",
+        backends_label=("CPU_ATTN",),
+    ),
+    Rule(
+        label="CPU 0.24-0.26 packed (NB, NH, BS, 2*HS)",
+        eras=("0.24", "0.26"),
+        families=("CPU",),
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={"HND": _o("NL NB NH BS CS")},
+        sources=(_src("0.24.0", _CPU + "::get_kv_cache_shape, get_required_kv_cache_layout() == 'HND'"),),
+        gate="cpu",
+        backends_label=("CPU_ATTN",),
+    ),
+    Rule(
+        label="CPU 0.33 LBHNC, per (block, head) BS K-rows then BS V-rows",
+        eras=("0.33",),
+        families=("CPU",),
+        rank=4,
+        logical=_o("NB NH TWO BS HS"),
+        layouts={"LBHNC": _o("NL NB NH TWO BS HS")},
+        sources=(_src("0.33.0", _CPU + " (l.82 supported_kv_cache_layouts; l.420-425 view [B,H,2N,D].chunk(2, dim=2))"),),
+        transform="kv_rows",
+        gate="cpu",
+        backends_label=("CPU_ATTN",),
+    ),
+    Rule(
+        label="TPU Pallas (NB, BS, 2*NH, ceil128(HS)), K/V interleaved per head",
+        eras=("0.11", "0.13"),
+        families=("PALLAS",),
+        rank=4,
+        logical=_o("NB BS NH TWO HS"),
+        layouts={"NHD": _o("NL NB BS NH TWO HS")},
+        sources=(_src("0.11.0", _PALLAS + " (l.100); write_to_kv_cache cat([k, v], -1).reshape(-1, 2H, D)"),),
+        transform="pallas",
+        gate="tpu",
+        backends_label=("PALLAS",),
+    ),
+    Rule(
+        label="MLA latent (NB, BS, 576)",
+        eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
+        families=("MLA",),
+        rank=3,
+        logical=_o("NB BS HS"),
+        layouts={"*": _o("NL NB BS HS")},
+        sources=(
+            _src("0.11.0", _MLA + " (l.284)"),
+            _src("0.11.0", "vllm/v1/attention/backends/mla/flashmla_sparse.py::get_kv_cache_shape (l.74) fp8_ds_mla (NB, BS, 656) uint8"),
+            _src("0.33.0", "vllm/model_executor/layers/attention/mla_attention.py::MLAAttention.bind_kv_cache (l.748) squeeze(1)"),
+        ),
+        gate="",
+        mla=True,
+        backends_label=("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"),
+    ),
+    Rule(
+        label="0.33 MLA view [NB, 1, BS, C]",
+        eras=("0.33",),
+        families=("MLA",),
+        rank=4,
+        logical=_o("NB BS HS"),
+        layouts={
+            "LBNHC": _o("NL NB BS HS"),
+            "LBHNC": _o("NL NB BS HS"),
+            "LHBNC": _o("NL NB BS HS"),
+            "BLHNC": _o("NB NL BS HS"),
+            "BLNHC": _o("NB NL BS HS"),
+            "BHLNC": _o("NB NL BS HS"),
+        },
+        sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec.head_size_v = 0 (C = 576 * dtype_size)"),),
+        transform="squeeze_head",
+        gate="",
+        mla=True,
+        backends_label=("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"),
+    ),
+    Rule(
+        label="blocked-scale records (NB, BS, W) uint8 (DeepSeek-V3.2 indexer 132, nvfp4 352, V4 584/528)",
+        eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
+        families=("MLA",),
+        rank=3,
+        logical=_o("NB BS HS"),
+        layouts={"*": _o("NL NB BSV BSS")},
+        sources=(_src("0.11.0", _IDX + " (l.36); head_size 128 + 4 = 132, uint8"),),
+        gate="",
+        mla=True,
+        blocked=True,
+        backends_label=("FLASHMLA_SPARSE", "indexer"),
+    ),
+    Rule(
+        label="0.33 blocked-scale view [NB, 1, BS, W]",
+        eras=("0.33",),
+        families=("MLA",),
+        rank=4,
+        logical=_o("NB BS HS"),
+        layouts={"LBNHC": _o("NL NB BSV BSS"), "LBHNC": _o("NL NB BSV BSS"), "LHBNC": _o("NL NB BSV BSS")},
+        sources=(_src("0.33.0", _V33 + "; state_content_bytes 352 (nvfp4_ds_mla), mla_attention.py l.1371"),),
+        transform="squeeze_head",
+        gate="",
+        mla=True,
+        blocked=True,
+        backends_label=("FLASHMLA_SPARSE", "indexer"),
+    ),
+)
+
+
+def physical_name(order: Sequence[str]) -> str:
+    """``("NL","TWO","NB",...)`` -> ``NL_X_TWO_NB_...``; ``NL`` inside -> one tensor name."""
+    toks = list(order)
+    if toks[0] == "NL":
+        return "NL_X_" + "_".join(toks[1:])
+    return "_".join(toks)
+
+
+# -- zero-copy view transforms -------------------------------------------------------
+
+
+def _t_squeeze_head(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.33 MLA: [B, 1, N, C] -> [B, N, C] (MLAAttention.bind_kv_cache squeezes dim 1)
+    return t.squeeze(1) if t.shape[1] == 1 else None
+
+
+def _t_kv_rows(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.33 CPU: [B, H, N, C] viewed as [B, H, 2N, C/2] and chunk(2, dim=2) -> [B, H, 2, N, C/2]
+    b, nh, n, c = t.shape
+    if c % 2 or t.stride(3) != 1 or (n > 1 and t.stride(2) != c):
+        return None
+    d = c // 2
+    return torch.as_strided(t, (b, nh, 2, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
+
+
+def _t_paged(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.11 CPU: (2, B, N*H*D) -> V's view (2, B, H, D, N); needs block_size and heads or head_size
+    two, b, flat = t.shape
+    n = h.block_size
+    if n is None or flat % n or t.stride(2) != 1:
+        return None
+    per = flat // n
+    if h.num_kv_heads and h.head_size:
+        nh, d = h.num_kv_heads, h.head_size
+    elif h.num_kv_heads:
+        nh, d = h.num_kv_heads, per // h.num_kv_heads
+    elif h.head_size:
+        nh, d = per // h.head_size, h.head_size
+    else:
+        return None
+    if nh * d != per:
+        return None
+    return torch.as_strided(t, (two, b, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
+
+
+def _t_pallas(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # (B, N, 2H, P) -> (B, N, H, 2, D): K and V alternate on the head axis; D = head_size (<= P)
+    b, n, h2, p = t.shape
+    if h2 % 2 or t.stride(3) != 1:
+        return None
+    d = h.head_size or p
+    if d > p:
+        return None
+    return torch.as_strided(t, (b, n, h2 // 2, 2, d), (t.stride(0), t.stride(1), 2 * t.stride(2), t.stride(2), 1), t.storage_offset())
+
+
+TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] = {
+    "squeeze_head": _t_squeeze_head,
+    "kv_rows": _t_kv_rows,
+    "paged": _t_paged,
+    "pallas": _t_pallas,
+}
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def _ordered(t: torch.Tensor) -> bool:
+    """Strides of the axes longer than 1 do not increase: the view follows memory order."""
+    prev = None
+    for n, s in zip(t.shape, t.stride()):
+        if n <= 1:
+            continue
+        if prev is not None and s > prev:
+            return False
+        prev = s
+    return True
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
+    isz = t.element_size()
+    start = t.storage_offset() * isz
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) * isz + isz
+    return t.untyped_storage().data_ptr(), start, start + span
+
+
+def _layers_separate(views: Sequence[torch.Tensor]) -> bool:
+    """Each layer's bytes are its own (or exactly another layer's: shared KV, aliased
+    groups); layers whose pages interleave are a cross-layer buffer instead."""
+    ranges = sorted({_byte_range(v) for v in views})
+    for (p0, s0, e0), (p1, s1, e1) in zip(ranges, ranges[1:]):
+        if p0 == p1 and s1 < e0:
+            return False
+    return True
+
+
+def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Per-layer views of one buffer with a uniform layer stride -> one ``[NL, *view]``
+    view (no copy), or None when they are not that (different storage, shapes, strides,
+    or a non-uniform or non-positive layer step)."""
+    v0 = views[0]
+    ptr = v0.untyped_storage().data_ptr()
+    for v in views:
+        if v.untyped_storage().data_ptr() != ptr or v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype:
+            return None
+    offs = [v.storage_offset() for v in views]
+    step = offs[1] - offs[0] if len(offs) > 1 else 0
+    if len(offs) > 1 and (step <= 0 or any(b - a != step for a, b in zip(offs, offs[1:]))):
+        return None
+    if len(offs) == 1:
+        step = max((n * s for n, s in zip(v0.shape, v0.stride())), default=1)
+    return torch.as_strided(v0, (len(views), *v0.shape), (step, *v0.stride()), offs[0])
+
+
+_BYTE_DTYPES = (torch.int8, torch.uint8)
+
+
+def _element_dtype(t: torch.Tensor, h: VllmHints) -> tuple[torch.dtype | None, int]:
+    """(dtype for the spec or None, element size) for tensors of ``t``'s storage dtype."""
+    want = h.element_dtype()
+    if t.dtype in _BYTE_DTYPES:
+        if want is not None and want != t.dtype:
+            return want, torch.empty(0, dtype=want).element_size()
+        return None, 1
+    if want is not None and want != t.dtype and h.cache_dtype not in (None, "auto") and torch.empty(0, dtype=want).element_size() == 1:
+        # fp8 cache stored as real float8 (TPU): the tensor's dtype answers
+        return None, t.element_size()
+    if want is not None and want != t.dtype:
+        raise DetectionError(
+            f"vLLM: the KV cache tensors are {t.dtype} but the hints say the cache holds {want} "
+            f"(dtype={h.dtype}, cache_dtype={h.cache_dtype}); fix the hint or pass the right tensors"
+        )
+    return None, t.element_size()
+
+
+@dataclass
+class Reading:
+    """A candidate with what detection needs to explain it."""
+
+    candidate: Candidate
+    rule: Rule
+    layout: str
+
+
+def _layout_ok(rule: Rule, key: str, h: VllmHints) -> bool:
+    fam = h.layout_family or ("NHD" if h.device_type == "xpu" else None)
+    if fam is None:
+        return True
+    specific = h.kv_cache_layout in KV_CACHE_LAYOUTS
+    base, _, cross = key.partition("/")
+    if base == "*":
+        return not specific or (h.kv_cache_layout[0] == "B") == bool(cross)
+    if base in KV_CACHE_LAYOUTS:
+        if specific:
+            return base == h.kv_cache_layout
+        return LAYOUT_FAMILY[base] == fam
+    if base != fam:
+        return False
+    return not specific or (h.kv_cache_layout[0] == "B") == bool(cross)
+
+
+def _rule_ok(rule: Rule, h: VllmHints) -> bool:
+    if h.era is not None and h.era not in rule.eras:
+        return False
+    fam = h.family
+    if fam is not None and fam not in rule.families:
+        return False
+    if h.is_mla is True and not rule.mla:
+        return False
+    if h.is_mla is False and rule.mla:
+        return False
+    dev = h.device_type
+    if rule.gate == "gpu" and dev in ("cpu", "tpu"):
+        return False
+    if rule.gate == "cpu" and not (dev == "cpu" or fam == "CPU"):
+        return False
+    if rule.gate == "tpu" and not (dev == "tpu" or fam == "PALLAS"):
+        return False
+    return True
+
+
+def _sizes(tokens: Sequence[str], t: torch.Tensor) -> dict[str, int] | None:
+    out = {}
+    for tok, n in zip(tokens, t.shape):
+        if tok == "TWO" and n != 2:
+            return None
+        if tok == "ONE" and n != 1:
+            return None
+        out[tok] = int(n)
+    return out
+
+
+def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints) -> bool:
+    isz = t.element_size()
+    if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
+        return False
+    if h.num_kv_heads is not None:
+        if rule.mla and h.num_kv_heads != 1:
+            return False
+        if "NH" in sz and sz["NH"] != h.num_kv_heads:
+            return False
+    last = "CS" if "CS" in sz else "HS"
+    width_bytes = sz[last] * isz
+    if width_bytes % esz:
+        return False
+    width = width_bytes // esz
+    if rule.blocked:
+        return t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS
+    if rule.mla:
+        if h.head_size is not None:
+            return width == h.head_size
+        if width in MLA_WIDTHS:
+            return True
+        return t.dtype in _BYTE_DTYPES and sz[last] == FP8_DS_MLA_BYTES
+    if last == "CS":
+        if width % 2:
+            return False
+        width //= 2
+    if h.head_size is not None and width != h.head_size and rule.transform != "pallas":
+        return False
+    return True
+
+
+def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str) -> Reading | None:
+    """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``."""
+    order = rule.layouts[key]
+    t0 = views[0]
+    sz = _sizes(tokens, t0)
+    if sz is None:
+        return None
+    dtype, esz = _element_dtype(t0, h)
+    if not _sizes_ok(rule, sz, t0, esz, h):
+        return None
+    if order[0] == "NL":
+        perm = [tokens.index(tok) for tok in _fmt_tokens(order[1:])]
+        pv = [v.permute(perm) for v in views]
+        if not all(_ordered(v) for v in pv) or not _layers_separate(pv):
+            return None
+        kv = pv
+    else:
+        stacked = stack_layers(views)
+        if stacked is None:
+            return None
+        full = ("NL",) + tokens
+        perm = [full.index(tok) for tok in _fmt_tokens(order)]
+        kv = stacked.permute(perm)
+        if not _ordered(kv):
+            return None
+    fmt = physical_name(order)
+    params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
+    decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
+    if key != "*":
+        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+    cand = Candidate(
+        format=fmt,
+        kv_caches=kv,
+        dtype=dtype,
+        params=params,
+        note=f"vLLM {rule.label}, layout {key}{note}",
+        decided_by=decided,
+        label=f"{rule.label}, {key}{note}",
+    )
+    return Reading(cand, rule, key)
+
+
+def _fmt_tokens(order: Sequence[str]) -> tuple[str, ...]:
+    # BSV_BSS is the element axis of a blocked-scale record; the view's token is HS
+    out: list[str] = []
+    for tok in order:
+        if tok == "BSV":
+            out.append("BS")
+        elif tok == "BSS":
+            out.append("HS")
+        else:
+            out.append(tok)
+    return tuple(out)
+
+
+def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool = True) -> list[Reading]:
+    """Every reading of ``tensors`` (one per layer, in layer order) that a rule allows.
+
+    With ``check_layout=False`` the kv_cache_layout hint is ignored (used to explain a
+    hint that the strides contradict).
+    """
+    out: list[Reading] = []
+    t0 = tensors[0]
+    for rule in RULES:
+        if t0.dim() != rule.rank or not _rule_ok(rule, h):
+            continue
+        if rule.transform:
+            fn = TRANSFORMS[rule.transform]
+            views = [fn(t, h) for t in tensors]
+            if any(v is None for v in views):
+                continue
+        else:
+            views = list(tensors)
+        for key in rule.layouts:
+            if check_layout and not _layout_ok(rule, key, h):
+                continue
+            r = _reading(rule, key, views, rule.logical, h, "")
+            if r is not None:
+                out.append(r)
+            # a tensor already permuted to this layout's physical order
+            order = rule.layouts[key]
+            phys = tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
+            if not rule.physical_ok or order[0] != "NL" or phys == rule.logical:
+                continue
+            hinted = check_layout and h.kv_cache_layout is not None and _layout_ok(rule, key, h)
+            sz_l, sz_p = _sizes(rule.logical, views[0]), _sizes(phys, views[0])
+            undecided = sz_l is not None and sz_l == sz_p
+            if hinted or undecided or h.block_size is not None or h.num_kv_heads is not None:
+                r = _reading(rule, key, views, phys, h, " (tensor already in physical order)")
+                if r is not None:
+                    out.append(r)
+    return out
