@@ -1,0 +1,147 @@
+"""Detection for ``engine="transformers"``.
+
+Accepted inputs (the plugin answers only for ``engine == "transformers"``):
+
+* a cache object: ``DynamicCache`` / ``StaticCache`` (both API generations) or a
+  continuous-batching ``PagedAttentionCache`` (see :mod:`kvcore_transformers.caches`);
+* what :func:`kvcore_transformers.kv_caches` returns: a list of per-layer ``(K, V)``
+  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS``; or one 6-D
+  ``[NB, NL, 2, page_size, NH, HS]`` paged view → ``NB_NL_TWO_BS_NH_HS``;
+* ``[K list, V list]`` with ``hints={"container": "kv_lists"}`` (the 4.53
+  ``key_cache``/``value_cache`` lists as they are); without the hint a list is read as
+  per-layer pairs (two lists of two tensors look the same either way, so the hint decides);
+* the paged cache's raw 1-D ``torch.uint8`` tensor with hints ``num_layers`` (layers of
+  the group), ``num_kv_heads``, ``head_size``, ``page_size`` (alias ``block_size``) and
+  ``dtype`` — the bytes alone do not say their geometry.
+
+Hints: ``attention_type`` (paged group: ``full_attention`` / ``sliding_attention``),
+``container`` (``layer_pairs`` / ``kv_lists``), ``transformers_version`` (refuse tensors
+from a version outside the supported range), and the paged geometry above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore import Detection, DetectionError
+
+from .caches import (
+    LAYER_PAIRS_FORMAT,
+    PAGED_FORMAT,
+    as_dtype,
+    is_layered_cache,
+    is_legacy_cache,
+    is_paged_cache,
+    layer_pairs,
+    paged_groups,
+    paged_view,
+    select_group,
+)
+from .versions import check_version
+
+__all__ = ["detect", "HINTS"]
+
+HINTS = ("attention_type", "container", "transformers_version", "num_layers", "num_kv_heads", "head_size", "page_size", "block_size", "dtype")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} stride {list(t.stride())} {str(t.dtype).replace('torch.', '')}"
+
+
+def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
+    """Recognise a transformers cache (see the module docstring).
+
+    Returns:
+        a Detection, or None when the input is nothing transformers allocates.
+    Raises:
+        DetectionError: a transformers cache this plugin cannot describe, with the reason
+            (unsupported version, quantized, empty, K and V head sizes that differ, layers
+            of different lengths, missing paged hints).
+        AmbiguousLayoutError: a paged cache with several attention-type groups and no
+            ``attention_type`` hint.
+    """
+    unknown = sorted(set(hints) - set(HINTS))
+    if unknown:
+        raise DetectionError(f"engine 'transformers' does not know the hints {unknown}; it reads {', '.join(HINTS)}")
+    if hints.get("transformers_version") is not None:
+        check_version("cache", version=str(hints["transformers_version"]))
+    if is_paged_cache(kv_caches):
+        group = select_group(paged_groups(kv_caches), hints.get("attention_type"))
+        return _paged_detection(group.view, f"PagedAttentionCache group {group.attention_type!r}, model layers {list(group.layer_ids)}")
+    if is_layered_cache(kv_caches) or is_legacy_cache(kv_caches):
+        return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers")
+    if isinstance(kv_caches, torch.Tensor):
+        if kv_caches.dim() == 6 and kv_caches.shape[2] == 2:
+            return _paged_detection(kv_caches, "6-D [NB, NL, 2, page_size, NH, HS] paged view")
+        if kv_caches.dim() == 1 and kv_caches.dtype == torch.uint8:
+            return _raw_paged(kv_caches, hints)
+        return None
+    if isinstance(kv_caches, (list, tuple)):
+        container = hints.get("container", "layer_pairs")
+        if container == "kv_lists":
+            if len(kv_caches) != 2 or not all(isinstance(x, (list, tuple)) for x in kv_caches):
+                raise DetectionError("container='kv_lists' expects [K list, V list] (cache.key_cache, cache.value_cache)")
+            if len(kv_caches[0]) != len(kv_caches[1]):
+                raise DetectionError(f"the K list has {len(kv_caches[0])} layers but the V list {len(kv_caches[1])}")
+            pairs = list(zip(kv_caches[0], kv_caches[1]))
+        elif container == "layer_pairs":
+            pairs = list(kv_caches)
+        else:
+            raise DetectionError(f"hint container={container!r}: use 'layer_pairs' ([(K, V), ...]) or 'kv_lists' ([K list, V list])")
+        if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p) for p in pairs):
+            return None
+        if not all(t.dim() == 4 for p in pairs for t in p):
+            return None
+        return _pairs_detection(pairs, "per-layer (K, V) pairs")
+    return None
+
+
+def _paged_detection(view: torch.Tensor, note: str) -> Detection:
+    # the layout's layers are the group's, in block order; PagedGroup.layer_ids maps them to the model's
+    return Detection(format=PAGED_FORMAT, kv_caches=view, note=f"transformers {note}")
+
+
+def _raw_paged(buf: torch.Tensor, hints: dict[str, Any]) -> Detection:
+    need = ["num_layers", "num_kv_heads", "head_size", "dtype"]
+    ps = hints.get("page_size", hints.get("block_size"))
+    missing = [k for k in need if hints.get(k) is None] + ([] if ps is not None else ["page_size"])
+    if missing:
+        raise DetectionError(
+            f"a 1-D uint8 tensor ({buf.numel()} bytes) is a transformers continuous-batching cache only with its geometry: "
+            f"pass hints {missing} (num_layers = layers of the attention-type group), or pass the PagedAttentionCache itself"
+        )
+    view = paged_view(
+        buf,
+        num_layers=hints["num_layers"],
+        num_kv_heads=hints["num_kv_heads"],
+        head_size=hints["head_size"],
+        page_size=ps,
+        dtype=as_dtype(hints["dtype"]),
+    )
+    return _paged_detection(view, "uint8 paged buffer viewed with the given hints")
+
+
+def _pairs_detection(pairs: list, note: str) -> Detection:
+    k0, v0 = pairs[0]
+    for i, (k, v) in enumerate(pairs):
+        if k.shape[-1] != v.shape[-1]:
+            raise DetectionError(
+                f"layer {i}: K head size {k.shape[-1]} differs from V head size {v.shape[-1]} (keys {_shape(k)}, values {_shape(v)}); "
+                "kvcore's staging layout [2, NL, T, NH*HS] needs one head size. Describe K and V as two key-only layouts instead: "
+                "kvcore.build_layout('NL_X_NB_NH_BS_HS', [k for k, _ in pairs]) and the same for the values"
+            )
+        if k.shape != v.shape:
+            raise DetectionError(f"layer {i}: keys {_shape(k)} and values {_shape(v)} differ in shape; transformers stores both [batch, NH, seq, HS]")
+    sig = [(tuple(k.shape), tuple(k.stride()), tuple(v.stride()), k.dtype, str(k.device)) for k, v in pairs]
+    if len(set(sig)) > 1:
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(sig):
+            groups.setdefault(s, []).append(i)
+        desc = "; ".join(f"layers {ids}: {list(s[0])} stride {list(s[1])} {str(s[3]).replace('torch.', '')}" for s, ids in groups.items())
+        raise DetectionError(
+            f"the layers of this transformers cache are not one layout ({desc}): sliding-window layers keep fewer tokens. "
+            "Use kvcore.detect_per_layer(kvcore_transformers.kv_caches(cache), engine='transformers') for one layout per group"
+        )
+    return Detection(format=LAYER_PAIRS_FORMAT, kv_caches=[tuple(p) for p in pairs], note=f"transformers {note}; block = batch row, slot = b * seq + position")
