@@ -54,8 +54,11 @@ def normalize_container(kv_caches: Any) -> tuple[Any, list[str] | None]:
     ``model.layers.7.self_attn.attn``; insertion order where names carry none); tuples
     and lists are kept. Returns ``(container, layer_names or None)``.
 
+    An object that is not a container (an engine's cache object) is returned as it is,
+    for the engine's plugin to unwrap.
+
     Raises:
-        DetectionError: an empty container, or something that holds no tensors.
+        DetectionError: an empty container, or a list/dict that holds no tensors.
     """
     names = None
     if isinstance(kv_caches, Mapping):
@@ -71,6 +74,10 @@ def normalize_container(kv_caches: Any) -> tuple[Any, list[str] | None]:
     if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 0:
         raise DetectionError("kv_caches is empty; pass the engine's KV cache tensors (a list, tuple or dict of layers)")
     if not _has_tensor(kv_caches):
+        if names is None and not isinstance(kv_caches, (list, tuple, str, bytes, int, float, bool, type(None))):
+            # an engine's own cache object (a transformers DynamicCache, ...): passed untouched to the plugins,
+            # whose kvcore_detect unwraps the objects of its engine; if none does, detect() says so
+            return kv_caches, None
         raise DetectionError(f"kv_caches holds no torch.Tensor (got {type(kv_caches).__name__})")
     return kv_caches, names
 
