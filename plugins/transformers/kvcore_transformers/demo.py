@@ -285,7 +285,7 @@ def run(argv: list[str] | None = None) -> int:
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
         logging.getLogger("transformers").setLevel(logging.ERROR)
         model = build_model(args.seed)
-        out["model"] = "LlamaForCausalLM(4 layers, hidden 64, 4 heads, 2 KV heads, head 16, float32, random seed %d)" % args.seed
+        out["model"] = f"LlamaForCausalLM(4 layers, hidden 64, 4 heads, 2 KV heads, head 16, float32, random seed {args.seed})"
         ok_paged = part_paged(model, args, out)
         ok_dyn = part_dynamic(model, args, out)
         ok = ok_paged and ok_dyn
@@ -312,21 +312,29 @@ def _report(o: dict[str, Any]) -> None:
     if "layout" in o:
         lay = o["layout"]
         w(f"  live paged cache: one {lay['cache_tensor']} tensor")
-        w(f"    detected {lay['format']} = {lay['concrete']} ({lay['dtype']}: NL={lay['num_layers']} NB={lay['num_blocks']} "
-          f"BS={lay['block_size']} NH={lay['num_heads']} HS={lay['head_size']})")
+        w(
+            f"    detected {lay['format']} = {lay['concrete']} ({lay['dtype']}: NL={lay['num_layers']} NB={lay['num_blocks']} "
+            f"BS={lay['block_size']} NH={lay['num_heads']} HS={lay['head_size']})"
+        )
     if "offload" in o:
         r, f = o["request"], o["offload"]
         w(f"  request 'keep': {r['tokens_cached']} cached tokens in blocks {r['blocks']}")
         w(f"    offloaded to staging {f['staging_shape']} ({f['staging_bytes']} bytes), wiped (reads differ: {f['wiped_blocks_differ']})")
-        w(f"    restored into free blocks {f['restored_into']}: blocks bit-exact {f['blocks_bit_exact']}, "
-          f"request tokens bit-exact {f['request_tokens_bit_exact']}")
+        w(
+            f"    restored into free blocks {f['restored_into']}: blocks bit-exact {f['blocks_bit_exact']}, "
+            f"request tokens bit-exact {f['request_tokens_bit_exact']}"
+        )
     if "oracle" in o:
         c = o["oracle"]
         w(f"  oracle ({c['reference']}):")
-        w(f"    max |err| K {c['max_abs_err_K']:.3g}, V {c['max_abs_err_V']:.3g} (values up to {c['max_abs_value']:.3g}; atol {c['atol']:g}): "
-          f"{'PASS' if c['pass'] else 'FAIL'}")
-        w(f"    controls: HND misreading err {c['wrong_layout_HND_err']:.3g}, K/V swapped err {c['wrong_K_V_swapped_err']:.3g}: "
-          f"{'caught' if c['controls_fail_as_they_should'] else 'NOT caught'}")
+        w(
+            f"    max |err| K {c['max_abs_err_K']:.3g}, V {c['max_abs_err_V']:.3g} (values up to {c['max_abs_value']:.3g}; atol {c['atol']:g}): "
+            f"{'PASS' if c['pass'] else 'FAIL'}"
+        )
+        w(
+            f"    controls: HND misreading err {c['wrong_layout_HND_err']:.3g}, K/V swapped err {c['wrong_K_V_swapped_err']:.3g}: "
+            f"{'caught' if c['controls_fail_as_they_should'] else 'NOT caught'}"
+        )
     if "dynamic" in o:
         d = o["dynamic"]
         w(f"  DynamicCache: prefill {d['offloaded_tokens']} tokens, detected {d['format']} = {d['concrete']}")

@@ -43,7 +43,17 @@ from .versions import check_version
 
 __all__ = ["detect", "HINTS"]
 
-HINTS = ("attention_type", "container", "transformers_version", "num_layers", "num_kv_heads", "head_size", "page_size", "block_size", "dtype")
+HINTS = (
+    "attention_type",
+    "container",
+    "transformers_version",
+    "num_layers",
+    "num_kv_heads",
+    "head_size",
+    "page_size",
+    "block_size",
+    "dtype",
+)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -133,7 +143,9 @@ def _pairs_detection(pairs: list, note: str) -> Detection:
                 "kvcore.build_layout('NL_X_NB_NH_BS_HS', [k for k, _ in pairs]) and the same for the values"
             )
         if k.shape != v.shape:
-            raise DetectionError(f"layer {i}: keys {_shape(k)} and values {_shape(v)} differ in shape; transformers stores both [batch, NH, seq, HS]")
+            raise DetectionError(
+                f"layer {i}: keys {_shape(k)} and values {_shape(v)} differ in shape; transformers stores both [batch, NH, seq, HS]"
+            )
     sig = [(tuple(k.shape), tuple(k.stride()), tuple(v.stride()), k.dtype, str(k.device)) for k, v in pairs]
     if len(set(sig)) > 1:
         groups: dict[tuple, list[int]] = {}
@@ -144,4 +156,8 @@ def _pairs_detection(pairs: list, note: str) -> Detection:
             f"the layers of this transformers cache are not one layout ({desc}): sliding-window layers keep fewer tokens. "
             "Use kvcore.detect_per_layer(kvcore_transformers.kv_caches(cache), engine='transformers') for one layout per group"
         )
-    return Detection(format=LAYER_PAIRS_FORMAT, kv_caches=[tuple(p) for p in pairs], note=f"transformers {note}; block = batch row, slot = b * seq + position")
+    return Detection(
+        format=LAYER_PAIRS_FORMAT,
+        kv_caches=[tuple(p) for p in pairs],
+        note=f"transformers {note}; block = batch row, slot = b * seq + position",
+    )
