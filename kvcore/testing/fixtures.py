@@ -22,6 +22,7 @@ per format (hook ``kvcore_register_fixtures``):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,19 @@ class FixtureCase:
     supports_padding: bool = False
     source: str = ""
     size_constraints: dict[str, Any] = field(default_factory=dict)
+
+    def view(self, kv_caches: Any, layer: int, kv: int, hints: dict | None = None) -> torch.Tensor:
+        """Call :attr:`kv_view`, passing ``hints`` when it takes them."""
+        if _takes_hints(self.kv_view):
+            return self.kv_view(kv_caches, layer, kv, hints=dict(hints or {}))
+        return self.kv_view(kv_caches, layer, kv)
+
+
+def _takes_hints(fn: Callable) -> bool:
+    try:
+        return "hints" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def fixtures(plugin: str | None = None) -> list[FixtureCase]:

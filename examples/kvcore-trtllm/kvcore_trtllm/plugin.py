@@ -1,0 +1,198 @@
+"""TensorRT-LLM's KV block pool, described for kvcore.
+
+An example of an out-of-tree plugin: it uses only kvcore's public API (``kvcore``,
+``kvcore.testing``) and is found through its distribution's ``[project.entry-points.kvcore]``
+table. ``kvcore check trtllm`` runs the conformance suite on it.
+
+Engine facts (from ``../shared/reference/engine_layouts.md`` §3, read from the
+TensorRT-LLM repository):
+
+* The C++ block manager allocates **one tensor per pool holding all of the pool's layers**:
+  ``cacheShape = {numPrimaryBlocks, numLayers, kvFactor, blockSize}`` with
+  ``blockSize = numKvHeads * sizePerHead * tokensPerBlock``
+  (``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp::WindowBlockManager::allocatePools``).
+  ``kvFactor`` is 2 (K, V), or 1 for ``CacheType::kSELFKONLY`` (MLA).
+* Inside one (block, layer, K|V) chunk the attention kernels address
+  ``headIdx * tokensPerBlock * dimsPerHead + localToken * dimsPerHead + channel``
+  (``cpp/tensorrt_llm/kernels/kvCacheUtils.h::KVBlockArray::getKVLocalIdx``): heads outside
+  tokens, HND. So the pool viewed as ``[NB, NL, 2, NH, BS, HS]`` is ``NB_NL_TWO_NH_BS_HS``.
+* MLA: ``num_kv_heads = 1`` and ``head_dim = kv_lora_rank + qk_rope_head_dim`` (576 for
+  DeepSeek-V3) with kv_factor 1 (``tensorrt_llm/_torch/pyexecutor/_util.py``), so the pool
+  viewed as ``[NB, NL, 1, BS, HS]`` is ``NB_NL_ONE_BS_HS``.
+* ``tokens_per_block`` defaults to 32 and must be a power of two greater than 1
+  (``tensorrt_llm/llmapi/llm_args.py::KvCacheConfig.tokens_per_block``).
+* The pool's dtype is the model dtype or FP8 (e4m3); INT8 KV caches are stored as int8.
+  (FP4 keeps a separate block-scale pool: not described here.)
+
+The flat last axis does not show its factors, so detection needs the manager's
+``num_kv_heads``, ``tokens_per_block`` and ``head_dim`` as hints (the names
+``KVCacheManager`` uses, and LMCache's TRT-LLM detector's hint vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore import Candidate, DetectionError, GeometryError, KVFormat, Source, hookimpl, resolve
+from kvcore.testing import FixtureCase
+
+ENGINES = ("trtllm", "tensorrt_llm", "tensorrt-llm")
+HND = "NB_NL_TWO_NH_BS_HS"
+MLA = "NB_NL_ONE_BS_HS"
+HINTS = ("num_kv_heads", "tokens_per_block", "head_dim")
+
+_POOL = Source(
+    engine="tensorrt_llm", version="main", file="cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp::WindowBlockManager::allocatePools"
+)
+_HND_SRC = Source(engine="tensorrt_llm", version="main", file="cpp/tensorrt_llm/kernels/kvCacheUtils.h::KVBlockArray::getKVLocalIdx")
+_MLA_SRC = Source(
+    engine="tensorrt_llm", version="main", file="tensorrt_llm/_torch/pyexecutor/_util.py (CacheType.SELFKONLY, num_kv_heads=1)"
+)
+
+
+@hookimpl
+def kvcore_register_formats(register):
+    register(
+        KVFormat(
+            name=HND,
+            engines=["trtllm"],
+            attention_backends=["TRTLLM"],
+            description="TensorRT-LLM block pool [NB, NL, 2, BS*NH*HS], HND inside each (block, layer, K|V) chunk",
+            sources=[_POOL, _HND_SRC],
+        )
+    )
+    register(
+        KVFormat(
+            name=MLA,
+            engines=["trtllm"],
+            attention_backends=["TRTLLM"],
+            description="TensorRT-LLM MLA block pool [NB, NL, 1, BS*HS] (kv_factor 1, one latent head)",
+            sources=[_POOL, _MLA_SRC],
+        )
+    )
+
+
+def _hint_int(hints: dict, key: str) -> int:
+    v = hints.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise DetectionError(f"trtllm: hint {key}={v!r} must be a positive int (KVCacheManager.{key})")
+    return v
+
+
+@hookimpl
+def kvcore_detect(kv_caches: Any, engine: str, hints: dict) -> Any:
+    """Recognise the pool tensor ``[NB, NL, kv_factor, BS*NH*HS]``.
+
+    Raises:
+        DetectionError: not one 4-D pool, a hint missing, the hints do not factor the
+            last axis, kv_factor not 1 or 2, kv_factor 1 with more than one head, or
+            ``kv_layout="NHD"`` with several heads (this plugin describes the HND blocks the
+            TRT-LLM attention kernels write).
+    """
+    if engine not in ENGINES:
+        return None
+    pool = kv_caches
+    if isinstance(pool, (list, tuple)):
+        if len(pool) != 1:
+            raise DetectionError(
+                f"trtllm: TensorRT-LLM keeps all layers of a pool in one tensor, got a list of {len(pool)}; pass "
+                "KVCacheManager.get_unique_primary_pool() (detect each pool of a VSWA/VGQA model on its own)"
+            )
+        pool = pool[0]
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+        what = f"a {pool.dim()}-D tensor {tuple(pool.shape)}" if isinstance(pool, torch.Tensor) else type(pool).__name__
+        raise DetectionError(f"trtllm: expected the 4-D block pool [num_blocks, num_layers, kv_factor, tokens*heads*head_dim], got {what}")
+    missing = [k for k in HINTS if k not in hints]
+    if missing:
+        raise DetectionError(
+            f"trtllm: the pool's last axis {pool.shape[-1]} is tokens_per_block * num_kv_heads * head_dim; pass hints "
+            f"{', '.join(missing)} (from the KVCacheManager)"
+        )
+    nh, bs, hd = (_hint_int(hints, k) for k in HINTS)
+    nb, nl, kvf, flat = (int(x) for x in pool.shape)
+    if nh * bs * hd != flat:
+        raise DetectionError(
+            f"trtllm: the pool's last axis holds {flat} elements but tokens_per_block*num_kv_heads*head_dim = "
+            f"{bs}*{nh}*{hd} = {bs * nh * hd}; the hints do not describe this pool"
+        )
+    layout = str(hints.get("kv_layout", "HND")).upper()
+    if kvf == 2:
+        if layout == "NHD" and nh > 1:
+            raise DetectionError(
+                "trtllm: kv_layout='NHD' reads the pool's blocks as [tokens, heads, dim]; this plugin describes the "
+                "HND blocks TensorRT-LLM's attention kernels write (kvCacheUtils.h::KVBlockArray::getKVLocalIdx)"
+            )
+        cand = Candidate(HND, pool.unflatten(-1, (nh, bs, hd)), note=f"TRT-LLM pool, {nl} layers, HND blocks of {bs} tokens")
+    elif kvf == 1:
+        if nh != 1:
+            raise DetectionError(f"trtllm: kv_factor 1 is the MLA (SELFKONLY) pool with one latent head, but num_kv_heads={nh}")
+        cand = Candidate(MLA, pool.unflatten(-1, (bs, hd)), note=f"TRT-LLM MLA pool, {nl} layers, latent {hd}")
+    else:
+        raise DetectionError(f"trtllm: kv_factor (axis 2) is {kvf}; TensorRT-LLM pools have 2 (K, V) or 1 (MLA)")
+    det = resolve([cand], engine="trtllm", deciding_hints=list(HINTS))
+    if det is None:
+        raise DetectionError(f"trtllm: the pool {tuple(pool.shape)} stride {tuple(pool.stride())} does not fit {cand.format}")
+    return det
+
+
+# -- fixtures: allocate as the engine does, and read back as its kernels do -------------------
+
+
+def _allocate(sizes: dict, dtype: torch.dtype, device: Any, kv_factor: int) -> tuple[torch.Tensor, dict]:
+    """``WindowBlockManager::allocatePools``: one pool ``[blocks, layers, kvFactor, blockSize]``."""
+    bs = int(sizes["block_size"])
+    if bs < 2 or bs & (bs - 1):
+        raise GeometryError(f"TensorRT-LLM's tokens_per_block must be a power of two > 1, got {bs}")
+    nh = int(sizes["num_heads"])
+    if kv_factor == 1 and nh != 1:
+        raise GeometryError(f"a TensorRT-LLM MLA pool has one latent head, got num_heads={nh}")
+    hs = int(sizes["head_size"])
+    pool = torch.empty((sizes["num_blocks"], sizes["num_layers"], kv_factor, bs * nh * hs), dtype=dtype, device=device)
+    return pool, {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hs}
+
+
+def _view(pool: torch.Tensor, layer: int, kv: int, *, hints: dict) -> torch.Tensor:
+    """``KVBlockArray::getKVLocalIdx``: element (head, token, channel) of a (block, layer,
+    K|V) chunk sits at ``head*tokens*dim + token*dim + channel``. Returned as the contract's
+    ``[NB, BS, NH, HS]``."""
+    nh, bs, hd = hints["num_kv_heads"], hints["tokens_per_block"], hints["head_dim"]
+    chunk = pool[:, layer, kv]  # [NB, BS*NH*HS]
+    return chunk.unflatten(-1, (nh, bs, hd)).transpose(1, 2)
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8)
+
+
+@hookimpl
+def kvcore_register_fixtures(register):
+    register(
+        FixtureCase(
+            name="trtllm-pool-HND",
+            engine="trtllm",
+            format=HND,
+            make=lambda sizes, dtype, device: _allocate(sizes, dtype, device, 2),
+            kv_view=_view,
+            sizes={"num_layers": 3, "num_blocks": 4, "block_size": 8, "num_heads": 2, "head_size": 16},
+            dtypes=_DTYPES,
+            source=f"{_POOL}; {_HND_SRC}",
+            size_constraints={"block_size_choices": (2, 4, 8, 16, 32)},
+        )
+    )
+    register(
+        FixtureCase(
+            name="trtllm-pool-MLA",
+            engine="trtllm",
+            format=MLA,
+            make=lambda sizes, dtype, device: _allocate(sizes, dtype, device, 1),
+            kv_view=_view,
+            sizes={"num_layers": 2, "num_blocks": 3, "block_size": 4, "num_heads": 1, "head_size": 576},
+            dtypes=_DTYPES,
+            source=f"{_POOL}; {_MLA_SRC}",
+            size_constraints={"block_size_choices": (2, 4, 8, 32)},
+        )
+    )
+
+
+__all__ = ["ENGINES", "HND", "MLA", "HINTS"]

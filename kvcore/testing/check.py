@@ -1,0 +1,141 @@
+"""``kvcore check [PLUGIN ...]``: run the conformance suite and print a report a person reads.
+
+One line per (plugin, format, fixture, kernel, check) with PASS / FAIL / SKIP; a failure
+shows, indented under its line, what was wrong — for a wrong element its coordinates
+(layer, K/V, token, slot, head, element), the expected and the actual bits, and where the
+actual value came from when it is one of the oracle's codes. ``--json`` prints the results
+as a JSON list. Exit status: 0 when nothing failed, 1 on any failure, 2 for a usage error
+(a plugin that is not loaded).
+
+``kvcore/cli.py`` dispatches here (``add_arguments(parser)``, ``run(args) -> int``);
+``python -m kvcore.testing.check`` runs it on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+
+__all__ = ["add_arguments", "run", "main", "DESCRIPTION", "EPILOG"]
+
+DESCRIPTION = (
+    "Run kvcore's conformance suite on installed plugins: for every format a plugin registers, its fixtures "
+    "(allocations made the way the engine makes them) must detect as that format on the engine's real strides, report "
+    "the declared geometry, resolve look-alike geometries (NH=1, NH=2, BS=NH, NB=2, NL=2) or raise "
+    "AmbiguousLayoutError, and, with every kernel that serves the format on every device present, gather exactly the "
+    "values the engine's own view holds (semantic oracle), scatter exactly where the engine's view says, round-trip "
+    "every allowed dtype bit-exactly (NaN, -0), skip negative slots, treat empty slot mappings as no-ops, and refuse "
+    "every invalid call with TransferError while leaving the cache byte-identical. Kernels must agree with the "
+    "reference kernel on random geometries."
+)
+
+EPILOG = """\
+examples:
+  kvcore check                      every loaded plugin
+  kvcore check trtllm               one plugin (its formats, fixtures and kernels)
+  kvcore check vllm --format 'NL_X_*' --check 'semantic_*'
+  kvcore check --kernel native -q   one kernel, failures only
+  kvcore check trtllm --json > report.json
+  kvcore check --list               the checks that would run
+
+the same suite under pytest (opt-in, not auto-loaded):
+  pytest -p kvcore.testing.pytest_plugin --kvcore-plugin trtllm
+
+exit codes: 0 all passed (or skipped), 1 a check failed, 2 usage error"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvcore check``'s options to ``parser`` (kvcore/cli.py calls this)."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("plugins", nargs="*", metavar="PLUGIN", help="plugin names (kvcore plugins lists them); default: all")
+    parser.add_argument("--format", dest="formats", action="append", metavar="GLOB", help="only these formats (glob, repeatable)")
+    parser.add_argument("--fixture", dest="fixtures", action="append", metavar="GLOB", help="only these fixtures (glob, repeatable)")
+    parser.add_argument("--kernel", dest="kernels", action="append", metavar="GLOB", help="only these kernels: name or name@device (glob)")
+    parser.add_argument(
+        "--check", dest="checks", action="append", metavar="GLOB", help="only these checks, e.g. 'semantic_*' or 'invalid' (glob)"
+    )
+    parser.add_argument(
+        "--device", dest="devices", action="append", metavar="TYPE", help="only these device types (default: every device present)"
+    )
+    parser.add_argument("--examples", type=int, default=8, help="hypothesis examples per kernel agreement check (default 8)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of slot mappings and random bits (default 1234)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
+    parser.add_argument("--list", action="store_true", help="list the checks that would run, without running them")
+
+
+def _widths(rows) -> list[int]:
+    w = [0] * 5
+    for r in rows:
+        for i, c in enumerate([r.plugin, r.format or "-", r.fixture or "-", r.kernel, r.check]):
+            w[i] = max(w[i], len(c))
+    return w
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite as ``args`` says; print the report; return the exit code."""
+    import warnings
+
+    from kvcore.errors import PluginError
+    from kvcore.testing import suite
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opts = suite.Options(examples=max(1, args.examples), seed=args.seed, devices=tuple(args.devices) if args.devices else None)
+        try:
+            tasks = suite.plan(args.plugins or None, opts)
+        except PluginError as e:
+            print(f"kvcore check: {e}", file=sys.stderr)
+            return 2
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    tasks = suite.select(tasks, formats=args.formats, fixtures=args.fixtures, kernels=args.kernels, checks=args.checks)
+    if args.list:
+        if args.json:
+            print(json.dumps([t.id for t in tasks], indent=1))
+        else:
+            for t in tasks:
+                print(t.id)
+        return 0
+    if not tasks:
+        print("kvcore check: nothing to check (no plugin registers a format, fixture or kernel matching the filters)", file=sys.stderr)
+        return 1 if (args.plugins or args.formats or args.fixtures or args.kernels or args.checks) else 0
+    widths = _widths(tasks)
+    results = []
+    t0 = time.perf_counter()
+    for t in tasks:
+        r = t.run()
+        results.append(r)
+        if not args.json and (not args.quiet or r.status == suite.FAIL):
+            print(r.line(widths), flush=True)
+    took = time.perf_counter() - t0
+    counts = Counter(r.status for r in results)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=1))
+    else:
+        plugins = sorted({r.plugin for r in results})
+        formats = sorted({r.format for r in results if r.format})
+        print(
+            f"\n{counts[suite.PASS]} passed, {counts[suite.FAIL]} failed, {counts[suite.SKIP]} skipped: "
+            f"{len(plugins)} plugin(s), {len(formats)} format(s), in {took:.1f} s"
+        )
+        if counts[suite.FAIL]:
+            failed = Counter((r.plugin, r.format or "-") for r in results if r.status == suite.FAIL)
+            for (p, f), n in sorted(failed.items()):
+                print(f"  FAIL  {p}  {f}: {n} check(s)")
+    return 1 if counts[suite.FAIL] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvcore check")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

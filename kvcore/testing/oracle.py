@@ -1,0 +1,393 @@
+"""The semantic oracle: values that say where they belong, written and read through the
+engine's own view (a fixture's ``kv_view``), never through kvcore's stride table.
+
+Every element of a cache is filled with a *code* that encodes (layer, K/V, slot, head,
+element). A gather must return exactly the codes of the slots it was asked for; a scatter
+must change exactly the bytes the engine's view says those slots occupy. A wrong element
+is reported with its coordinates, and when the wrong value is itself a code, with the
+coordinates it came from, so "layer 0 K holds layer 0 V" reads as a swapped K/V at once.
+
+All comparisons are on integer views of the element bits (``uint8``/``int16``/``int32``/
+``int64`` for 1/2/4/8-byte elements), so float8, NaN payloads and negative zero compare
+exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "INT_OF_SIZE",
+    "int_view",
+    "Encoding",
+    "Mismatch",
+    "leaves",
+    "Snapshot",
+    "planes",
+    "fill_codes",
+    "write_rows",
+    "read_rows",
+    "first_mismatch",
+    "special_patterns",
+]
+
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+KV_NAMES = ("K", "V")
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the element's width (a view, never a copy)."""
+    return t.view(INT_OF_SIZE[t.element_size()])
+
+
+def _mask(width: int) -> int:
+    return (1 << (8 * width)) - 1
+
+
+def to_unsigned(t: torch.Tensor) -> torch.Tensor:
+    """int64 with the element bits as an unsigned number (for comparing and printing)."""
+    w = t.element_size()
+    return t.to(torch.int64) & _mask(w) if w < 8 else t.to(torch.int64)
+
+
+def from_unsigned(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int64 unsigned bit patterns -> the integer dtype of that width (wrapping)."""
+    w = torch.empty(0, dtype=dtype).element_size()
+    if w == 8:
+        return codes.to(torch.int64)
+    c = codes & _mask(w)
+    if dtype != torch.uint8:
+        half = 1 << (8 * w - 1)
+        c = torch.where(c >= half, c - (1 << (8 * w)), c)
+    return c.to(dtype)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """Codes for one cache geometry.
+
+    ``code(layer, kv, slot, head, element) = 1 + index`` where ``index`` enumerates the
+    cache in (layer, K/V, slot, head, element) order, so a code can be decoded back to its
+    coordinates. Staged source rows for a scatter use a second range (``src_code``). When
+    the geometry has more elements than the element width can number (1- or 2-byte
+    elements of a large cache), codes are a hash of the index instead: still position
+    dependent, no longer decodable.
+    """
+
+    num_layers: int
+    kv_size: int
+    num_slots: int
+    num_heads: int
+    head_size: int
+    width: int  # bytes per element
+
+    @property
+    def count(self) -> int:
+        return self.num_layers * 2 * self.num_slots * self.num_heads * self.head_size
+
+    @property
+    def exact(self) -> bool:
+        return 2 * self.count + 2 < _mask(self.width)
+
+    def _index(self, layer, kv, slot, head, elem) -> torch.Tensor:
+        return (((layer * 2 + kv) * self.num_slots + slot) * self.num_heads + head) * self.head_size + elem
+
+    def _finish(self, idx: torch.Tensor, base: int) -> torch.Tensor:
+        if self.exact:
+            return idx + 1 + base
+        # splitmix-style mixing of the index: position dependent, never 0
+        x = (idx + base * 0x9E3779B9 + 0x632BE59B) & 0x7FFFFFFFFFFF
+        x = (x ^ (x >> 17)) * 0x2545F491 & 0x7FFFFFFFFFFF
+        x = x ^ (x >> 13)
+        return (x & _mask(self.width)) | 1
+
+    def plane(self, layer: int, kv: int, shape: Sequence[int]) -> torch.Tensor:
+        """int64 codes of one (layer, K/V) plane, shaped as the engine view ``[A, B, NH, *elem]``
+        (slot = a * B + b; the element axes flatten row-major to the head's elements)."""
+        a, b, nh = int(shape[0]), int(shape[1]), int(shape[2])
+        hs = 1
+        for s in shape[3:]:
+            hs *= int(s)
+        slot = torch.arange(a * b).view(a, b, 1, 1)
+        head = torch.arange(nh).view(1, 1, nh, 1)
+        elem = torch.arange(hs).view(1, 1, 1, hs)
+        codes = self._finish(self._index(layer, kv, slot, head, elem), 0)
+        return codes.reshape(tuple(shape))
+
+    def rows(self, layers: Sequence[int], slots: torch.Tensor, *, src: bool = False) -> torch.Tensor:
+        """int64 staging rows ``[kv_size, len(layers), T, NH*HS]`` of codes (cache codes, or
+        with ``src=True`` the scatter source codes). Rows of negative slots are 0."""
+        slots = slots.to("cpu", torch.int64)
+        lay = torch.tensor(list(layers), dtype=torch.int64).view(1, -1, 1, 1, 1)
+        kv = torch.arange(self.kv_size).view(-1, 1, 1, 1, 1)
+        s = slots.clamp(min=0).view(1, 1, -1, 1, 1)
+        head = torch.arange(self.num_heads).view(1, 1, 1, -1, 1)
+        elem = torch.arange(self.head_size).view(1, 1, 1, 1, -1)
+        codes = self._finish(self._index(lay, kv, s, head, elem), self.count if src else 0)
+        codes = codes.reshape(self.kv_size, len(layers), slots.numel(), self.num_heads * self.head_size)
+        return torch.where((slots >= 0).view(1, 1, -1, 1), codes, torch.zeros_like(codes))
+
+    def decode(self, value: int) -> str | None:
+        """Where a code belongs, in words, or None for a value that is no code."""
+        if not self.exact or value <= 0:
+            return None
+        i = value - 1
+        what = "the cache value of"
+        if i >= self.count:
+            i -= self.count
+            what = "the staged source value for"
+        if not (0 <= i < self.count):
+            return None
+        e = i % self.head_size
+        i //= self.head_size
+        h = i % self.num_heads
+        i //= self.num_heads
+        s = i % self.num_slots
+        i //= self.num_slots
+        kv = i % 2
+        layer = i // 2
+        if layer >= self.num_layers or kv >= self.kv_size:
+            return None
+        return f"{what} layer {layer}, {KV_NAMES[kv] if self.kv_size == 2 else 'latent'}, slot {s}, head {h}, element {e}"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first wrong element of a comparison."""
+
+    layer: int
+    kv: int
+    token: int | None
+    slot: int | None
+    head: int
+    element: int
+    expected: int
+    actual: int
+    width: int
+    expected_means: str | None = None
+    actual_means: str | None = None
+
+    def describe(self, kv_size: int = 2) -> str:
+        kvn = KV_NAMES[self.kv] if kv_size == 2 else "latent"
+        where = f"layer {self.layer}, {kvn}"
+        if self.token is not None:
+            where += f", token {self.token}"
+        if self.slot is not None:
+            where += f" (slot {self.slot})" if self.token is not None else f", slot {self.slot}"
+        where += f", head {self.head}, element {self.element}"
+        hexw = 2 * self.width
+        exp = f"0x{self.expected:0{hexw}x}" + (f" ({self.expected_means})" if self.expected_means else "")
+        act = f"0x{self.actual:0{hexw}x}" + (f" ({self.actual_means})" if self.actual_means else "")
+        return f"{where}: expected {exp}, actual {act}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "kv": KV_NAMES[self.kv] if self.kv < 2 else self.kv,
+            "token": self.token,
+            "slot": self.slot,
+            "head": self.head,
+            "element": self.element,
+            "expected": self.expected,
+            "actual": self.actual,
+            "expected_means": self.expected_means,
+            "actual_means": self.actual_means,
+        }
+
+
+def first_mismatch(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    layers: Sequence[int],
+    slots: torch.Tensor,
+    head_size: int,
+    enc: Encoding | None,
+    width: int,
+) -> Mismatch | None:
+    """Compare int64 staging-shaped ``[kv, L, T, NH*HS]`` tensors; the first difference."""
+    diff = actual != expected
+    if not bool(diff.any()):
+        return None
+    kv, li, t, col = (int(x) for x in torch.nonzero(diff)[0])
+    a, e = int(actual[kv, li, t, col]), int(expected[kv, li, t, col])
+    s = int(slots[t])
+    return Mismatch(
+        layer=int(layers[li]),
+        kv=kv,
+        token=t,
+        slot=s if s >= 0 else None,
+        head=col // head_size,
+        element=col % head_size,
+        expected=e,
+        actual=a,
+        width=width,
+        expected_means=enc.decode(e) if enc else None,
+        actual_means=enc.decode(a) if enc else None,
+    )
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def leaves(container: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested dict/list/tuple container."""
+    out: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(container)
+    return out
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+
+
+class Snapshot:
+    """A byte copy of every storage a container's tensors live in (shared storages once)."""
+
+    def __init__(self, container: Any):
+        self.views: list[torch.Tensor] = []
+        seen: set[tuple[str, int]] = set()
+        for t in leaves(container):
+            st = t.untyped_storage()
+            key = (str(t.device), st.data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            self.views.append(_storage_bytes(t))
+        self.copies = [v.clone() for v in self.views]
+
+    def restore(self) -> None:
+        for v, c in zip(self.views, self.copies):
+            v.copy_(c)
+
+    def first_change(self) -> tuple[int, int, int, int] | None:
+        """(storage index, byte offset, before, now) of the first changed byte, or None."""
+        for i, (v, c) in enumerate(zip(self.views, self.copies)):
+            d = v != c
+            if bool(d.any()):
+                off = int(torch.nonzero(d)[0])
+                return i, off, int(c[off]), int(v[off])
+        return None
+
+    def same_as(self, other: Snapshot) -> tuple[int, int, int, int] | None:
+        """First byte where this snapshot's copy differs from ``other``'s copy."""
+        for i, (a, b) in enumerate(zip(self.copies, other.copies)):
+            d = a != b
+            if bool(d.any()):
+                off = int(torch.nonzero(d)[0])
+                return i, off, int(b[off]), int(a[off])
+        return None
+
+
+# -- the engine's view -------------------------------------------------------------------
+
+
+def planes(kv_view: Callable[[Any, int, int], torch.Tensor], kv_caches: Any, num_layers: int, kv_size: int) -> list[list[torch.Tensor]]:
+    """``[layer][kv]`` integer views of the engine's planes ``[A, B, NH, *elem]``;
+    ``kv_view(kv_caches, layer, kv)`` is the engine's view (e.g. a bound ``FixtureCase.view``)."""
+    return [[int_view(kv_view(kv_caches, layer, kv)) for kv in range(kv_size)] for layer in range(num_layers)]
+
+
+def fill_codes(pl: list[list[torch.Tensor]], enc: Encoding) -> None:
+    """Write every plane's codes through the engine's views."""
+    for layer, row in enumerate(pl):
+        for kv, v in enumerate(row):
+            v.copy_(from_unsigned(enc.plane(layer, kv, v.shape), v.dtype).to(v.device))
+
+
+def _split(v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = slots.to(v.device, torch.int64)
+    return torch.div(s, v.shape[1], rounding_mode="floor"), s % v.shape[1]
+
+
+def read_rows(pl: list[list[torch.Tensor]], layers: Sequence[int], slots: torch.Tensor) -> torch.Tensor:
+    """int64 unsigned ``[kv, L, T, NH*HS]`` read through the engine's views (slots >= 0)."""
+    kvs = len(pl[0])
+    out = []
+    for kv in range(kvs):
+        rows = []
+        for layer in layers:
+            v = pl[layer][kv]
+            a, b = _split(v, slots)
+            rows.append(to_unsigned(v[a, b]).reshape(slots.numel(), -1).cpu())
+        out.append(torch.stack(rows))
+    return torch.stack(out)
+
+
+def write_rows(pl: list[list[torch.Tensor]], layers: Sequence[int], slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write staging rows ``[kv, L, T, NH*HS]`` (int64 unsigned bits) through the engine's
+    views at ``slots``; negative slots are not written (the engine's own scatter)."""
+    keep = torch.nonzero(slots.cpu() >= 0).flatten()
+    s = slots.cpu()[keep]
+    for kv in range(len(pl[0])):
+        for li, layer in enumerate(layers):
+            v = pl[layer][kv]
+            a, b = _split(v, s)
+            vals = from_unsigned(rows[kv, li, keep], v.dtype).reshape(len(keep), *v.shape[2:])
+            v[a, b] = vals.to(v.device)
+
+
+def plane_mismatch(before: list[list[torch.Tensor]], after: list[list[torch.Tensor]], enc: Encoding | None) -> Mismatch | None:
+    """First element where two sets of plane copies differ, with (layer, K/V, slot, head, element)."""
+    for layer, (rb, ra) in enumerate(zip(before, after)):
+        for kv, (b, a) in enumerate(zip(rb, ra)):
+            d = to_unsigned(a) != to_unsigned(b)
+            if bool(d.any()):
+                idx = [int(x) for x in torch.nonzero(d)[0]]
+                hs_shape = list(b.shape[3:])
+                e = 0
+                for i, n in zip(idx[3:], hs_shape):
+                    e = e * n + i
+                ev, av = int(to_unsigned(b)[tuple(idx)]), int(to_unsigned(a)[tuple(idx)])
+                return Mismatch(
+                    layer=layer,
+                    kv=kv,
+                    token=None,
+                    slot=idx[0] * b.shape[1] + idx[1],
+                    head=idx[2],
+                    element=e,
+                    expected=ev,
+                    actual=av,
+                    width=b.element_size(),
+                    expected_means=enc.decode(ev) if enc else None,
+                    actual_means=enc.decode(av) if enc else None,
+                )
+    return None
+
+
+def special_patterns(dtype: torch.dtype) -> list[int]:
+    """Bit patterns a transfer must keep: negative zero, NaNs with payloads, all ones,
+    the sign bit and the largest magnitude, as unsigned ints of the element width."""
+    w = torch.empty(0, dtype=dtype).element_size()
+    sign = 1 << (8 * w - 1)
+    pats = {sign, _mask(w), sign - 1, 1}
+    if dtype.is_floating_point:
+        try:
+            nan = int(to_unsigned(int_view(torch.full((1,), float("nan"), dtype=dtype)))[0])
+            pats |= {nan, nan | 1, nan | sign, (nan | sign) ^ 2}
+        except (RuntimeError, TypeError):  # a float type torch cannot fill on this build
+            pass
+    return sorted(pats)
+
+
+def random_bits(shape: Iterable[int], width: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 unsigned random bit patterns of ``width`` bytes."""
+    hi = min(_mask(width), (1 << 62) - 1)
+    return torch.randint(0, hi, tuple(shape), generator=gen, dtype=torch.int64)
