@@ -186,7 +186,8 @@ def _nested(entries: list[Any], h: SGLangHints) -> Detection:
     cands: list[Candidate] = []
     for name, ks, vs in readings:
         cands += _mha_candidates(ks, vs, h, reasons, {"kv_list_layout": name}, f"MHA {name}")
-    return _decide(cands, "device pool", ["kv_list_layout", "layout", "page_size", "num_kv_heads"], reasons)
+    four_d = any(r[1] and r[1][0].dim() == 4 for r in readings)
+    return _decide(cands, "device pool", ["kv_list_layout"] + (["layout", "page_size", "num_kv_heads"] if four_d else []), reasons)
 
 
 def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -202,6 +202,9 @@ def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD
         else:
             k, v = alloc_mha_0523(nl, size, bs, nh, hs, dtype, device, layout=layout)
         hints = {**_hints_for(dtype), "sglang_version": version}
+        if nl == 2 and version == "0.5.3":
+            # [k_buffer, v_buffer] of 2 separate layers reads as 2 (k, v) pairs too
+            hints["kv_list_layout"] = "nested"
         if paged:
             hints["page_size"] = bs
         if layout == "HND":
@@ -374,3 +377,17 @@ CASES: list[FixtureCase] = [
     *[_host_case(m, False) for m in ("layer_first", "page_first", "page_first_direct", "page_head")],
     *[_host_case(m, True) for m in ("layer_first", "page_first", "page_first_direct")],
 ]
+
+
+def fill_random(view: torch.Tensor, seed: int) -> None:
+    """Write seeded random bytes through ``view`` (an engine-side view of the cache; its
+    last axis must be contiguous). Random bytes tell every (layer, K/V, slot, head,
+    element) apart with overwhelming probability, NaN and -0 patterns included."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b = view.view(torch.uint8)
+    b.copy_(torch.randint(0, 256, tuple(b.shape), generator=g, dtype=torch.uint8).to(b.device))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in row-major order, as a flat uint8 copy (bit-exact comparisons)."""
+    return t.contiguous().view(torch.uint8).reshape(-1).clone()

@@ -1,0 +1,195 @@
+"""Semantic gather (oracle: SGLang-side indexing), bit-exact round trips, the padded page,
+the indexer pool, and device -> HiCache host offload in SGLang's own layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_sglang import fixtures as fx
+from kvcore_sglang import slot_mapping
+from kvcore_sglang.fixtures import CASES, as_bytes, fill_random
+
+import kvcore
+
+WRITABLE = [c for c in CASES if c.format != "NL_X_NB_BSV_BSS"]
+
+
+def _fill_all(case, caches, layout):
+    for layer in range(layout.num_layers):
+        for kv in range(layout.kv_size):
+            fill_random(case.kv_view(caches, layer, kv), seed=1000 * layer + 10 * kv + 7)
+
+
+def _expected_row(case, caches, layer, kv, slot):
+    view = case.kv_view(caches, layer, kv)
+    bs = view.shape[1]
+    return as_bytes(view[slot // bs, slot % bs])
+
+
+@pytest.mark.parametrize("case", WRITABLE, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_semantic_gather_matches_sglang_indexing(case, dtype):
+    caches, hints = case.make(dict(case.sizes), dtype, "cpu")
+    lay = kvcore.detect(caches, "sglang", hints)
+    _fill_all(case, caches, lay)
+    n = lay.page_buffer_size
+    slots = torch.tensor([n - 1, 0, 3, -1, 1, n // 2], dtype=torch.int64)
+    out = kvcore.gather(lay, slots)
+    assert tuple(out.shape) == (lay.kv_size, lay.num_layers, 6, lay.hidden_dim) and out.dtype == dtype
+    for layer in range(lay.num_layers):
+        for kv in range(lay.kv_size):
+            for i, s in enumerate(slots.tolist()):
+                if s < 0:
+                    assert torch.equal(as_bytes(out[kv, layer, i]), torch.zeros(lay.hidden_dim * out.element_size(), dtype=torch.uint8))
+                else:
+                    assert torch.equal(as_bytes(out[kv, layer, i]), _expected_row(case, caches, layer, kv, s)), (layer, kv, s)
+
+
+@pytest.mark.parametrize("case", WRITABLE, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float8_e5m2], ids=str)
+def test_scatter_then_gather_is_bit_exact_and_touches_only_its_slots(case, dtype):
+    caches, hints = case.make(dict(case.sizes), dtype, "cpu")
+    lay = kvcore.detect(caches, "sglang", hints)
+    n = lay.page_buffer_size
+    g = torch.Generator().manual_seed(5)
+    src = torch.empty(lay.staging_shape(4), dtype=dtype)
+    src.view(torch.uint8).copy_(torch.randint(0, 256, src.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    before = [as_bytes(case.kv_view(caches, layer, kv)) for layer in range(lay.num_layers) for kv in range(lay.kv_size)]
+    slots = torch.tensor([n - 1, 2, -1, 0])
+    kvcore.scatter(lay, slots, src)
+    back = kvcore.gather(lay, slots)
+    keep = slots >= 0
+    assert torch.equal(as_bytes(back[:, :, keep]), as_bytes(src[:, :, keep]))
+    # every other row is unchanged, the skipped row was not written
+    i = 0
+    for layer in range(lay.num_layers):
+        for kv in range(lay.kv_size):
+            view = case.kv_view(caches, layer, kv)
+            bs = view.shape[1]
+            rows = view.reshape(view.shape[0] * bs, -1)
+            old = before[i].reshape(view.shape[0] * bs, -1)
+            i += 1
+            changed = {s for s in slots.tolist() if s >= 0}
+            for r in range(rows.shape[0]):
+                if r not in changed:
+                    assert torch.equal(as_bytes(rows[r]), old[r]), (layer, kv, r)
+            for j, s in enumerate(slots.tolist()):
+                if s >= 0:
+                    assert torch.equal(as_bytes(rows[s]), as_bytes(src[kv, layer, j]))
+
+
+def test_dummy_page_is_a_real_slot_and_minus_one_is_skip():
+    k, v = fx.alloc_mha_053(num_layers=2, size=12, page_size=4, head_num=2, head_dim=4)
+    lay = kvcore.detect([k, v], "sglang", {"page_size": 4, "kv_list_layout": "nested"})
+    src = torch.arange(2 * 2 * 3 * 8, dtype=torch.bfloat16).reshape(2, 2, 3, 8) + 1
+    loc = torch.tensor([0, 3, 9])  # slots 0 and 3 are the padded page (page 0)
+    kvcore.scatter(lay, slot_mapping(loc), src)
+    assert torch.equal(k[1][0].reshape(-1), src[0, 1, 0]) and torch.equal(v[0][3].reshape(-1), src[1, 0, 1])
+    assert torch.equal(k[0][9].reshape(-1), src[0, 0, 2])
+    # skipping the dummy page: -1 leaves it untouched
+    k[0].zero_()
+    sm = slot_mapping(loc, page_size=4, skip_dummy_page=True)
+    assert sm.tolist() == [-1, -1, 9]
+    kvcore.scatter(lay, sm, src + 100)
+    assert torch.count_nonzero(k[0][:4]) == 0 and torch.equal(k[0][9].reshape(-1), src[0, 0, 2] + 100)
+    out = kvcore.gather(lay, torch.tensor([0, -1]))
+    assert torch.equal(out[1, 1, 0], v[1][0].reshape(-1)) and torch.count_nonzero(out[:, :, 1]) == 0
+
+
+def test_out_of_range_slot_is_refused_before_writing():
+    k, v = fx.alloc_mha_053(num_layers=1, size=7, page_size=1, head_num=2, head_dim=4)
+    lay = kvcore.detect([k, v], "sglang")
+    src = torch.ones(2, 1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(kvcore.TransferError, match="out of range"):
+        kvcore.scatter(lay, torch.tensor([1, 8]), src)  # rows are size + page_size = 8: slot 8 does not exist
+    assert torch.count_nonzero(k[0]) == 0 and torch.count_nonzero(v[0]) == 0
+    with pytest.raises(kvcore.TransferError):
+        slot_mapping(torch.tensor([[1, 2]]))
+
+
+def test_indexer_pool_gathers_keys_then_scales_by_page_and_by_slot():
+    ps = 64
+    bufs = fx.alloc_indexer(num_layers=2, size=3 * ps - 1, page_size=ps)  # 3 pages
+    for i, b in enumerate(bufs):
+        fill_random(b, seed=40 + i)
+    lay = kvcore.detect(bufs, "sglang")
+    out = kvcore.gather_blocks(lay, torch.tensor([2, 0]))
+    assert tuple(out.shape) == (1, 2, 2 * ps, 132) and out.dtype == torch.uint8
+    for layer, b in enumerate(bufs):
+        for j, page in enumerate([2, 0]):
+            for t in (0, 1, ps - 1):
+                row = out[0, layer, j * ps + t]
+                # SGLang: buf[page, :ps*128] are fp8 keys (token t at t*128), buf[page, ps*128:] fp32 scales (t at t*4)
+                assert torch.equal(row[:128], b[page, t * 128 : (t + 1) * 128])
+                assert torch.equal(row[128:], b[page, ps * 128 + 4 * t : ps * 128 + 4 * t + 4])
+        scales = b[2, ps * 128 :].view(torch.float32)
+        assert torch.equal(out[0, layer, 5, 128:].view(torch.float32), scales[5:6])
+    # token slots: loc -> page loc // 64, offset loc % 64
+    loc = torch.tensor([2 * ps + 5, 70])
+    by_slot = kvcore.gather(lay, loc)
+    assert torch.equal(by_slot[0, :, 0], out[0, :, 5]) and torch.equal(by_slot[0, 1, 1, :128], bufs[1][1, 6 * 128 : 7 * 128])
+    # round trip into other pages: keys and scales land in their own regions
+    kvcore.scatter_blocks(lay, torch.tensor([1, 0]), out)
+    assert torch.equal(bufs[0][1], bufs[0][2]) and torch.equal(bufs[1][1], bufs[1][2])
+
+
+def _sglang_host_k(buf, mem, layer, host_idx, page_size):
+    """A host pool's K rows for ``host_idx`` as SGLang's host-pool code indexes them."""
+    if mem == "layer_first":
+        return buf[0, layer, host_idx]
+    if mem == "page_first":
+        return buf[0, host_idx, layer]
+    p, o = host_idx // page_size, host_idx % page_size
+    if mem == "page_first_direct":
+        return buf[0, p, layer, o]
+    return buf[0, p, :, o, layer]  # page_head: (2, pages, NH, page_size, NL, HS)
+
+
+@pytest.mark.parametrize("mem", ["layer_first", "page_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_device_pool_offloads_into_host_pool_in_sglangs_layout(mem, dtype):
+    nl, ps, nh, hs = 3, 4, 2, 8
+    k, v = fx.alloc_mha_0523(nl, size=24, page_size=ps, head_num=nh, head_dim=hs, dtype=dtype)
+    hints = {"kv_cache_dtype": dtype} if dtype != torch.bfloat16 else {}
+    dev = kvcore.detect([k, v], "sglang", {**hints, "page_size": ps})
+    for layer in range(nl):
+        fill_random(k[layer], 10 + layer)
+        fill_random(v[layer], 20 + layer)
+    host = fx.alloc_host_mha(mem, nl, size=32, page_size=ps, head_num=nh, head_dim=hs, dtype=dtype)
+    hl = kvcore.detect(host, "sglang", {**hints, "mem_layout": mem})
+    loc = torch.tensor([8, 9, 10, 11, 20, 21])  # device pages 2 and 5
+    host_idx = torch.tensor([12, 13, 14, 15, 28, 29])  # host pages 3 and 7
+    kvcore.scatter(hl, host_idx, kvcore.gather(dev, loc))
+    for layer in range(nl):
+        got = _sglang_host_k(host, mem, layer, host_idx, ps)
+        assert torch.equal(as_bytes(got), as_bytes(k[layer][loc])), (mem, layer)
+    # V too, through SGLang's v_buffer = kv_buffer[1]
+    vb = host[1:2]
+    assert torch.equal(as_bytes(_sglang_host_k(vb, mem, 1, host_idx, ps)), as_bytes(v[1][loc]))
+    # and back into other device slots
+    back = torch.tensor([4, 5, 6, 7, 12, 13])
+    kvcore.scatter(dev, back, kvcore.gather(hl, host_idx))
+    for layer in range(nl):
+        assert torch.equal(as_bytes(k[layer][back]), as_bytes(k[layer][loc]))
+        assert torch.equal(as_bytes(v[layer][back]), as_bytes(v[layer][loc]))
+
+
+@pytest.mark.parametrize("mem", ["layer_first", "page_first", "page_first_direct"])
+def test_mla_pool_offloads_into_mla_host_pool(mem):
+    nl, ps, d = 3, 4, 40
+    kv = fx.alloc_mla(nl, size=12, page_size=ps, kv_cache_dim=d, dtype=torch.float8_e4m3fn)
+    assert kv[0].dtype == torch.uint8  # SGLang's store_dtype for fp8
+    for layer in range(nl):
+        fill_random(kv[layer], 50 + layer)
+    dev = kvcore.detect(kv, "sglang", {"is_mla": True, "kv_cache_dtype": "fp8_e4m3"})
+    host = fx.alloc_host_mla(mem, nl, size=16, page_size=ps, kv_cache_dim=d, dtype=torch.float8_e4m3fn)
+    hl = kvcore.detect(host, "sglang", {"mem_layout": mem, "kv_cache_dtype": "fp8_e4m3"})
+    loc, hidx = torch.tensor([5, 6, 15]), torch.tensor([0, 9, 3])
+    staged = kvcore.gather(dev, loc)
+    assert staged.dtype == torch.float8_e4m3fn and tuple(staged.shape) == (1, nl, 3, d)
+    kvcore.scatter(hl, hidx, staged)
+    for layer in range(nl):
+        view = fx.host_kv_view(host, mem, layer, 0, mla=True)
+        bs = view.shape[1]
+        for h, lc in zip(hidx.tolist(), loc.tolist()):
+            assert torch.equal(view[h // bs, h % bs].reshape(-1), kv[layer][lc].reshape(-1))
