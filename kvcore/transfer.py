@@ -16,6 +16,7 @@ A transfer allocates memory proportional to the tokens it moves, never to the ca
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -33,10 +34,18 @@ def _layers(layout: KVLayout, layers: Sequence[int] | int | None) -> list[int]:
     n = layout.num_layers
     if layers is None:
         return list(range(n))
-    seq = [layers] if isinstance(layers, int) else list(layers)
+    try:
+        seq = [layers] if isinstance(layers, int) else list(layers)
+    except TypeError:
+        raise TransferError(f"layers must be None, a layer index or a list of layer indices, got {layers!r}") from None
     if not seq:
         raise TransferError("layers is empty; pass None for all layers or a non-empty list of layer indices")
-    for i in seq:
+    for k, i in enumerate(seq):
+        if not isinstance(i, int) and hasattr(i, "__index__"):
+            try:
+                seq[k] = i = operator.index(i)  # numpy / torch integer scalars
+            except TypeError:
+                pass
         if not isinstance(i, int) or isinstance(i, bool) or not (0 <= i < n):
             raise TransferError(f"layer index {i!r} is out of range: this layout has {n} layers (0..{n - 1})")
     if len(set(seq)) != len(seq):
@@ -105,7 +114,18 @@ def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], s
     return staging.unsqueeze(1) if single else staging
 
 
+def _scalar_layer(layers):
+    """A numpy / 0-d torch integer scalar means one layer, like an int."""
+    if layers is None or isinstance(layers, (int, list, tuple, range)) or not hasattr(layers, "__index__"):
+        return layers
+    try:
+        return operator.index(layers)
+    except TypeError:
+        return layers
+
+
 def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gather: bool) -> torch.Tensor:
+    layers = _scalar_layer(layers)
     sel = _layers(layout, layers)
     single = isinstance(layers, int)
     slots, nv = _slots(layout, slot_mapping, skip_prefix, check_duplicates=not gather)
