@@ -146,7 +146,9 @@ def _flat(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
         cands += _mha_candidates(
             ts[: n // 2], ts[n // 2 :], h, reasons, {"kv_list_layout": "k_v", "is_mla": False}, "MHA k_buffer + v_buffer"
         )
-    return _decide(cands, "device pool", ["is_mla", "kv_list_layout", "layout", "page_size", "num_kv_heads"], reasons)
+    return _decide(
+        cands, "device pool", ["is_mla", "kv_list_layout"] + (["layout", "page_size", "num_kv_heads"] if rank == 4 else []), reasons
+    )
 
 
 def _nested(entries: list[Any], h: SGLangHints) -> Detection:
