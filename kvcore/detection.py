@@ -97,14 +97,14 @@ def describe_input(kv_caches: Any, limit: int = 6) -> str:
     def walk(x: Any, path: str) -> None:
         if isinstance(x, torch.Tensor):
             key = (tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device))
-            rows.setdefault(key, []).append(path or "kv_caches")
+            rows.setdefault(key, []).append(path)
         elif isinstance(x, (list, tuple)):
             for i, y in enumerate(x):
                 walk(y, f"{path}[{i}]")
         else:
             rows.setdefault(("not a tensor", type(x).__name__), []).append(path)
 
-    walk(kv_caches, "")
+    walk(kv_caches, "kv_caches")
     out = []
     for key, paths in list(rows.items())[:limit]:
         where = paths[0] if len(paths) == 1 else f"{paths[0]} .. ({len(paths)} entries)"
@@ -214,9 +214,12 @@ def detect_per_layer(
     else:
         groups = [list(g) for g in layer_groups]
         seen = [i for g in groups for i in g]
-        bad = [i for i in seen if not (0 <= i < n)]
+        bad = [i for i in seen if isinstance(i, bool) or not isinstance(i, int) or not (0 <= i < n)]
         if bad:
-            raise DetectionError(f"layer_groups names layers {bad} but kv_caches has {n} layers")
+            raise DetectionError(f"layer_groups names layers {bad} but kv_caches has {n} layers (0..{n - 1})")
+        twice = sorted({i for i in seen if seen.count(i) > 1})
+        if twice:
+            raise DetectionError(f"layer_groups puts layers {twice} in more than one group; each layer belongs to one group")
         rest = [i for i in range(n) if i not in set(seen)]
         if rest:
             groups.append(rest)

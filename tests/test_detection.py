@@ -1,0 +1,235 @@
+"""The detection driver, with a throwaway engine plugin: container normalisation, the
+DetectionError message, ``kvcore.resolve`` and ``detect_per_layer``."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+import kvcore
+from kvcore import AmbiguousLayoutError, Candidate, Detection, DetectionError, hookimpl, resolve
+from kvcore.detection import normalize_container, physical_permutation
+
+NB, BS, NH, HS = 6, 4, 2, 8
+
+
+class ToyEngine:
+    """Detects engine ``toy``: rank-5 ``[2, NB, X, Y, HS]`` pages (NHD or HND, decided by
+    the ``kv_cache_layout`` hint), rank-3 MLA pages, and 2-D Mamba state (not KV)."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != "toy":
+            return None
+        self.calls.append((type(kv_caches).__name__, len(kv_caches), dict(hints)))
+        t0 = kv_caches[0]
+        if not isinstance(t0, torch.Tensor):
+            return None
+        if t0.dim() == 2:
+            return Detection(format=None, excluded="Mamba conv state (2-D), not KV")
+        if t0.dim() == 3:
+            return Detection(format="NL_X_NB_BS_HS", kv_caches=list(kv_caches), note="rank-3: MLA latent")
+        if t0.dim() == 5 and t0.shape[0] == 2:
+            cands = [
+                Candidate("NL_X_TWO_NB_BS_NH_HS", list(kv_caches), decided_by={"kv_cache_layout": "NHD"}, label="NHD"),
+                Candidate("NL_X_TWO_NB_NH_BS_HS", list(kv_caches), decided_by={"kv_cache_layout": "HND"}, label="HND"),
+            ]
+            want = hints.get("kv_cache_layout")
+            if want:
+                cands = [c for c in cands if c.decided_by["kv_cache_layout"] == want]
+            return resolve(cands, engine=engine, deciding_hints=["kv_cache_layout"])
+        return None
+
+
+@pytest.fixture
+def toy(core_only):
+    plugin = ToyEngine()
+    kvcore.register_plugin(plugin, name="toy-plugin")
+    yield plugin
+
+
+def _pages(n, dtype=torch.bfloat16, hs=HS):
+    return [torch.zeros(2, NB, BS, NH, hs, dtype=dtype) for _ in range(n)]
+
+
+def test_list_and_tuple_input(toy):
+    kv = _pages(3)
+    lay = kvcore.detect(kv, "toy", {"kv_cache_layout": "NHD"})
+    assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS"
+    assert (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_heads) == (3, NB, BS, NH)
+    assert lay.engine == "toy" and lay.layer_names is None
+    assert lay.data_ptrs() == [t.data_ptr() for t in kv]
+    # no copy: the layout's tensors are the caller's
+    assert all(a is b for a, b in zip(lay.kv_caches, kv))
+    hnd = kvcore.detect(tuple(kv), "toy", {"kv_cache_layout": "HND"})
+    assert hnd.format.name == "NL_X_TWO_NB_NH_BS_HS" and (hnd.num_heads, hnd.block_size) == (BS, NH)
+    assert toy.calls[1][0] == "tuple"
+
+
+def test_dict_input_keeps_layer_order_by_index(toy):
+    kv = _pages(12)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(12)]
+    shuffled = {names[i]: kv[i] for i in [10, 9, 0, 11, 1, 2, 3, 4, 5, 6, 7, 8]}
+    lay = kvcore.detect(shuffled, "toy", {"kv_cache_layout": "NHD"})
+    assert lay.layer_names == tuple(names)
+    assert lay.layer_names.index("model.layers.10.self_attn.attn") == lay.layer_names.index("model.layers.9.self_attn.attn") + 1
+    assert lay.data_ptrs() == [t.data_ptr() for t in kv]
+    # names with no layer index keep insertion order
+    plain = {"b": kv[1], "a": kv[0]}
+    lay = kvcore.detect(plain, "toy", {"kv_cache_layout": "NHD"})
+    assert lay.layer_names == ("b", "a") and lay.data_ptrs() == [kv[1].data_ptr(), kv[0].data_ptr()]
+
+
+def test_normalize_container():
+    kv = _pages(2)
+    assert normalize_container({"layers.1": kv[1], "layers.0": kv[0]}) == ([kv[0], kv[1]], ["layers.0", "layers.1"])
+    c, names = normalize_container(tuple(kv))
+    assert c == tuple(kv) and names is None
+    for bad, match in [({}, "empty dict"), ([], "empty"), ((), "empty"), ([1, 2], "no torch.Tensor"), ("x", "no torch.Tensor")]:
+        with pytest.raises(DetectionError, match=match):
+            normalize_container(bad)
+
+
+def test_hints_as_a_pydantic_model(toy):
+    class Hints(pydantic.BaseModel):
+        kv_cache_layout: str | None = None
+        block_size: int | None = None
+
+    lay = kvcore.detect(_pages(2), "toy", Hints(kv_cache_layout="HND"))
+    assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
+    assert toy.calls[-1][2] == {"kv_cache_layout": "HND"}  # None values dropped
+    with pytest.raises(DetectionError, match="hints must be a dict"):
+        kvcore.detect(_pages(2), "toy", ["HND"])
+
+
+def test_detection_error_says_shapes_dtypes_strides_engine_and_plugins(toy):
+    t = torch.zeros(7, 3, 5, dtype=torch.float16).transpose(1, 2)
+    with pytest.raises(DetectionError) as ei:
+        kvcore.detect([t, t], "nope", {"block_size": 16})
+    msg = str(ei.value)
+    assert "'nope'" in msg
+    assert "shape=[7, 5, 3]" in msg and "stride=[15, 1, 5]" in msg and "dtype=float16" in msg and "device=cpu" in msg
+    assert "kv_caches[0] .. (2 entries)" in msg
+    assert "plugins asked: toy-plugin" in msg
+    assert "block_size" in msg  # the hints it was given
+    # a rank the toy plugin does not know, for its own engine
+    with pytest.raises(DetectionError, match="shape=\\[2, 3, 4, 5\\]"):
+        kvcore.detect([torch.zeros(2, 3, 4, 5)], "toy")
+
+
+def test_detection_error_with_no_engine_plugin(core_only):
+    with pytest.raises(DetectionError, match="plugins asked: none"):
+        kvcore.detect([torch.zeros(2, NB, BS, NH, HS)], "vllm")
+
+
+def test_not_kv_is_a_detection_error_for_detect(toy):
+    with pytest.raises(DetectionError, match="not a KV cache: Mamba conv state"):
+        kvcore.detect([torch.zeros(4, 4)], "toy")
+
+
+def test_ambiguity_names_both_and_the_hint_then_the_hint_resolves(toy):
+    kv = [torch.zeros(2, NB, 4, 4, HS) for _ in range(2)]  # BS == NH: both readings fit
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(kv, "toy")
+    e = ei.value
+    assert e.candidates == ["NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS"]
+    assert e.hints == ["kv_cache_layout"]
+    msg = str(e)
+    assert "NL_X_TWO_NB_BS_NH_HS [NHD]" in msg and "NL_X_TWO_NB_NH_BS_HS [HND]" in msg
+    assert "kv_cache_layout='NHD'" in msg and "kv_cache_layout='HND'" in msg
+    assert "toy:" in msg
+    assert isinstance(e, DetectionError)
+    assert kvcore.detect(kv, "toy", {"kv_cache_layout": "HND"}).format.name == "NL_X_TWO_NB_NH_BS_HS"
+
+
+def test_resolve_collapses_identical_stride_tables(core_only):
+    # vLLM-RBLN's [2, NB, NH, 1, BS, HS] moves exactly the bytes of [2, NB, NH, BS, HS]
+    t = torch.zeros(2, NB, NH, 1, BS, HS)
+    det = resolve(
+        [Candidate("NL_X_TWO_NB_NH_ONE_BS_HS", [t], note="rbln"), Candidate("NL_X_TWO_NB_NH_BS_HS", [t.squeeze(3)], note="hnd")],
+        engine="x",
+    )
+    assert det.format == "NL_X_TWO_NB_NH_ONE_BS_HS" and det.note == "rbln"
+    # one head: NHD [NB, BS, 1, HS] and its HND view [NB, 1, BS, HS] are one answer,
+    # whatever stride the size-1 head axis carries
+    u = torch.zeros(NB, BS, 1, HS)
+    v = u.view(NB, 1, BS, HS)
+    assert u.stride(2) != v.stride(1)
+    det = resolve([Candidate("NL_X_NB_BS_NH_HS", [u]), Candidate("NL_X_NB_NH_BS_HS", [v])], engine="x")
+    assert det.format == "NL_X_NB_BS_NH_HS"
+
+
+def test_resolve_different_tables_raise_naming_both_and_the_hints(core_only):
+    t = torch.zeros(NB, 2, BS, NH, HS)
+    c1 = Candidate("NL_X_NB_TWO_BS_NH_HS", [t], decided_by={"attention_backend": "FLASHINFER"})
+    c2 = Candidate("NL_X_NB_TWO_NH_BS_HS", [t], decided_by={"kv_cache_layout": "HND"})
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        resolve([c1, c2], engine="eng", deciding_hints=["kv_cache_layout"])
+    assert ei.value.candidates == ["NL_X_NB_TWO_BS_NH_HS", "NL_X_NB_TWO_NH_BS_HS"]
+    assert ei.value.hints == ["kv_cache_layout", "attention_backend"]
+    assert "[6, 2, 4, 2, 8]" in str(ei.value)
+
+
+def test_resolve_drops_candidates_that_do_not_fit(core_only):
+    t = torch.zeros(NB, BS, HS)
+    det = resolve([Candidate("NL_X_TWO_NB_BS_NH_HS", [t]), Candidate("NL_X_NB_BS_HS", [t], dtype=None)], engine="x")
+    assert det.format == "NL_X_NB_BS_HS"
+    assert resolve([Candidate("NL_X_TWO_NB_BS_NH_HS", [t])], engine="x") is None
+    assert resolve([], engine="x") is None
+
+
+def test_detect_per_layer_groups_hybrid_models(toy):
+    attn = _pages(1)[0], _pages(1)[0]
+    wide = torch.zeros(2, NB, BS, NH, 2 * HS, dtype=torch.bfloat16)  # a head size twice as big
+    mla = torch.zeros(NB, BS, 576, dtype=torch.bfloat16)  # rank-3 indexer beside rank-5 attention
+    mamba = torch.zeros(NB, 32, dtype=torch.bfloat16)
+    kv = {
+        "model.layers.0.attn": attn[0],
+        "model.layers.1.indexer": mla,
+        "model.layers.2.attn": attn[1],
+        "model.layers.3.mamba": mamba,
+        "model.layers.4.attn": wide,
+    }
+    out = kvcore.detect_per_layer(kv, "toy", hints={"kv_cache_layout": "NHD"})
+    assert len(out) == 5
+    assert out[0] is out[2]
+    assert out[0].format.name == "NL_X_TWO_NB_BS_NH_HS" and out[0].layer_ids == (0, 2) and out[0].head_size == HS
+    assert out[0].layer_names == ("model.layers.0.attn", "model.layers.2.attn")
+    assert out[0].data_ptrs() == [attn[0].data_ptr(), attn[1].data_ptr()]
+    assert out[1].format.name == "NL_X_NB_BS_HS" and out[1].layer_ids == (1,) and out[1].head_size == 576
+    assert out[3] is None
+    assert out[4].layer_ids == (4,) and out[4].head_size == 2 * HS
+    # the engine's groups split like layers apart
+    out = kvcore.detect_per_layer([attn[0], attn[1], mla], "toy", layer_groups=[[1], [0]], hints={"kv_cache_layout": "NHD"})
+    assert out[0] is not out[1] and out[0].layer_ids == (0,) and out[1].layer_ids == (1,) and out[2].layer_ids == (2,)
+    with pytest.raises(DetectionError, match="more than one group"):
+        kvcore.detect_per_layer([attn[0], attn[1]], "toy", layer_groups=[[0, 1], [1]])
+    with pytest.raises(DetectionError, match="names layers \\[5\\]"):
+        kvcore.detect_per_layer([attn[0], attn[1]], "toy", layer_groups=[[0, 5]])
+    with pytest.raises(DetectionError, match="layers \\[0\\]"):
+        kvcore.detect_per_layer([torch.zeros(2, 2, 2, 2)], "toy")
+    with pytest.raises(AmbiguousLayoutError):
+        kvcore.detect_per_layer([attn[0]], "toy")
+
+
+def test_physical_permutation():
+    t = torch.zeros(2, 3, 4).permute(2, 0, 1)  # strides (1, 12, 4)
+    assert physical_permutation(t) == [1, 2, 0]
+    u = torch.zeros(5, 1, 3)
+    assert physical_permutation(u) == [0, 1, 2]
+    hnd_as_nhd = torch.zeros(2, NB, NH, BS, HS).transpose(2, 3)  # vLLM <= 0.23 HND, NHD shape
+    assert physical_permutation(hnd_as_nhd) == [0, 1, 3, 2, 4]
+
+
+def test_exceptions_are_importable_from_kvcore():
+    for name in ("KVCoreError", "FormatError", "DetectionError", "AmbiguousLayoutError", "GeometryError", "TransferError", "PluginError"):
+        cls = getattr(kvcore, name)
+        assert issubclass(cls, kvcore.KVCoreError) and name in kvcore.__all__
+    assert issubclass(kvcore.AmbiguousLayoutError, kvcore.DetectionError)
+    from kvcore.errors import AmbiguousLayoutError as A
+
+    assert A is kvcore.AmbiguousLayoutError
