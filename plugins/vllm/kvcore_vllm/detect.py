@@ -33,17 +33,35 @@ import torch
 
 from kvcore import AmbiguousLayoutError, Detection, DetectionError, GeometryError, build_layout, resolve
 from kvcore.detection import describe_input
-from kvcore_vllm.hints import VllmHints, parse_hints
+from kvcore_vllm.hints import LAYOUT_FAMILY, VllmHints, parse_hints
 from kvcore_vllm.rules import Reading, candidates
 
 __all__ = ["detect_vllm"]
 
 
+def _layout_class(r: Reading) -> tuple[str, bool] | None:
+    base, _, cross = r.layout.partition("/")
+    if base == "*":
+        return None
+    fam = LAYOUT_FAMILY.get(base, base)
+    return fam, bool(cross) or base[0] == "B"
+
+
 def _deciding(readings: list[Reading]) -> list[str]:
+    """The hints whose values differ between readings that place bytes differently."""
+    reps: dict[tuple, Reading] = {}
+    for r in readings:
+        c = r.candidate
+        try:
+            lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
+        except GeometryError:
+            continue
+        reps.setdefault((lay.kv_size, lay.stride_table().signature()), r)
+    rs = list(reps.values())
     keys: list[str] = []
 
     def differs(f) -> bool:
-        return len({f(r) for r in readings}) > 1
+        return len({f(r) for r in rs}) > 1
 
     if differs(lambda r: r.rule.mla):
         keys += ["attention_backend", "head_size", "cache_dtype"]
@@ -51,11 +69,12 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("vllm_version")
     if differs(lambda r: r.rule.families):
         keys.append("attention_backend")
-    if differs(lambda r: r.layout):
+    classes = [_layout_class(r) for r in rs]
+    if None not in classes and len(set(classes)) > 1:
         keys.append("kv_cache_layout")
     if differs(lambda r: r.candidate.note.endswith("physical order)")):
         keys += ["kv_cache_layout", "block_size", "num_kv_heads"]
-    if differs(lambda r: r.rule.gate):
+    if differs(lambda r: r.rule.gate in ("cpu", "tpu")):
         keys.append("device_type")
     return list(dict.fromkeys(keys))
 
@@ -119,7 +138,7 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     readings = candidates(items, h)
     if readings:
         try:
-            det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=_deciding(_fitting(readings)))
+            det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=_deciding(readings))
         except AmbiguousLayoutError:
             raise
         if det is not None:

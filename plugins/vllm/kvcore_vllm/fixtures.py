@@ -111,9 +111,7 @@ def _stride_order(era: str, fam: str, layout: str, rank: int) -> tuple[int, ...]
     """``get_kv_cache_stride_order`` per era, backend family and NHD/HND."""
     ident = tuple(range(rank))
     if fam in ("MLA", "INDEXER", "PALLAS", "CPU"):
-        if layout not in ("NHD", "HND") or (fam == "CPU" and layout == "NHD" and era not in ("0.11",)):
-            pass
-        return ident
+        return ident  # no stride-order override: memory follows the logical shape
     if era == "0.26":
         return (0, 2, 1, 3) if layout == "NHD" else ident
     if era == "0.24" and fam == "FLEX_ATTENTION":
@@ -282,20 +280,30 @@ def kv_view(
     layout: str | None = None,
     head_size: int | None = None,
     dtype: torch.dtype | None = None,
+    hints: dict | None = None,
 ) -> torch.Tensor:
     """One layer's K (``kv=0``) or V (``kv=1``) as vLLM's attention forward sees it:
     ``[NB, BS, NH, HS]`` (MLA: ``[NB, BS, 1, HS]``, kv 0 only; the 0.11 CPU K view is
     ``[NB, BS, NH, HS/x, x]``), in the element dtype; writing into it writes the cache.
 
-    Arguments default to the ``meta`` that :func:`allocate` attached.
+    Arguments default to ``hints`` (the detection hints: vllm_version, attention_backend,
+    head_size, cache_dtype, dtype), then to the ``meta`` that :func:`allocate` attached.
 
     Raises:
-        GeometryError: an unknown combination, or kv 1 of an MLA cache.
+        GeometryError: an unknown combination, missing facts, or kv 1 of an MLA cache.
     """
-    meta = getattr(kv_caches, "meta", {})
+    meta = dict(getattr(kv_caches, "meta", {}))
+    h = dict(hints or {})
+    version = version or h.get("vllm_version")
+    backend = backend or h.get("attention_backend")
+    if not (version or "era" in meta) or not (backend or "family" in meta):
+        raise GeometryError("kv_view needs the vLLM version and backend (arguments, hints, or a cache from allocate())")
     era = era_of(version) if version else meta["era"]
     fam = _family(backend) if backend else meta["family"]
-    hs = head_size or meta.get("head_size")
+    hs = head_size or h.get("head_size") or meta.get("head_size")
+    if dtype is None and h:
+        cd = h.get("cache_dtype") or "auto"
+        dtype = _FP8_ELEMENT.get(cd) or (h.get("dtype") if cd == "auto" else None)
     element = dtype or meta.get("element")
     t = _layers(kv_caches)[layer]
     if era == "0.33" and t.dtype == torch.int8 and meta.get("storage", torch.int8) != torch.int8:
@@ -309,8 +317,9 @@ def kv_view(
     elif fam == "PALLAS":
         v = t[:, :, kv::2, :hs]  # write_to_kv_cache: cat([k, v], -1).reshape(-1, 2H, D): k0, v0, k1, v1...
     elif fam == "CPU" and era == "0.11":
-        nb, flat = t.shape[1], t.shape[2]
-        nh, bs = meta["num_kv_heads"], meta["block_size"]
+        nb = t.shape[1]
+        bs = meta.get("block_size") or h.get("block_size")
+        nh = meta.get("num_kv_heads") or t.shape[2] // (bs * hs)
         if kv == 0:
             x = 16 // t.element_size()
             v = t[0].view(nb, nh, hs // x, bs, x).permute(0, 3, 1, 2, 4)  # split_kv_cache: K (B, H, D/x, N, x)
@@ -433,7 +442,7 @@ def fixture_cases() -> list[FixtureCase]:
                 engine="vllm",
                 format=fmt,
                 make=_make(version, backend, layout, cross),
-                kv_view=lambda kv, layer, k: kv_view(kv, layer, k),
+                kv_view=lambda kv, layer, k, hints=None: kv_view(kv, layer, k, hints=hints),
                 sizes=sizes,
                 dtypes=dtypes,
                 supports_padding=fam == "MLA" or era_of(version) == "0.33",

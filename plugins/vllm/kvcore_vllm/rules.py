@@ -431,7 +431,7 @@ def _layers_separate(views: Sequence[torch.Tensor]) -> bool:
     """Each layer's bytes are its own (or exactly another layer's: shared KV, aliased
     groups); layers whose pages interleave are a cross-layer buffer instead."""
     ranges = sorted({_byte_range(v) for v in views})
-    for (p0, s0, e0), (p1, s1, e1) in zip(ranges, ranges[1:]):
+    for (p0, _s0, e0), (p1, s1, _e1) in zip(ranges, ranges[1:]):
         if p0 == p1 and s1 < e0:
             return False
     return True

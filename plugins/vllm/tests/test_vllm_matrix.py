@@ -1,0 +1,176 @@
+"""Every (version, backend, layout) vLLM allocates: detection, geometry, semantic gather and
+scatter, and bit-exact round trips for each dtype, on caches allocated as vLLM does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_vllm.fixtures import MATRIX, case_name, fixture_cases
+
+import kvcore
+from kvcore.testing import fixtures as registered_fixtures
+
+CASES = {c.name: c for c in fixture_cases()}
+IDS = [case_name(v, b, lay, x) for v, b, lay, x, _ in MATRIX]
+FP_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+
+
+def test_matrix_has_one_case_per_row():
+    assert len(CASES) == len(MATRIX)
+    assert {c.name for c in registered_fixtures("vllm")} == set(CASES)
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_detect_geometry_and_semantics(name, semantic):
+    case = CASES[name]
+    sizes = dict(case.sizes)
+    kv, hints = case.make(sizes, torch.bfloat16, "cpu")
+    layout = kvcore.detect(kv, "vllm", hints)
+    assert layout.format.name == case.format
+    assert layout.num_layers == sizes["num_layers"]
+    assert layout.num_blocks == sizes["num_blocks"]
+    assert layout.block_size == sizes["block_size"]
+    assert layout.num_heads == sizes["num_heads"]
+    assert layout.head_size == sizes["head_size"]
+    assert layout.kv_size == (1 if layout.format.is_mla else 2)
+    assert layout.kv_size == (1 if "MLA" in name else 2)
+    assert layout.dtype == torch.bfloat16
+    assert layout.hidden_dim == sizes["num_heads"] * sizes["head_size"]
+    if layout.format.container == "layer_list":
+        assert layout.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(sizes["num_layers"]))
+    semantic(layout, kv, lambda k, layer, p: case.view(k, layer, p, hints))
+
+
+@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("dtype", FP_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_dtypes_round_trip(name, dtype, semantic):
+    case = CASES[name]
+    if dtype not in case.dtypes:
+        pytest.skip(f"{name} does not allocate {dtype}")
+    sizes = dict(case.sizes, num_layers=2, num_blocks=3)
+    kv, hints = case.make(sizes, dtype, "cpu")
+    layout = kvcore.detect(kv, "vllm", hints)
+    assert layout.format.name == case.format
+    assert layout.dtype == dtype
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and "PALLAS" not in name:
+        assert layout.storage_dtype == torch.uint8  # vLLM stores fp8 caches as uint8
+    semantic(layout, kv, lambda k, layer, p: case.view(k, layer, p, hints), seed=3)
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_detect_from_strides_with_few_hints(name):
+    """Strides decide NHD/HND and layer/block-outermost; only facts the tensors cannot
+    show are given (device, CPU 0.11's flat block, Pallas's padded head, CPU version)."""
+    case = CASES[name]
+    kv, full = case.make(dict(case.sizes), torch.bfloat16, "cpu")
+    hints = {k: full[k] for k in ("device_type",) if k in full}
+    if "TORCH_SDPA" in name:
+        hints.update(block_size=full["block_size"], num_kv_heads=case.sizes["num_heads"])
+    if "PALLAS" in name:
+        hints["head_size"] = full["head_size"]
+    if "0.33-FLASHMLA" in name:
+        hints["head_size"] = 576  # [NB, 1, BS, 576]: one MHA head of 288 or an MLA latent of 576
+    if "CPU_ATTN" in name:
+        hints["vllm_version"] = full["vllm_version"]
+    layout = kvcore.detect(kv, "vllm", hints)
+    assert layout.format.name == case.format
+    assert (layout.num_blocks, layout.block_size, layout.num_heads) == (
+        case.sizes["num_blocks"],
+        case.sizes["block_size"],
+        case.sizes["num_heads"],
+    )
+
+
+def test_cross_layer_reports_one_tensor_pointer_and_layer_stride():
+    case = CASES["vllm-0.13-FLASH_ATTN-NHD-cross"]
+    kv, hints = case.make(dict(case.sizes), torch.bfloat16, "cpu")
+    layout = kvcore.detect(kv, "vllm", hints)
+    views = list(kv.values())
+    assert layout.format.container == "cross_layer"
+    assert layout.data_ptrs() == [views[0].data_ptr()]
+    tb = layout.stride_table()
+    page = 2 * 16 * 3 * 16 * 2  # K+V page of one layer and block, bytes
+    assert tb.planes[0].block == page * case.sizes["num_layers"]
+    ptrs = tb.ptrs()
+    assert int(ptrs[1, 0] - ptrs[0, 0]) == page  # layer stride inside a block
+    assert int(ptrs[0, 1] - ptrs[0, 0]) == page // 2  # V after K
+
+
+def test_v033_block_outermost_pointers_and_strides():
+    case = CASES["vllm-0.33-FLASH_ATTN-BLHNC"]
+    kv, hints = case.make(dict(case.sizes), torch.bfloat16, "cpu")
+    layout = kvcore.detect(kv, "vllm", hints)
+    views = list(kv.values())
+    tb = layout.stride_table()
+    nh, bs, hs = 3, 16, 16
+    page = nh * bs * 2 * hs * 2
+    assert tb.planes[0].block == page * 2  # two layers' pages per block
+    assert tb.planes[0].head == bs * 2 * hs * 2
+    assert tb.planes[0].token == 2 * hs * 2
+    ptrs = tb.ptrs()
+    for layer, v in enumerate(views):
+        assert int(ptrs[layer, 0]) == v.data_ptr()
+        assert int(ptrs[layer, 1]) == v.data_ptr() + hs * 2  # V is the second half of C
+
+
+def test_v033_byte_views_with_and_without_dtype(semantic):
+    from kvcore_vllm.fixtures import allocate, kv_view
+
+    kv = allocate("0.33.0", "FLASH_ATTN", "LBNHC", num_layers=2, num_blocks=5, block_size=8, num_kv_heads=2, head_size=8, byte_views=True)
+    assert next(iter(kv.values())).dtype == torch.int8
+    lay = kvcore.detect(kv, "vllm", {"dtype": "bfloat16"})
+    assert (lay.format.name, lay.dtype, lay.head_size, lay.storage_dtype) == ("NL_X_NB_BS_NH_CS", torch.bfloat16, 8, torch.int8)
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
+    raw = kvcore.detect(kv, "vllm")  # no element dtype: the bytes, K first
+    assert (raw.dtype, raw.head_size) == (torch.int8, 16)
+    semantic(raw, kv, lambda k, layer, p: kv_view(k, layer, p), seed=5)
+
+
+def test_v033_fp8_views():
+    from kvcore_vllm.fixtures import allocate
+
+    kv = allocate(
+        "0.33.0", "FLASHINFER", "LBHNC", num_layers=2, num_blocks=4, block_size=8, num_kv_heads=2, head_size=16, cache_dtype="fp8_e5m2"
+    )
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2"})
+    assert (lay.format.name, lay.dtype, lay.head_size) == ("NL_X_NB_NH_BS_CS", torch.float8_e5m2, 16)
+
+
+def test_padded_v033_pool(semantic):
+    from kvcore_vllm.fixtures import allocate, kv_view
+
+    kv = allocate("0.33.0", "FLASH_ATTN", "LBNHC", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8, block_padding=64)
+    lay = kvcore.detect(kv, "vllm", {"vllm_version": "0.33"})
+    page = 4 * 2 * 16 * 2
+    assert lay.stride_table().planes[0].block == page + 64
+    assert lay.shape_desc().block_stride_elems == (page + 64) // 2
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
+
+
+def test_dict_input_keeps_layer_order():
+    from kvcore_vllm.fixtures import allocate, kv_view
+
+    kv = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=12, num_blocks=3, block_size=16, num_kv_heads=2, head_size=8)
+    shuffled = {k: kv[k] for k in sorted(kv)}  # "layers.10" sorts before "layers.2"
+    assert list(shuffled)[2] == "model.layers.10.self_attn.attn"
+    for i in range(12):
+        kv_view(kv, i, 0).fill_(i)
+    lay = kvcore.detect(shuffled, "vllm")
+    assert lay.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(12))
+    out = kvcore.gather(lay, torch.tensor([0, 17]))
+    assert out[0, :, 0, 0].tolist() == [float(i) for i in range(12)]
+
+
+def test_formats_listed_with_sources():
+    names = {f.name: f for f in kvcore.formats()}
+    for *_, fmt in MATRIX:
+        f = names[fmt]
+        assert "vllm" in f.engines and f.sources and all(s.engine == "vllm" and s.version and s.file for s in f.sources)
+    assert {"FLASHINFER", "FLASH_ATTN"} <= set(names["NL_X_NB_TWO_BS_NH_HS"].attention_backends)
+    assert {s.version for s in names["NL_X_NB_TWO_BS_NH_HS"].sources} >= {"0.11.0", "0.24.0"}
+
+
+def test_other_engines_are_not_answered():
+    from kvcore_vllm.plugin import kvcore_detect
+
+    assert kvcore_detect(kv_caches=[torch.zeros(2, 4, 16, 2, 8)], engine="sglang", hints={}) is None
