@@ -27,8 +27,7 @@ from collections import OrderedDict
 import torch
 
 from kvcore.errors import TransferError
-from kvcore.kernels import TransferPlan
-from kvcore.kernels import _build
+from kvcore.kernels import TransferPlan, _build
 from kvcore.spec import StrideTable
 
 __all__ = ["NativeCPUKernel", "NativeCUDAKernel", "kernels", "prepare"]
@@ -39,9 +38,10 @@ _MAX_CACHED = 64
 class _Prepared:
     """Per-table arguments of the native ops, computed once per stride table."""
 
-    __slots__ = ("ptrs", "strides", "base_align", "block_size", "num_heads", "head_bytes", "num_slots", "__weakref__")
+    __slots__ = ("ptrs", "strides", "base_align", "supported", "args", "__weakref__")
 
     def __init__(self, table: StrideTable, device: torch.device):
+        self.supported = table.kv_size in (1, 2) and all(not p.extra for p in table.planes)
         host = table.ptrs()
         self.ptrs = host.to(device) if device.type != "cpu" else host
         self.strides = torch.tensor(
@@ -51,10 +51,8 @@ class _Prepared:
         for a in host.flatten().tolist():
             g = math.gcd(g, int(a))
         self.base_align = g if g in (1, 2, 4, 8, 16) else 1
-        self.block_size = int(table.block_size)
-        self.num_heads = int(table.num_heads)
-        self.head_bytes = int(table.head_bytes)
-        self.num_slots = int(table.num_slots)
+        # block_size, num_heads, head_bytes, num_slots, base_align
+        self.args = (int(table.block_size), int(table.num_heads), int(table.head_bytes), int(table.num_slots), self.base_align)
 
 
 _CACHE: OrderedDict[int, tuple[weakref.ref, _Prepared]] = OrderedDict()
@@ -65,13 +63,25 @@ def prepare(table: StrideTable) -> _Prepared:
     key = id(table)
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is table:
-        _CACHE.move_to_end(key)
         return hit[1]
     prep = _Prepared(table, table.device)
     _CACHE[key] = (weakref.ref(table), prep)
     while len(_CACHE) > _MAX_CACHED:
         _CACHE.popitem(last=False)
     return prep
+
+
+_OPS: list = []
+
+
+def _ops():
+    """``(gather, scatter)`` op overloads once the library is loaded, else None."""
+    if _OPS:
+        return _OPS[0]
+    if not _build.load().loaded:
+        return None
+    _OPS.append((torch.ops.kvcore.gather.default, torch.ops.kvcore.scatter.default))
+    return _OPS[0]
 
 
 class _NativeKernel:
@@ -88,28 +98,18 @@ class _NativeKernel:
         return table.kv_size in (1, 2) and all(not p.extra for p in table.planes)
 
     def _call(self, plan: TransferPlan, gather: bool) -> None:
-        if not self.supports(plan.table):
-            # select_kernel skips this kernel when it is given the table; a caller that
-            # did not pass it still gets a correct transfer
+        prep = prepare(plan.table)
+        ops = _ops()
+        if ops is None or not prep.supported:
+            # select_kernel skips this kernel when it is given the table (or when the op
+            # library is not built); a caller that calls it anyway still gets a correct transfer
             from kvcore.kernels.reference import REFERENCE
 
             (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
             return
-        prep = prepare(plan.table)
-        op = torch.ops.kvcore.gather if gather else torch.ops.kvcore.scatter
         slots = plan.slots if plan.slots.is_contiguous() else plan.slots.contiguous()
         try:
-            op(
-                prep.ptrs,
-                prep.strides,
-                slots,
-                plan.staging,
-                prep.block_size,
-                prep.num_heads,
-                prep.head_bytes,
-                prep.num_slots,
-                prep.base_align,
-            )
+            ops[0 if gather else 1](prep.ptrs, prep.strides, slots, plan.staging, *prep.args)
         except RuntimeError as e:  # the op validates before moving a byte
             raise TransferError(f"{self.name} {'gather' if gather else 'scatter'} refused the transfer: {e}") from None
 

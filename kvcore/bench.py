@@ -1,0 +1,495 @@
+"""``kvcore bench``: transfer benchmarks of the native and reference kernels.
+
+For each layout × geometry × block size × token count, in both directions (gather:
+paged cache → staging; scatter: staging → paged cache), it reports:
+
+- GB/s, counting bytes read **plus** bytes written (device memory traffic), for the
+  kernel that serves the device (native when built, else the reference);
+- the ratio to a plain contiguous copy of the same number of bytes (``torch.Tensor.copy_``
+  between two contiguous buffers), measured in the same run;
+- the ratio to the torch reference kernel.
+
+With ``--device cuda`` it adds the host rows: gather straight into pinned host memory and
+scatter straight from it (no GPU staging buffer), against one large pinned ``copy_`` of
+the same bytes in the same direction (GB/s there count the bytes crossing the link once).
+
+Timing: medians of repeated runs (``--repeats``), after a warm-up; CUDA runs are timed
+with CUDA events around a batch of back-to-back calls, so host work per call (argument
+preparation, the op dispatch) is included whenever it is slower than the GPU. Small
+transfers rotate among several disjoint slot mappings and staging buffers so that the
+working set exceeds the GPU's L2 (the copy baseline rotates the same way). The slot
+mapping is whole blocks in random order, as an engine hands out blocks. Cache contents
+are random bytes. Validation in :func:`kvcore.gather` (one slot-range reduction) is not
+timed: the kernels receive an already validated :class:`~kvcore.kernels.TransferPlan`.
+
+Geometries (facts from ``../shared/reference/lmcache_transfer.md`` §10.2):
+Llama-3-8B per tensor-parallel rank, 32 layers × 8 KV heads × head size 128, bf16;
+DeepSeek MLA latent, 61 layers × head size 576 (bf16, and fp8 e4m3 stored as uint8).
+Layouts by grammar name (the core names no engine): NHD ``NL_X_TWO_NB_BS_NH_HS``, HND
+``NL_X_TWO_NB_NH_BS_HS``, FlashInfer ``NL_X_NB_TWO_BS_NH_HS``, MLA ``NL_X_NB_BS_HS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked layout: a label, a grammar name, sizes, storage dtype and the
+    element dtype it carries."""
+
+    label: str
+    format: str
+    num_layers: int
+    num_heads: int
+    head_size: int
+    storage_dtype: torch.dtype
+    dtype: torch.dtype
+
+
+_LLAMA = dict(num_layers=32, num_heads=8, head_size=128)
+_MLA = dict(num_layers=61, num_heads=1, head_size=576)
+
+CASES: dict[str, Case] = {
+    "NHD": Case("NHD", "NL_X_TWO_NB_BS_NH_HS", **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
+    "HND": Case("HND", "NL_X_TWO_NB_NH_BS_HS", **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
+    "FlashInfer": Case("FlashInfer", "NL_X_NB_TWO_BS_NH_HS", **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
+    "MLA-bf16": Case("MLA-bf16", "NL_X_NB_BS_HS", **_MLA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
+    "MLA-fp8": Case("MLA-fp8", "NL_X_NB_BS_HS", **_MLA, storage_dtype=torch.uint8, dtype=torch.float8_e4m3fn),
+}
+
+BLOCK_SIZES = (16, 64, 256)
+TOKENS = (256, 8192)
+_L2_ROTATE_BYTES = 256 << 20  # rotate inputs until the working set is past any L2
+
+
+# -- allocation helpers (also used by the tests and scripts/gpu_check.py) ----------------
+
+
+def _expand(tok: str) -> list[str]:
+    return {"TWO": ["KV"], "CS": ["KV", "HS"], "NBBS": ["NB", "BS"], "ONE": []}.get(tok, [tok])
+
+
+def make_cache(
+    name: str,
+    logical: torch.Tensor,
+    *,
+    pad: bool = False,
+    storage_dtype: torch.dtype | None = None,
+) -> Any:
+    """Lay a logical cache out as format ``name`` says, through torch views only.
+
+    Args:
+        name: a grammar name built from NL NB BS NBBS NH HS CS TWO ONE and ``_X_`` list
+            levels NL / TWO.
+        logical: ``[NL, kv_size, NB, BS, NH, HS]``: element ``(l, k, b, o, h, e)`` is
+            element ``e`` of head ``h`` of K (k=0) or V (k=1) of slot ``b*BS+o`` in layer ``l``.
+        pad: allocate one extra entry on each tensor's first axis (the view starts past
+            it: a non-zero storage offset) and 8 extra elements on the last axis (rows
+            padded past their tight stride).
+        storage_dtype: reinterpret the bytes as this dtype (e.g. ``torch.int8`` for an int8
+            buffer carrying bf16; the last axis scales by the size ratio).
+    Returns:
+        the container nested as the format's list levels (lists of tensors), or a tensor.
+    Raises:
+        kvcore.FormatError: a malformed name. kvcore.GeometryError: the logical cache
+            does not fit the name (a K/V or head axis the format has no place for).
+    """
+    from kvcore.errors import GeometryError
+    from kvcore.grammar import parse
+
+    syn = parse(name)
+    nl, kv, nb, bs, nh, hs = logical.shape
+    dims = ["NL", "KV", "NB", "BS", "NH", "HS"]
+
+    def render(t: torch.Tensor, names: list[str]) -> torch.Tensor:
+        order: list[str] = []
+        for tok in syn.axes:
+            order += _expand(tok)
+        for n in list(names):
+            if n not in order:
+                i = names.index(n)
+                if t.shape[i] != 1:
+                    raise GeometryError(f"{name}: logical axis {n} of size {t.shape[i]} has no place in the format")
+                t = t.squeeze(i)
+                names = names[:i] + names[i + 1 :]
+        t = t.permute([names.index(n) for n in order]).contiguous()
+        shape = []
+        for tok in syn.axes:
+            if tok == "ONE":
+                shape.append(1)
+            elif tok == "CS":
+                shape.append(kv * hs)
+            elif tok == "NBBS":
+                shape.append(nb * bs)
+            else:
+                shape.append(t.shape[order.index(_expand(tok)[0])] if tok != "TWO" else 2)
+        t = t.reshape(shape)
+        if pad:
+            big = torch.empty((shape[0] + 1, *shape[1:-1], shape[-1] + 8), dtype=t.dtype, device=t.device)
+            big.view(torch.uint8).fill_(0x5A)
+            view = big[1:, ..., : shape[-1]]
+            view.copy_(t)
+            t = view
+        if storage_dtype is not None and storage_dtype != t.dtype:
+            t = t.view(storage_dtype)
+        return t
+
+    lv = syn.list_levels
+    if lv == ():
+        return render(logical, dims)
+    if lv == ("NL",):
+        return [render(logical[i], dims[1:]) for i in range(nl)]
+    if lv == ("TWO", "NL"):
+        return [[render(logical[i, k], dims[2:]) for i in range(nl)] for k in range(kv)]
+    if lv == ("NL", "TWO"):
+        return [[render(logical[i, k], dims[2:]) for k in range(kv)] for i in range(nl)]
+    raise GeometryError(f"{name}: list levels {lv} are not supported by make_cache")
+
+
+def random_fill(t: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Fill ``t`` with random bytes in place (every bit pattern: NaN payloads, -0, ...)."""
+    b = t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.uint8)
+    if b.is_contiguous():
+        flat = b.view(-1)
+        flat.random_(0, 256, generator=gen) if gen is not None else flat.random_(0, 256)
+    else:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device, generator=gen))
+    return t
+
+
+def block_slots(num_tokens: int, block_size: int, block_ids: torch.Tensor) -> torch.Tensor:
+    """int64 ``[num_tokens]``: whole blocks ``block_ids`` in order, ``id*BS + [0, BS)``."""
+    s = (block_ids[:, None].to(torch.int64) * block_size + torch.arange(block_size, device=block_ids.device)[None, :]).flatten()
+    return s[:num_tokens].contiguous()
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def _timer(device: torch.device, calls: int) -> Callable[[Callable[[int], None]], float]:
+    """Returns ``time(fn)``: the seconds of one call of ``fn(i)``, over ``calls`` calls."""
+    if device.type == "cuda":
+
+        def t_cuda(fn: Callable[[int], None]) -> float:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for i in range(calls):
+                fn(i)
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3 / calls
+
+        return t_cuda
+
+    def t_cpu(fn: Callable[[int], None]) -> float:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - t0) / calls
+
+    return t_cpu
+
+
+def _median_time(fn: Callable[[int], None], device: torch.device, repeats: int, calls: int) -> float:
+    fn(0)  # warm-up (also builds the native library, uploads pointer tables)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timer = _timer(device, calls)
+    timer(fn)
+    return statistics.median(timer(fn) for _ in range(repeats))
+
+
+# -- one case -----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    device: str
+    layout: str
+    format: str
+    dtype: str
+    block_size: int
+    tokens: int
+    direction: str
+    staging: str  # "device" or "pinned"
+    kernel: str
+    mbytes: float  # payload bytes (one copy), MB
+    seconds: float
+    gbps: float
+    baseline: str
+    baseline_gbps: float
+    vs_copy: float
+    reference_gbps: float | None
+    vs_reference: float | None
+
+
+def _kernels(device: torch.device):
+    from kvcore.kernels import select_kernel
+    from kvcore.kernels.reference import REFERENCE
+
+    return REFERENCE, select_kernel
+
+
+def bench_case(
+    case: Case,
+    block_size: int,
+    tokens: int,
+    device: torch.device,
+    *,
+    repeats: int,
+    with_reference: bool,
+    host: bool,
+    seed: int = 0,
+) -> list[Row]:
+    """Benchmark one layout/geometry; returns the rows (both directions, and the pinned
+    host rows when ``host``)."""
+    import kvcore
+    from kvcore.kernels import TransferPlan
+
+    reference, select_kernel = _kernels(device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    kv = 1 if case.num_heads == 1 and "TWO" not in case.format else 2
+    esz = torch.empty(0, dtype=case.dtype).element_size()
+    row_bytes = case.num_heads * case.head_size * esz
+    payload = kv * case.num_layers * tokens * row_bytes
+    nblk = -(-tokens // block_size)
+    sets = max(1, min(8, math.ceil(_L2_ROTATE_BYTES / payload))) if device.type == "cuda" else 1
+    num_blocks = (sets + 1) * nblk
+    shape = (case.num_layers, kv, num_blocks, block_size, case.num_heads, case.head_size)
+    # allocate the format's tensors directly (random bytes), not through a logical copy
+    from kvcore.grammar import parse
+
+    syn = parse(case.format)
+    per_layer = [int({"TWO": 2, "NB": num_blocks, "BS": block_size, "NH": case.num_heads, "HS": case.head_size}[t]) for t in syn.axes]
+    caches = []
+    for _ in range(case.num_layers):
+        t = torch.empty(per_layer, dtype=case.storage_dtype, device=device)
+        random_fill(t)
+        caches.append(t)
+    del shape
+    layout = kvcore.build_layout(case.format, caches, dtype=case.dtype if case.dtype != case.storage_dtype else None)
+    table = layout.stride_table()
+    perm = torch.randperm(num_blocks, generator=gen)
+    slot_sets = [block_slots(tokens, block_size, perm[i * nblk : (i + 1) * nblk]).to(device) for i in range(sets)]
+    staging = []
+    for _ in range(sets):
+        s = torch.empty(layout.staging_shape(tokens), dtype=case.dtype, device=device)
+        random_fill(s)
+        staging.append(s)
+    plans = [TransferPlan(table=table, slots=slot_sets[i], staging=staging[i], num_valid=tokens) for i in range(sets)]
+    kernel = select_kernel(device.type, case.format, device.type, table)
+    calls = 20 if device.type == "cuda" else max(1, min(10, int(64e6 // payload)))
+    src = [torch.empty(payload, dtype=torch.uint8, device=device) for _ in range(sets)]
+    for s in src:
+        random_fill(s)
+    dst = [torch.empty(payload, dtype=torch.uint8, device=device) for _ in range(sets)]
+
+    def t(fn):
+        return _median_time(fn, device, repeats, calls)
+
+    copy_s = t(lambda i: dst[i % sets].copy_(src[i % sets]))
+    rows = []
+    for direction in ("gather", "scatter"):
+        sec = t(lambda i, d=direction: getattr(kernel, d)(plans[i % sets]))
+        ref_s = t(lambda i, d=direction: getattr(reference, d)(plans[i % sets])) if with_reference and kernel is not reference else None
+        if kernel is reference:
+            ref_s = sec
+        rows.append(
+            Row(
+                device=str(device.type),
+                layout=case.label,
+                format=case.format,
+                dtype=str(case.dtype).replace("torch.", ""),
+                block_size=block_size,
+                tokens=tokens,
+                direction=direction,
+                staging="device",
+                kernel=kernel.name,
+                mbytes=payload / 1e6,
+                seconds=sec,
+                gbps=2 * payload / sec / 1e9,
+                baseline="copy",
+                baseline_gbps=2 * payload / copy_s / 1e9,
+                vs_copy=copy_s / sec,
+                reference_gbps=None if ref_s is None else 2 * payload / ref_s / 1e9,
+                vs_reference=None if ref_s is None else ref_s / sec,
+            )
+        )
+    if host and device.type == "cuda":
+        hsets = 1
+        hstage = torch.empty(layout.staging_shape(tokens), dtype=case.dtype, pin_memory=True)
+        random_fill(hstage)
+        hplan = TransferPlan(table=table, slots=slot_sets[0], staging=hstage, num_valid=tokens)
+        hk = select_kernel(device.type, case.format, "cpu", table)
+        hbuf = torch.empty(payload, dtype=torch.uint8, pin_memory=True)
+        dbuf = src[0]
+        d2h = _median_time(lambda i: hbuf.copy_(dbuf, non_blocking=True), device, repeats, 5)
+        h2d = _median_time(lambda i: dbuf.copy_(hbuf, non_blocking=True), device, repeats, 5)
+        for direction, base_s in (("gather", d2h), ("scatter", h2d)):
+            sec = _median_time(lambda i, d=direction: getattr(hk, d)(hplan), device, repeats, 5)
+            ref_s = _median_time(lambda i, d=direction: getattr(reference, d)(hplan), device, repeats, 5) if with_reference else None
+            rows.append(
+                Row(
+                    device="cuda",
+                    layout=case.label,
+                    format=case.format,
+                    dtype=str(case.dtype).replace("torch.", ""),
+                    block_size=block_size,
+                    tokens=tokens,
+                    direction=direction,
+                    staging="pinned",
+                    kernel=hk.name,
+                    mbytes=payload / 1e6,
+                    seconds=sec,
+                    gbps=payload / sec / 1e9,
+                    baseline="pinned memcpy " + ("D2H" if direction == "gather" else "H2D"),
+                    baseline_gbps=payload / base_s / 1e9,
+                    vs_copy=base_s / sec,
+                    reference_gbps=None if ref_s is None else payload / ref_s / 1e9,
+                    vs_reference=None if ref_s is None else ref_s / sec,
+                )
+            )
+        del hsets
+    return rows
+
+
+# -- CLI ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvcore bench``'s options to ``parser``."""
+    parser.description = __doc__.split("\n\n")[0] if __doc__ else None
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="device of the cache (default: cuda when available)")
+    parser.add_argument("--quick", action="store_true", help="a small matrix: NHD, HND, MLA-bf16; block 16; T=256 and 2048")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    parser.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default 16,64,256)")
+    parser.add_argument("--tokens", default=None, help="comma-separated token counts (default 256,8192)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement; the median is reported")
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference kernel")
+    parser.add_argument("--no-host", action="store_true", help="cuda: skip the pinned-host rows")
+    parser.add_argument("--output", default=None, help="also write the JSON rows to this file")
+
+
+def _ints(s: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    if not s:
+        return default
+    try:
+        out = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"kvcore bench: expected comma-separated integers, got {s!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise SystemExit(f"kvcore bench: expected positive integers, got {s!r}")
+    return out
+
+
+def format_table(rows: list[Row]) -> str:
+    """A markdown table of ``rows``."""
+    head = (
+        "| layout | dtype | BS | T | direction | staging | kernel | MB | µs | GB/s | baseline GB/s | vs baseline | reference GB/s | vs reference |\n"
+        "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    lines = [head]
+    for r in rows:
+        ref = "-" if r.reference_gbps is None else f"{r.reference_gbps:.1f}"
+        vr = "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"
+        lines.append(
+            f"| {r.layout} | {r.dtype} | {r.block_size} | {r.tokens} | {r.direction} | {r.staging} | {r.kernel} | {r.mbytes:.1f} | "
+            f"{r.seconds * 1e6:.1f} | {r.gbps:.1f} | {r.baseline_gbps:.1f} | {100 * r.vs_copy:.1f}% | {ref} | {vr} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark matrix; exit code 0, or 2 for a usage error."""
+    dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev_name == "cuda" and not torch.cuda.is_available():
+        print("kvcore bench: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device(dev_name)
+    if args.quick:
+        layouts = ["NHD", "HND", "MLA-bf16"]
+        bss, toks = (16,), (256, 2048)
+    else:
+        layouts = list(CASES)
+        bss, toks = BLOCK_SIZES, TOKENS
+    if args.layouts:
+        layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+        bad = [x for x in layouts if x not in CASES]
+        if bad:
+            print(f"kvcore bench: unknown layout(s) {bad}; choose from {', '.join(CASES)}", file=sys.stderr)
+            return 2
+    bss = _ints(args.block_sizes, bss)
+    toks = _ints(args.tokens, toks)
+    repeats = args.repeats or (5 if args.quick else 7)
+    combos = [(CASES[lay], b, t) for lay in layouts for b in bss for t in toks]
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    it = tqdm(combos, desc="kvcore bench", unit="case", file=sys.stderr, disable=None) if tqdm else combos
+    rows: list[Row] = []
+    for case, b, t in it:
+        if tqdm:
+            it.set_postfix_str(f"{case.label} BS={b} T={t}")
+        rows += bench_case(
+            case,
+            b,
+            t,
+            device,
+            repeats=repeats,
+            with_reference=not args.no_reference,
+            host=not args.no_host,
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    data = [asdict(r) for r in rows]
+    meta = _meta(device)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"meta": meta, "rows": data}, f, indent=1)
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": data}, indent=1))
+    else:
+        print(f"# {meta['device_name']} | torch {meta['torch']} | {meta['threads']} threads")
+        print(format_table(rows))
+    return 0
+
+
+def _meta(device: torch.device) -> dict:
+    from kvcore.kernels import _build
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    st = _build.status()
+    return {
+        "device": device.type,
+        "device_name": name,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "native": {"loaded": st.loaded, "cuda": st.cuda, "reason": st.reason},
+        "gbps_counts": "device rows: bytes read + bytes written; pinned rows: bytes crossing the host link once",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvcore bench")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
