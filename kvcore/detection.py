@@ -132,6 +132,23 @@ def _detectors() -> list[str]:
     return sorted(getattr(i, "plugin_name", None) or h.pm.get_name(i.plugin) for i in h.pm.hook.kvcore_detect.get_hookimpls())
 
 
+def _ask(host: Any, container: Any, engine: str, hints: dict[str, Any]) -> Detection | None:
+    """Call the ``kvcore_detect`` hooks; a plugin that crashes is a DetectionError, not a crash."""
+    try:
+        det = host.pm.hook.kvcore_detect(kv_caches=container, engine=engine, hints=hints)
+    except KVCoreError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        asked = ", ".join(_detectors()) or "none"
+        raise DetectionError(
+            f"a kvcore plugin failed while detecting for engine {engine!r}: {type(e).__name__}: {e}\n"
+            f"tensors:\n{describe_input(container)}\nplugins asked: {asked}"
+        ) from e
+    if det is not None and not isinstance(det, Detection):
+        raise DetectionError(f"a kvcore_detect hook for engine {engine!r} returned {det!r}; it must return a kvcore.Detection or None")
+    return det
+
+
 def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     """Recognise an engine's KV cache and describe it.
 
@@ -151,10 +168,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     container, names = normalize_container(kv_caches)
     h = _hints_dict(hints)
     host = registry.host()
-    try:
-        det = host.pm.hook.kvcore_detect(kv_caches=container, engine=engine, hints=h)
-    except KVCoreError:
-        raise
+    det = _ask(host, container, engine, h)
     if det is None:
         asked = ", ".join(_detectors()) or "none (no engine plugin is installed)"
         raise DetectionError(
@@ -232,7 +246,7 @@ def detect_per_layer(
             by_sig.setdefault(_signature(container[i]), []).append(i)
         for idxs in by_sig.values():
             sub = [container[i] for i in idxs]
-            det = host.pm.hook.kvcore_detect(kv_caches=sub, engine=engine, hints=h)
+            det = _ask(host, sub, engine, h)
             if det is None:
                 asked = ", ".join(_detectors()) or "none"
                 raise DetectionError(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from kvcore.errors import FormatError, GeometryError
+from kvcore.errors import FormatError, GeometryError, KVCoreError, PluginError
 from kvcore.formats import KVFormat
 from kvcore.grammar import parse
 from kvcore.spec import Spec, StrideTable
@@ -350,5 +350,14 @@ def build_layout(
     else:
         fmt = format
     spec_cls = registry.host().pm.hook.kvcore_spec(format=fmt) or Spec
-    spec = spec_cls(fmt, kv_caches, dtype=dtype, params=params)
+    if not (isinstance(spec_cls, type) and issubclass(spec_cls, Spec)):
+        raise PluginError(
+            f"a kvcore_spec hook returned {spec_cls!r} for format {fmt.name}; it must return a subclass of kvcore.Spec or None"
+        )
+    try:
+        spec = spec_cls(fmt, kv_caches, dtype=dtype, params=params)
+    except KVCoreError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tensors a spec cannot read are a geometry error, not a crash
+        raise GeometryError(f"format {fmt.name}: {spec_cls.__name__} could not read these tensors: {type(e).__name__}: {e}") from e
     return KVLayout(fmt, spec, layer_ids=layer_ids, layer_names=layer_names, note=note, engine=engine)

@@ -252,6 +252,11 @@ class Spec:
             lit = {"TWO": 2, "ONE": 1}.get(tok)
             if lit is not None and n != lit:
                 raise GeometryError(f"format {fmt.name}: axis {i} ({tok}) must have size {lit}, got {n} ({_describe_tensor(ref)})")
+            if n == 0:
+                raise GeometryError(
+                    f"format {fmt.name}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}); a KV cache needs at least "
+                    "one block, one token per block, one head and one element"
+                )
             if tok not in ("TWO", "ONE"):
                 sizes[tok] = n
         isz = ref.element_size()

@@ -210,6 +210,8 @@ def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = No
     slots = (b[:, None] * bs + torch.arange(bs, device=b.device)[None, :]).flatten()
     slots = torch.where(b.repeat_interleave(bs) < 0, torch.full_like(slots, -1), slots)
     if num_tokens is not None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not (0 <= num_tokens <= slots.numel()):
+            raise TransferError(f"num_tokens must be between 0 and {slots.numel()} (the blocks' slots), got {num_tokens!r}")
         slots = slots[:num_tokens]
     return slots
 

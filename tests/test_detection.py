@@ -233,3 +233,28 @@ def test_exceptions_are_importable_from_kvcore():
     from kvcore.errors import AmbiguousLayoutError as A
 
     assert A is kvcore.AmbiguousLayoutError
+
+
+def test_a_crashing_or_misbehaving_detect_hook_is_a_detection_error(core_only):
+    class Crash:
+        @hookimpl
+        def kvcore_detect(self, kv_caches, engine, hints):
+            return kv_caches[0].shape[7]  # IndexError on these tensors
+
+    kvcore.register_plugin(Crash(), name="crash")
+    t = torch.zeros(2, 3)
+    with pytest.raises(DetectionError, match="failed while detecting for engine 'e': IndexError") as ei:
+        kvcore.detect([t], "e")
+    assert "shape=[2, 3]" in str(ei.value) and "plugins asked: crash" in str(ei.value)
+    with pytest.raises(DetectionError, match="IndexError"):
+        kvcore.detect_per_layer([t], "e")
+    kvcore.unregister_plugin("crash")
+
+    class Wrong:
+        @hookimpl
+        def kvcore_detect(self, kv_caches, engine, hints):
+            return "NL_X_NB_BS_HS"
+
+    kvcore.register_plugin(Wrong(), name="wrong")
+    with pytest.raises(DetectionError, match="must return a kvcore.Detection"):
+        kvcore.detect([t], "e")

@@ -392,3 +392,38 @@ def test_a_plugin_spec_reaching_past_storage_is_refused():
         build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS)])
     kvcore.unregister_plugin("shortspec")
     assert build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS)]).num_blocks == NB
+
+
+@pytest.mark.parametrize("axis", range(5))
+def test_zero_size_axes_are_refused(axis):
+    shape = [2, NB, BS, NH, HS]
+    tok = ["TWO", "NB", "BS", "NH", "HS"][axis]
+    shape[axis] = 0
+    with pytest.raises(GeometryError, match=rf"axis {axis} \({tok}\) (has size 0|must have size 2)"):
+        build_layout("NL_X_TWO_NB_BS_NH_HS", [torch.zeros(shape)])
+
+
+def test_a_spec_hook_must_return_a_spec_class_and_its_crashes_are_geometry_errors():
+    class Returns42:
+        @kvcore.hookimpl
+        def kvcore_spec(self, format):
+            return 42
+
+    kvcore.register_plugin(Returns42(), name="r42")
+    with pytest.raises(kvcore.PluginError, match="returned 42 for format NL_X_NB_BS_HS"):
+        build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS)])
+    kvcore.unregister_plugin("r42")
+
+    class Crashing(kvcore.Spec):
+        def _build(self):
+            raise IndexError("tuple index out of range")
+
+    class P:
+        @kvcore.hookimpl
+        def kvcore_spec(self, format):
+            return Crashing
+
+    kvcore.register_plugin(P(), name="crashing")
+    with pytest.raises(GeometryError, match="Crashing could not read these tensors: IndexError") as ei:
+        build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS)])
+    assert isinstance(ei.value.__cause__, IndexError)

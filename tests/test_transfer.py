@@ -333,6 +333,9 @@ def test_gather_blocks_and_scatter_blocks():
     assert torch.equal(got.view(torch.int32), want)
     assert kvcore.slots_for_blocks(lay, [3, -1]).tolist() == [12, 13, 14, 15, -1, -1, -1, -1]
     assert kvcore.slots_for_blocks(lay, [1], num_tokens=3).tolist() == [4, 5, 6]
+    for bad in (-1, BS + 1, 1.5):
+        with pytest.raises(TransferError, match="num_tokens"):
+            kvcore.slots_for_blocks(lay, [1], num_tokens=bad)
     # move blocks 3 and 0 into blocks 1 and 4
     kvcore.scatter_blocks(lay, [1, -1, 4], got)
     moved = kvcore.gather_blocks(lay, [1, 4])
