@@ -64,7 +64,12 @@ def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: b
     if slot_mapping.dim() != 1:
         raise TransferError(f"slot_mapping must be 1-D [T], got shape {tuple(slot_mapping.shape)}")
     t = slot_mapping.numel()
-    if not isinstance(skip_prefix, int) or not (0 <= skip_prefix <= t):
+    if not isinstance(skip_prefix, (int, bool)) and hasattr(skip_prefix, "__index__"):
+        try:
+            skip_prefix = operator.index(skip_prefix)  # numpy / torch integer scalars
+        except TypeError:
+            pass
+    if isinstance(skip_prefix, bool) or not isinstance(skip_prefix, int) or not (0 <= skip_prefix <= t):
         raise TransferError(f"skip_prefix must be between 0 and the number of tokens ({t}), got {skip_prefix!r}")
     slots = slot_mapping.to(device=layout.device, dtype=torch.int64)
     if skip_prefix:

@@ -500,3 +500,38 @@ def test_property_gather_matches_an_independent_oracle(case):
         src = kvcore.gather(lay, torch.tensor(valid))
         kvcore.scatter(lay2, torch.tensor(valid), src)
         assert torch.equal(kvcore.gather(lay2, torch.tensor(valid)).view(it), src.view(it))
+
+
+def test_per_layer_views_into_a_blocks_first_pool():
+    # kvcached / vLLM blocks-first: one pool [NB, NL, 2, BS, NH, HS], each layer registers
+    # pool[:, layer] -> [NB, 2, BS, NH, HS] whose block stride spans every layer (dim-0 padding)
+    pool = torch.zeros(NB, NL, 2, BS, NH, HS)
+    views = [pool[:, layer] for layer in range(NL)]
+    per_layer = build_layout("NL_X_NB_TWO_BS_NH_HS", views)
+    whole = build_layout("NB_NL_TWO_BS_NH_HS", pool)
+    assert per_layer.shape_desc().block_stride_elems == NL * 2 * BS * NH * HS
+    assert per_layer.data_ptrs() == [pool[0, layer].data_ptr() for layer in range(NL)]
+    # both readings address the same bytes for every (layer, K/V, slot, head)
+    assert per_layer.stride_table().signature() == whole.stride_table().signature()
+    for layer in range(NL):
+        for k in range(2):
+            pool[:, layer, k].view(torch.int32).copy_(_grid(layer, k, NB, BS, NH, HS))
+    slots = [19, 3, -1, 8]
+    want = _expected_rows(slots, range(NL), 2, NH, HS)
+    assert torch.equal(kvcore.gather(per_layer, slots).view(torch.int32), want)
+    # a scatter through one layer's view lands only in that layer's part of the pool
+    kvcore.scatter(per_layer, [0], torch.full((2, 1, NH * HS), 6.0), layers=1)
+    assert torch.all(pool[0, 1, :, 0] == 6.0)
+    assert torch.equal(pool[0, 0, 0, 0].view(torch.int32), _grid(0, 0, NB, BS, NH, HS)[0, 0])
+    assert torch.equal(pool[0, 2, 1, 0].view(torch.int32), _grid(2, 1, NB, BS, NH, HS)[0, 0])
+
+
+def test_numpy_scalars_for_skip_prefix():
+    import numpy as np
+
+    lay = _coded_layout()
+    out = torch.full(lay.staging_shape(2), 1.0)
+    kvcore.gather(lay, [3, 4], out, skip_prefix=np.int64(1))
+    assert torch.all(out[:, :, 0] == 1.0) and not torch.all(out[:, :, 1] == 1.0)
+    with pytest.raises(TransferError, match="skip_prefix"):
+        kvcore.gather(lay, [3, 4], skip_prefix=True)
