@@ -162,7 +162,8 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         a :class:`KVLayout` over views of the caller's tensors (no copies).
     Raises:
         DetectionError: no plugin recognises it (the message lists the tensors' shapes,
-            strides and dtypes, the engine and the plugins asked).
+            strides and dtypes, the engine and the plugins asked), or a plugin's
+            ``kvcore_detect`` crashed or returned something that is not a Detection.
         AmbiguousLayoutError: two formats fit and no hint decides (names both and the hint).
     """
     container, names = normalize_container(kv_caches)
@@ -216,7 +217,9 @@ def detect_per_layer(
     plugin recognises as not KV (Mamba state) are ``None``, with the reason logged.
 
     Raises:
-        DetectionError / AmbiguousLayoutError: for a group nothing recognises.
+        DetectionError / AmbiguousLayoutError: for a group nothing recognises (or
+            recognises twice), a plugin that crashed, or ``layer_groups`` naming a layer
+            out of range or in two groups.
     """
     container, names = normalize_container(kv_caches)
     if not isinstance(container, (list, tuple)):

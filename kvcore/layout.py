@@ -337,7 +337,11 @@ def build_layout(
     the core's generic :class:`~kvcore.spec.Spec`.
 
     Raises:
-        FormatError: unknown format name. GeometryError: the tensors do not fit it.
+        FormatError: a malformed format name (naming the bad token).
+        GeometryError: the tensors do not fit the format (wrong nesting, rank, literal
+            axis size, zero-size axis, aliasing strides, geometry past the storage), or
+            a plugin's spec failed on them.
+        PluginError: a ``kvcore_spec`` hook returned something that is not a Spec subclass.
     """
     from kvcore import registry
 
