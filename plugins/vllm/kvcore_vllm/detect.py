@@ -110,6 +110,31 @@ def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict) 
         )
 
 
+def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str]:
+    """Drop entries that are the very same view as an earlier one: vLLM registers one tensor
+    under several layer names for KV groups that alias one buffer (0.11
+    ``kv_cache_utils.py::get_kv_cache_config_from_groups``: ``shared_by=[full.i, sw.i]``) and
+    for cross-layer KV sharing (``shared_kv_cache_layers``: the entry *is* the target
+    layer's tensor). One memory is one layer of the layout (kvcore refuses two planes at
+    one address: a scatter would write it twice)."""
+    seen: dict[tuple, int] = {}
+    keep: list[torch.Tensor] = []
+    aliases: list[str] = []
+    for i, t in enumerate(items):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in seen:
+            aliases.append(f"{i}->{seen[key]}")
+            continue
+        seen[key] = i
+        keep.append(t)
+    if not aliases:
+        return items, ""
+    return keep, (
+        f"; entries {', '.join(aliases)} alias an earlier entry (shared KV / aliased KV cache groups): "
+        f"the layout holds the {len(keep)} distinct layers"
+    )
+
+
 def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     """Detect one vLLM KV cache group (see the module docstring).
 
@@ -135,10 +160,18 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     t0 = items[0]
     if any(t.dim() != t0.dim() or t.dtype != t0.dtype for t in items):
         return None  # the core groups by signature; a mixed list is not one layout
+    items, alias_note = _distinct(items)
     readings = candidates(items, h)
+    if alias_note:
+        for r in readings:
+            r.candidate.note += alias_note
     if readings:
         try:
-            det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=_deciding(readings))
+            deciding = _deciding(readings)
+            if deciding:
+                for r in readings:
+                    r.candidate.decided_by = {k: v for k, v in r.candidate.decided_by.items() if k in deciding}
+            det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=deciding)
         except AmbiguousLayoutError:
             raise
         if det is not None:

@@ -458,9 +458,19 @@ def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
 _BYTE_DTYPES = (torch.int8, torch.uint8)
 
 
-def _element_dtype(t: torch.Tensor, h: VllmHints) -> tuple[torch.dtype | None, int]:
-    """(dtype for the spec or None, element size) for tensors of ``t``'s storage dtype."""
+def _element_dtype(t: torch.Tensor, h: VllmHints, rule: Rule) -> tuple[torch.dtype | None, int]:
+    """(dtype for the spec or None, element size) for tensors of ``t``'s storage dtype.
+
+    int8 tensors are 0.33 byte views of the one int8 buffer (``allocate_kv_cache``): they
+    carry the cache's element dtype (fp8 for fp8 cache dtypes, else the model dtype).
+    uint8 tensors are fp8 storage (``STR_DTYPE_TO_TORCH_DTYPE``) or opaque records
+    (fp8_ds_mla, indexer): only an fp8 cache_dtype reinterprets them, never the model dtype.
+    """
+    if rule.blocked:
+        return None, 1
     want = h.element_dtype()
+    if t.dtype == torch.uint8:
+        want = want if want in (torch.float8_e4m3fn, torch.float8_e5m2) else None
     if t.dtype in _BYTE_DTYPES:
         if want is not None and want != t.dtype:
             return want, torch.empty(0, dtype=want).element_size()
@@ -483,6 +493,7 @@ class Reading:
     candidate: Candidate
     rule: Rule
     layout: str
+    as_given: bool = False  # the view keeps the tensor's own axis order (tie-break between identical readings)
 
 
 def _layout_ok(rule: Rule, key: str, h: VllmHints) -> bool:
@@ -571,11 +582,13 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
     sz = _sizes(tokens, t0)
     if sz is None:
         return None
-    dtype, esz = _element_dtype(t0, h)
+    dtype, esz = _element_dtype(t0, h, rule)
     if not _sizes_ok(rule, sz, t0, esz, h):
         return None
+    as_given = False
     if order[0] == "NL":
         perm = [tokens.index(tok) for tok in _fmt_tokens(order[1:])]
+        as_given = perm == sorted(perm) and not rule.transform
         pv = [v.permute(perm) for v in views]
         if not all(_ordered(v) for v in pv) or not _layers_separate(pv):
             return None
@@ -603,7 +616,7 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
         decided_by=decided,
         label=f"{rule.label}, {key}{note}",
     )
-    return Reading(cand, rule, key)
+    return Reading(cand, rule, key, as_given)
 
 
 def _fmt_tokens(order: Sequence[str]) -> tuple[str, ...]:
@@ -655,4 +668,6 @@ def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool 
                 r = _reading(rule, key, views, phys, h, " (tensor already in physical order)")
                 if r is not None:
                     out.append(r)
+    # among readings that turn out byte-identical, the first wins: prefer the tensor's own axis order
+    out.sort(key=lambda r: not r.as_given)
     return out

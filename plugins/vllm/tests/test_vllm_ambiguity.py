@@ -1,0 +1,122 @@
+"""Shape alone never decides: each pair of layouts that share a shape raises
+AmbiguousLayoutError without a deciding hint, and the hint resolves it (checked
+semantically: the resolved layout gathers the values vLLM's own view wrote)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_vllm.fixtures import allocate, kv_view
+
+import kvcore
+
+
+def _ambiguous(kv, hints, *names, deciding=()):
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
+        kvcore.detect(kv, "vllm", hints)
+    assert set(names) <= set(ei.value.candidates)
+    for k in deciding:
+        assert k in ei.value.hints
+        assert k in str(ei.value)
+    return ei.value
+
+
+def test_nb2_fa_vs_blocks_first(semantic):
+    g = dict(num_layers=2, num_blocks=2, block_size=16, num_kv_heads=3, head_size=8)
+    fa = allocate("0.11.0", "FLASH_ATTN", "NHD", **g)
+    _ambiguous(fa, None, "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_TWO_BS_NH_HS", deciding=("attention_backend", "vllm_version"))
+    # FLASH_ATTN alone is not enough: 0.24's FlashAttention is blocks-first
+    _ambiguous(fa, {"attention_backend": "FLASH_ATTN"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_TWO_BS_NH_HS", deciding=("vllm_version",))
+    lay = kvcore.detect(fa, "vllm", {"attention_backend": "FLASH_ATTN", "vllm_version": "0.11.0"})
+    assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS" and lay.num_blocks == 2
+    semantic(lay, fa, kv_view)
+    fi = allocate("0.11.0", "FLASHINFER", "NHD", **g)
+    lay = kvcore.detect(fi, "vllm", {"attention_backend": "FLASHINFER"})
+    assert lay.format.name == "NL_X_NB_TWO_BS_NH_HS"
+    semantic(lay, fi, kv_view)
+    v24 = allocate("0.24.0", "FLASH_ATTN", "NHD", **g)
+    lay = kvcore.detect(v24, "vllm", {"vllm_version": "0.24.1"})
+    assert lay.format.name == "NL_X_NB_TWO_BS_NH_HS"
+    semantic(lay, v24, kv_view)
+
+
+def test_nh1_mla_view_vs_one_kv_head(semantic):
+    mha = allocate("0.33.0", "FLASH_ATTN", "LBHNC", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=288)
+    err = _ambiguous(mha, None, "NL_X_NB_BS_HS", deciding=("attention_backend", "head_size"))
+    assert "576" in str(err) and {"NL_X_NB_NH_BS_CS", "NL_X_NB_BS_NH_CS"} & set(err.candidates)
+    for hints in ({"attention_backend": "FLASH_ATTN"}, {"head_size": 288}):
+        lay = kvcore.detect(mha, "vllm", hints)
+        assert (lay.format.name, lay.kv_size, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 1, 288)
+        semantic(lay, mha, kv_view)
+    mla = allocate("0.33.0", "FLASHMLA", "LBNHC", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576)
+    _ambiguous(mla, None, "NL_X_NB_BS_HS")
+    for hints in ({"attention_backend": "FLASHMLA"}, {"head_size": 576}, {"attention_backend": "TRITON_MLA", "vllm_version": "0.33.0"}):
+        lay = kvcore.detect(mla, "vllm", hints)
+        assert (lay.format.name, lay.kv_size, lay.num_heads, lay.head_size) == ("NL_X_NB_BS_HS", 1, 1, 576)
+        semantic(lay, mla, kv_view)
+
+
+def test_bs_equals_nh_without_stride_evidence(semantic):
+    g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=4, head_size=8)
+    nhd = allocate("0.11.0", "FLASH_ATTN", "NHD", **g)  # contiguous: also an HND tensor already in physical order
+    _ambiguous(nhd, None, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS", deciding=("kv_cache_layout",))
+    lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "NHD"})
+    assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS"
+    semantic(lay, nhd, kv_view)
+    lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"})  # read as the physical HND tensor it also is
+    assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
+    assert lay.stride_table().planes[0].head == 4 * 8 * 2  # heads are now the outer axis
+    # vLLM's own HND allocation: the strides decide, no hint needed
+    hnd = allocate("0.11.0", "FLASH_ATTN", "HND", **g)
+    lay = kvcore.detect(hnd, "vllm")
+    assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
+    semantic(lay, hnd, kv_view)
+
+
+def test_packed_kv_across_versions_cpu(semantic):
+    g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    v26 = allocate("0.26.0", "CPU_ATTN", "HND", **g)
+    _ambiguous(v26, {"device_type": "cpu"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_NH_TWO_BS_HS", deciding=("vllm_version",))
+    lay = kvcore.detect(v26, "vllm", {"device_type": "cpu", "vllm_version": "0.26.0"})
+    assert lay.format.name == "NL_X_NB_NH_BS_CS"
+    semantic(lay, v26, kv_view)
+    v33 = allocate("0.33.0", "CPU_ATTN", "LBHNC", **g)
+    lay = kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0"})
+    assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+    semantic(lay, v33, kv_view)
+
+
+def test_nh2_packed_gpu_is_not_ambiguous_across_gpu_versions():
+    # 0.26 (NB, NH, BS, 2*HS) and 0.33 [NB, NH, BS, C] place bytes identically: one answer
+    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    lay = kvcore.detect(kv, "vllm")
+    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
+
+
+def test_hint_contradicting_strides_is_an_error():
+    hnd = allocate("0.11.0", "FLASHINFER", "HND", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
+    with pytest.raises(kvcore.DetectionError) as ei:
+        kvcore.detect(hnd, "vllm", {"kv_cache_layout": "NHD"})
+    assert not isinstance(ei.value, kvcore.AmbiguousLayoutError)
+    assert "NHD" in str(ei.value) and "HND" in str(ei.value)
+    with pytest.raises(kvcore.DetectionError, match="XPU"):
+        kvcore.detect(hnd, "vllm", {"device_type": "xpu"})
+    v33 = allocate("0.33.0", "FLASH_ATTN", "BLNHC", num_layers=3, num_blocks=4, block_size=4, num_kv_heads=2, head_size=8)
+    with pytest.raises(kvcore.DetectionError, match="BLNHC"):
+        kvcore.detect(v33, "vllm", {"kv_cache_layout": "LBNHC"})
+    assert kvcore.detect(v33, "vllm", {"kv_cache_layout": "NHD"}).format.name == "NB_NL_BS_NH_CS"  # NHD family
+
+
+def test_physical_order_tensor_needs_the_layout_hint():
+    phys = torch.zeros(2, 5, 2, 16, 8, dtype=torch.bfloat16)  # HND memory (2, NB, NH, BS, HS), contiguous
+    assert kvcore.detect([phys], "vllm").format.name == "NL_X_TWO_NB_BS_NH_HS"  # vLLM's default NHD reading
+    lay = kvcore.detect([phys], "vllm", {"kv_cache_layout": "HND"})
+    assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_TWO_NB_NH_BS_HS", 16, 2)
+    lay = kvcore.detect([phys], "vllm", {"block_size": 16, "num_kv_heads": 2})  # the sizes decide too
+    assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_TWO_NB_NH_BS_HS", 16, 2)
+
+
+def test_wrong_size_hint_says_what_fits():
+    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    with pytest.raises(kvcore.DetectionError, match="block_size"):
+        kvcore.detect(kv, "vllm", {"block_size": 16})

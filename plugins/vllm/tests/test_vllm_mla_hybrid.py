@@ -1,0 +1,154 @@
+"""MLA latents, blocked-scale records, padded pools, and hybrid models through detect_per_layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcore_vllm.fixtures import allocate, kv_view
+
+import kvcore
+
+
+def blocked_planes(t: torch.Tensor, scale_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's indexer page: per block all BS tokens' value bytes, then their scale bytes."""
+    nb, bs, w = t.shape
+    v = w - scale_bytes
+    vals = torch.as_strided(t, (nb, bs, v), (t.stride(0), v, 1), t.storage_offset())
+    scales = torch.as_strided(t, (nb, bs, scale_bytes), (t.stride(0), scale_bytes, 1), t.storage_offset() + bs * v)
+    return vals, scales
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "layout", "width", "scale"),
+    [
+        ("0.11.0", "INDEXER", "NHD", 132, 4),
+        ("0.33.0", "INDEXER", "LBNHC", 132, 4),
+        ("0.11.0", "FLASHMLA", "NHD", 352, 32),
+    ],
+)
+@pytest.mark.parametrize("padding", [0, 40])
+def test_blocked_scale_records(version, backend, layout, width, scale, padding):
+    cd = "nvfp4_ds_mla" if width == 352 else "auto"
+    kv = allocate(version, backend, layout, num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576,
+                  dtype=torch.uint8, cache_dtype=cd, block_padding=padding)  # fmt: skip
+    hints = {"cache_dtype": cd} if cd != "auto" else None
+    if version.startswith("0.33"):
+        # [NB, 1, BS, 132] uint8 is also one fp8 MHA head of 66: the backend decides
+        with pytest.raises(kvcore.AmbiguousLayoutError):
+            kvcore.detect(kv, "vllm")
+        hints = {"attention_backend": "FLASHMLA_SPARSE"}
+    lay = kvcore.detect(kv, "vllm", hints)
+    assert lay.format.name == "NL_X_NB_BSV_BSS"
+    assert (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (2, 5, 4, 1, width, 1)
+    assert lay.describe() == f"2 x [5, 4x{width - scale}, 4x{scale}]"
+    assert lay.stride_table().planes[0].block == 4 * width + padding
+    layers = [t.squeeze(1) if t.dim() == 4 else t for t in kv.values()]
+    g = torch.Generator().manual_seed(1)
+    for t in layers:
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+    slots = torch.tensor([7, -1, 0, 19, 12])
+    out = kvcore.gather(lay, slots)
+    for li, t in enumerate(layers):
+        vals, scales = blocked_planes(t, scale)
+        for i, s in enumerate(slots.tolist()):
+            if s < 0:
+                assert not out[0, li, i].any()
+                continue
+            b, n = divmod(s, 4)
+            assert torch.equal(out[0, li, i], torch.cat([vals[b, n], scales[b, n]]))
+    before = [t.clone() for t in layers]
+    src = torch.randint(0, 256, (1, 2, 3, width), generator=g, dtype=torch.uint8)
+    kvcore.scatter(lay, torch.tensor([1, 8, 14]), src)
+    for li, t in enumerate(layers):
+        vals, scales = blocked_planes(t, scale)
+        for i, s in enumerate([1, 8, 14]):
+            b, n = divmod(s, 4)
+            assert torch.equal(vals[b, n], src[0, li, i, : width - scale]) and torch.equal(scales[b, n], src[0, li, i, width - scale :])
+        changed = (t != before[li]).nonzero()
+        assert {int(x) for x in changed[:, 0]} <= {0, 2, 3}  # only the blocks of slots 1, 8, 14
+
+
+def test_fp8_ds_mla_is_a_per_token_record(semantic):
+    kv = allocate("0.11.0", "FLASHMLA_SPARSE", "NHD", num_layers=2, num_blocks=4, block_size=4, num_kv_heads=1, head_size=576,
+                  cache_dtype="fp8_ds_mla")  # fmt: skip
+    assert next(iter(kv.values())).shape == (4, 4, 656)
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_ds_mla"})
+    assert (lay.format.name, lay.head_size, lay.dtype, lay.kv_size) == ("NL_X_NB_BS_HS", 656, torch.uint8, 1)
+    semantic(lay, kv, kv_view)
+    assert kvcore.detect(kv, "vllm").format.name == "NL_X_NB_BS_HS"  # 656 uint8 is no other vLLM layout
+
+
+def test_mla_fp8_and_padded_pool(semantic):
+    kv = allocate("0.11.0", "FLASHMLA", "NHD", num_layers=3, num_blocks=4, block_size=4, num_kv_heads=1, head_size=576,
+                  cache_dtype="fp8_e4m3", block_padding=64)  # fmt: skip
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e4m3"})
+    assert (lay.format.name, lay.dtype, lay.head_size) == ("NL_X_NB_BS_HS", torch.float8_e4m3fn, 576)
+    assert lay.shape_desc().block_stride_elems == 4 * 576 + 64
+    semantic(lay, kv, kv_view)
+
+
+def test_gemma_mixed_head_sizes_and_indexer_beside_attention():
+    a = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=4, num_blocks=5, block_size=16, num_kv_heads=2, head_size=16)
+    b = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=4, num_blocks=5, block_size=16, num_kv_heads=1, head_size=32)
+    kv = {f"model.layers.{i}.self_attn.attn": (a if i % 2 == 0 else b)[f"model.layers.{i}.self_attn.attn"] for i in range(4)}
+    lays = kvcore.detect_per_layer(kv, "vllm")
+    assert [x.head_size for x in lays] == [16, 32, 16, 32]
+    assert lays[0] is lays[2] and lays[0].layer_ids == (0, 2) and lays[1].layer_ids == (1, 3)
+    assert lays[1].layer_names == ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")
+    att = allocate("0.33.0", "FLASH_ATTN", "LBNHC", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    idx = allocate("0.11.0", "INDEXER", "NHD", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576, dtype=torch.uint8)
+    mixed = [
+        att["model.layers.0.self_attn.attn"],
+        idx["model.layers.0.self_attn.attn"],
+        att["model.layers.1.self_attn.attn"],
+        idx["model.layers.1.self_attn.attn"],
+    ]
+    lays = kvcore.detect_per_layer(mixed, "vllm", hints={"dtype": "bfloat16"})
+    assert [x.format.name for x in lays] == ["NL_X_NB_BS_NH_CS", "NL_X_NB_BSV_BSS"] * 2
+
+
+def test_mamba_state_is_excluded():
+    att = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
+    conv, ssm = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8, 8)
+    kv = {
+        "model.layers.0.mixer": [conv, ssm],
+        "model.layers.1.self_attn.attn": att["model.layers.1.self_attn.attn"],
+        "model.layers.2.mixer": [conv, ssm],
+    }
+    lays = kvcore.detect_per_layer(kv, "vllm")
+    assert lays[0] is None and lays[2] is None
+    assert lays[1].format.name == "NL_X_TWO_NB_BS_NH_HS" and lays[1].layer_ids == (1,)
+    with pytest.raises(kvcore.DetectionError, match="Mamba"):
+        kvcore.detect({"model.layers.0.mixer": [conv, ssm]}, "vllm")
+    pages = [torch.zeros(5, 1, 1, 96, dtype=torch.int8) for _ in range(2)]  # 0.33 MambaSpec: one state per block
+    lays = kvcore.detect_per_layer(pages + [att["model.layers.0.self_attn.attn"]], "vllm", hints={"block_size": 16})
+    assert lays[:2] == [None, None] and lays[2].format.name == "NL_X_TWO_NB_BS_NH_HS"
+
+
+def test_aliased_groups_and_shared_kv_layers(semantic):
+    base = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
+    t0, t1 = base.values()
+    # 0.11 get_kv_cache_config_from_groups: tensor i is shared_by one full and one sliding-window layer
+    kv = {"model.layers.0.attn": t0, "model.layers.1.attn": t0, "model.layers.2.attn": t1, "model.layers.3.attn": t1}
+    lay = kvcore.detect(kv, "vllm")
+    assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 2)  # one memory, one layer
+    assert lay.data_ptrs() == [t0.data_ptr(), t1.data_ptr()] and "alias" in lay.note
+    semantic(lay, base, kv_view)
+    lays = kvcore.detect_per_layer(kv, "vllm")
+    assert all(x is lays[0] for x in lays) and lays[0].format.name == "NL_X_TWO_NB_BS_NH_HS"
+    lays = kvcore.detect_per_layer(kv, "vllm", layer_groups=[[0, 2], [1, 3]])  # the engine's groups: exact
+    assert lays[0].layer_ids == (0, 2) and lays[1].layer_ids == (1, 3)
+    assert lays[0].data_ptrs() == lays[1].data_ptrs()
+    # cross-layer KV sharing: layer 2 reuses layer 0's tensor object
+    shared = {"model.layers.0.attn": t0, "model.layers.1.attn": t1, "model.layers.2.attn": t0}
+    lay = kvcore.detect(shared, "vllm")
+    assert lay.num_layers == 2 and lay.data_ptrs() == [t0.data_ptr(), t1.data_ptr()]
+    assert [x.format.name for x in kvcore.detect_per_layer(shared, "vllm")] == ["NL_X_TWO_NB_BS_NH_HS"] * 3
+
+
+def test_partially_overlapping_layers_are_not_a_layer_list():
+    buf = torch.zeros(4096, dtype=torch.bfloat16)
+    a = torch.as_strided(buf, (2, 4, 16, 2, 8), (1024, 256, 16, 8, 1), 0)
+    b = torch.as_strided(buf, (2, 4, 16, 2, 8), (1024, 256, 16, 8, 1), 8)  # interleaves with a, no uniform cross-layer form
+    with pytest.raises(kvcore.DetectionError):
+        kvcore.detect([a, b], "vllm", {"vllm_version": "0.11"})
