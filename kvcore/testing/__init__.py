@@ -1,5 +1,26 @@
-"""kvcore.testing: the fixture contract plugins implement, and the conformance suite."""
+"""kvcore.testing: the fixture contract plugins implement, and the conformance suite.
+
+* :class:`FixtureCase` / :func:`fixtures`: what a plugin registers through
+  ``kvcore_register_fixtures`` (see :mod:`kvcore.testing.fixtures`).
+* :mod:`kvcore.testing.suite`: the checks, importable (``suite.run_checks(["myplugin"])``).
+* ``kvcore check [PLUGIN ...]``: the report (:mod:`kvcore.testing.check`).
+* ``pytest -p kvcore.testing --kvcore-plugin NAME`` (or ``-p kvcore.testing.pytest_plugin``):
+  the same checks as pytest items. The pytest hooks below only forward to
+  :mod:`kvcore.testing.pytest_plugin`, so importing this package never imports pytest.
+"""
 
 from kvcore.testing.fixtures import FixtureCase, fixtures
 
 __all__ = ["FixtureCase", "fixtures"]
+
+
+def pytest_addoption(parser):
+    from kvcore.testing import pytest_plugin
+
+    pytest_plugin.pytest_addoption(parser)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    from kvcore.testing import pytest_plugin
+
+    pytest_plugin.pytest_collection_modifyitems(session, config, items)
