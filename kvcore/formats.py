@@ -129,6 +129,10 @@ class KVFormat(BaseModel):
     def __str__(self) -> str:
         return self.name
 
+    def __hash__(self) -> int:
+        # frozen, but its label lists are not hashable: a format is identified by its name
+        return hash(self.name)
+
 
 def make_format(**kwargs) -> KVFormat:
     """Build a KVFormat, raising :class:`FormatError` (not pydantic's ValidationError) for a bad name."""

@@ -113,3 +113,11 @@ def test_get_format_of_an_unregistered_name(core_only):
         kvcore.get_format("NL_X_FOO_HS")
     f = _fa_hnd()
     assert kvcore.get_format(f) is f
+
+
+def test_hashable_by_name_and_equal_by_value():
+    a, b = _fa_hnd(), _fa_hnd()
+    assert a == b and hash(a) == hash(b)
+    assert {a: 1}[b] == 1
+    other = KVFormat(name="NL_X_TWO_NB_NH_BS_HS")  # same name, other labels
+    assert other != a and len({a, other}) == 2

@@ -535,3 +535,24 @@ def test_numpy_scalars_for_skip_prefix():
     assert torch.all(out[:, :, 0] == 1.0) and not torch.all(out[:, :, 1] == 1.0)
     with pytest.raises(TransferError, match="skip_prefix"):
         kvcore.gather(lay, [3, 4], skip_prefix=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cache_with_pinned_host_staging():
+    name = "NL_X_TWO_NB_NH_BS_HS"
+    kv = [torch.zeros(2, NB, NH, BS, HS, device="cuda") for _ in range(NL)]
+    lay = build_layout(name, kv)
+    _fill_codes(name, kv, 2)
+    slots = [17, -1, 0, 9]
+    want = _expected_rows(slots, range(NL), 2, NH, HS)
+    host = torch.empty(lay.staging_shape(4), pin_memory=True)
+    host.view(torch.int32).fill_(-5)
+    kvcore.gather(lay, slots, host)
+    want_host = want.clone()
+    want_host[:, :, 1] = -5
+    assert torch.equal(host.view(torch.int32), want_host)
+    assert torch.equal(kvcore.gather(lay, slots).cpu().view(torch.int32), want)
+    dst = build_layout(name, [torch.zeros(2, NB, NH, BS, HS, device="cuda") for _ in range(NL)])
+    kvcore.scatter(dst, [3, -1, 4, 5], host)
+    back = kvcore.gather(dst, [3, 4, 5]).cpu().view(torch.int32)
+    assert torch.equal(back, want[:, :, [0, 2, 3]])
