@@ -55,7 +55,7 @@ import torch
 
 __all__ = ["run", "CASES", "DemoCase"]
 
-VLLM_VERSION = "0.11"
+VLLM_VERSION = "0.11.0"
 
 
 @dataclass(frozen=True)
@@ -83,17 +83,17 @@ class DemoCase:
         return 1 if self.is_mla else 2
 
 
-# Llama-3-8B: one block of all 32 layers = 2 * 16 * 8 * 128 * 2 B * 32 = 2 MiB -> 512 blocks = 1 GiB.
-# DeepSeek-V3: one block of all 61 layers = 64 * 576 * 2 B * 61 = 4.3 MiB -> 128 blocks = 549 MiB.
+# Llama-3-8B: one block of all 32 layers = 2 * 16 * 8 * 128 * 2 B * 32 = 2 MiB -> 256 blocks = 512 MiB.
+# DeepSeek-V3: one block of all 61 layers = 64 * 576 * 2 B * 61 = 4.3 MiB -> 64 blocks = 275 MiB.
+# Sized so the three cases run in well under a minute on 2 CPU cores; --num-blocks scales them.
 CASES: tuple[DemoCase, ...] = (
-    DemoCase("llama-nhd", "Llama-3-8B", "FLASH_ATTN", "NHD", 32, 8, 128, 16, 512),
-    DemoCase("llama-hnd", "Llama-3-8B", "FLASH_ATTN", "HND", 32, 8, 128, 16, 512),
-    DemoCase("deepseek-mla", "DeepSeek-V3", "FLASHMLA", "NHD", 61, 1, 576, 64, 128),
+    DemoCase("llama-nhd", "Llama-3-8B", "FLASH_ATTN", "NHD", 32, 8, 128, 16, 256),
+    DemoCase("llama-hnd", "Llama-3-8B", "FLASH_ATTN", "HND", 32, 8, 128, 16, 256),
+    DemoCase("deepseek-mla", "DeepSeek-V3", "FLASHMLA", "NHD", 61, 1, 576, 64, 64),
 )
 
-# Encoding multipliers (any distinct values below the prime do; these are arbitrary).
-_A_LAYER, _B_KV, _C_SLOT = 40503, 30011, 1031
-_PRIMES = {1: 251, 2: 65521, 4: 2147483629}
+# Encoding multipliers: odd, so a shift of any one coordinate changes the value (mod 2**bits).
+_A_LAYER, _B_KV, _C_SLOT, _D_HEAD, _E_ELEM = 40503, 30011, 1031, 257, 1
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -103,31 +103,52 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 class Encoder:
     """Integer bit patterns encoding (layer, K/V, slot, head, element) for one element width.
 
-    ``value = ((A*layer + B*kv + C*slot) mod P + ((HS+1)*head + element) mod P) mod P``, shifted
-    by ``-2**(bits-1)`` for signed views so it fits the element's integer view exactly.
+    ``value = (A*layer + B*kv + C*slot + D*head + E*element) mod 2**bits``, in the element's
+    integer view (int16 for bf16). The multipliers are odd, so a wrong layer, K/V, slot, head or
+    element alone always changes the value. The sum is formed in the view dtype, whose
+    arithmetic wraps mod 2**bits, so one pass writes a whole plane with no temporary.
     """
 
     def __init__(self, dtype: torch.dtype, num_heads: int, head_size: int, device: torch.device):
         from kvcore import GeometryError
 
-        self.esz = torch.empty(0, dtype=dtype).element_size()
-        if self.esz not in _PRIMES:
-            raise GeometryError(f"the demo encodes 1-, 2- or 4-byte elements; {dtype} has {self.esz}")
-        self.p = _PRIMES[self.esz]
-        self.int_dtype = _INT_VIEW[self.esz]
-        self.work = torch.int64 if self.esz == 4 else torch.int32
-        self.shift = (1 << (8 * self.esz - 1)) if self.int_dtype != torch.uint8 else 0
+        esz = torch.empty(0, dtype=dtype).element_size()
+        if esz not in _INT_VIEW:
+            raise GeometryError(f"the demo encodes 1-, 2- or 4-byte elements; {dtype} has {esz}")
+        self.int_dtype = _INT_VIEW[esz]
+        self.bits = 8 * esz
         h = torch.arange(num_heads, device=device, dtype=torch.int64)
         e = torch.arange(head_size, device=device, dtype=torch.int64)
-        self.he = (((head_size + 1) * h[:, None] + e[None, :]) % self.p - self.shift).to(self.work)  # [NH, HS]
+        self.he = self._wrap(_D_HEAD * h[:, None] + _E_ELEM * e[None, :])  # [NH, HS]
 
-    def encode(self, layer: int, kv: int, slots: torch.Tensor) -> torch.Tensor:
-        """``[T, NH, HS]`` in the element's integer view dtype."""
-        base = (_A_LAYER * layer + _B_KV * kv) % self.p
-        tok = ((_C_SLOT * slots.to(torch.int64) + base) % self.p).to(self.work)
-        x = tok[:, None, None] + self.he[None]  # in [-shift, 2p - shift)
-        x = torch.where(x >= self.p - self.shift, x - self.p, x)
+    def _wrap(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 -> the view dtype, modulo 2**bits (two's complement for signed views)."""
+        x = x & ((1 << self.bits) - 1)
+        if self.int_dtype != torch.uint8:
+            x = torch.where(x >= (1 << (self.bits - 1)), x - (1 << self.bits), x)
         return x.to(self.int_dtype)
+
+    def token_term(self, layer: int, kv: int, slots: torch.Tensor) -> torch.Tensor:
+        """``[T]``: the (layer, kv, slot) part of the value."""
+        return self._wrap(_A_LAYER * layer + _B_KV * kv + _C_SLOT * slots.to(torch.int64))
+
+    def encode_staging(self, slots: torch.Tensor, num_layers: int, kv_size: int) -> torch.Tensor:
+        """``[kv_size, NL, T, NH, HS]``: what a gather of ``slots`` must stage; rows of negative
+        (padding) slots are 0, as the staging buffer was."""
+        layer = torch.arange(num_layers, device=slots.device, dtype=torch.int64)
+        kv = torch.arange(kv_size, device=slots.device, dtype=torch.int64)
+        s64 = slots.to(torch.int64)
+        tok = self._wrap(_A_LAYER * layer[None, :, None] + _B_KV * kv[:, None, None] + _C_SLOT * s64[None, None, :])
+        out = tok[..., None, None] + self.he
+        out[:, :, s64 < 0] = 0
+        return out
+
+    def encode(self, layer: int, kv: int, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, NH, HS]`` values (or written into ``out``, any view broadcastable to that shape)."""
+        tok = self.token_term(layer, kv, slots)
+        if out is None:
+            return tok[:, None, None] + self.he[None]
+        return torch.add(tok.view(*out.shape[:-2], 1, 1), self.he, out=out)
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -253,7 +274,7 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
 
     with _progress(len(planes), f"{case.key}: write", quiet) as bar:
         for layer, kv in planes:
-            plane(layer, kv).copy_(enc.encode(layer, kv, all_slots).view(num_blocks, case.block_size, case.num_kv_heads, case.head_size))
+            enc.encode(layer, kv, all_slots, out=plane(layer, kv))
             bar.update()
     rec["fill_s"] = round(time.perf_counter() - t0, 3)
 
@@ -298,36 +319,33 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
     rec["bytes_moved"] = tokens * row_bytes
 
     # offload
-    staged: list[torch.Tensor] = []
+    # staging buffers allocated up front, as an offloading system keeps its memory objects
+    staged = [torch.zeros(layout.staging_shape(r.src_slots.numel()), dtype=layout.dtype, device=device) for r in reqs]
+    src_maps = [r.src_slots.to(device) for r in reqs]
+    dst_maps = [r.dst_slots.to(device) for r in reqs]
     _sync(device)
     t = time.perf_counter()
-    for r in reqs:
-        staged.append(kvcore.gather(layout, r.src_slots.to(device)))
+    for m, st in zip(src_maps, staged):
+        kvcore.gather(layout, m, st)
     _sync(device)
     t_gather = time.perf_counter() - t
 
-    # semantic check of the staged rows (independent of the restore)
+    # semantic check of the staged rows (independent of the restore): row t of layer l, K/V k
+    # must hold the encoding of (l, k, source slot of token t, head, element); padding rows stay 0
     ok = True
     for r, st in zip(reqs, staged):
-        valid = r.src_slots >= 0
-        src = r.src_slots[valid].to(device)
-        ist = st.view(enc.int_dtype)
-        for layer, kv in planes:
-            got = ist[kv, layer][valid.to(device)].view(-1, case.num_kv_heads, case.head_size)
-            want = enc.encode(layer, kv, src)
-            if not torch.equal(got, want):
-                n, idx, g, w = _first_mismatch(got, want)
-                fail(
-                    "gather_semantic",
-                    f"request {r.name} layer {layer} kv {kv}: {n} wrong values, first at token {idx[0]} head {idx[1]} element {idx[2]}: got {g}, expected {w}",
-                )
-                ok = False
-                break
-        if r.pad and bool((ist[:, :, ~valid.to(device)] != 0).any()):
-            fail("gather_padding", f"request {r.name}: padding rows of the staging buffer were written")
+        want = enc.encode_staging(r.src_slots.to(device), case.num_layers, case.kv_size)
+        got = st.view(enc.int_dtype).view(want.shape)
+        if not torch.equal(got, want):
+            n, idx, g, w = _first_mismatch(got, want)
+            what = "a padding row was written" if int(r.src_slots[idx[2]]) < 0 else "wrong value"
+            fail(
+                "gather_semantic",
+                f"request {r.name}: {n} wrong values; first ({what}) at K/V {idx[0]} layer {idx[1]} token {idx[2]} "
+                f"head {idx[3]} element {idx[4]}: got {g}, expected {w}",
+            )
             ok = False
     checks.setdefault("gather_semantic", ok)
-    checks.setdefault("gather_padding", True)
 
     # wipe the source blocks (through the engine's views), then restore into other blocks
     src_blocks = torch.tensor([b for r in reqs for b in r.src_blocks], dtype=torch.int64, device=device)
@@ -335,8 +353,8 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
         plane(layer, kv)[src_blocks] = 0
     _sync(device)
     t = time.perf_counter()
-    for r, st in zip(reqs, staged):
-        kvcore.scatter(layout, r.dst_slots.to(device), st)
+    for m, st in zip(dst_maps, staged):
+        kvcore.scatter(layout, m, st)
     _sync(device)
     t_scatter = time.perf_counter() - t
 
@@ -362,12 +380,12 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
     expected_dst = torch.cat([r.dst_slots[r.dst_slots >= 0] for r in reqs]).to(device)
     wiped = (src_blocks[:, None] * case.block_size + torch.arange(case.block_size, device=device)[None]).flatten()
     ok = True
+    want = torch.empty(nslots, case.num_kv_heads, case.head_size, dtype=enc.int_dtype, device=device)
     with _progress(len(planes), f"{case.key}: verify", quiet) as bar:
         for layer, kv in planes:
-            full = enc.encode(layer, kv, all_slots)
-            want = full.clone()
+            enc.encode(layer, kv, all_slots, out=want)
             want[wiped] = 0
-            want[expected_dst] = full[expected_src]
+            want[expected_dst] = enc.encode(layer, kv, expected_src)
             got = plane(layer, kv).reshape(nslots, case.num_kv_heads, case.head_size)
             if not torch.equal(got, want):
                 n, idx, g, w = _first_mismatch(got, want)
@@ -388,7 +406,6 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
     rec["scatter_gbps"] = round(rec["bytes_moved"] / t_scatter / 1e9, 3) if t_scatter > 0 else None
     rec["verified"] = all(checks.values())
     rec["total_s"] = round(time.perf_counter() - t0, 3)
-    del kv_caches, staged, layout
     return rec
 
 
@@ -409,7 +426,7 @@ def _parser() -> argparse.ArgumentParser:
         "--num-blocks",
         type=int,
         default=None,
-        help="blocks per cache for every case (default: 512 for Llama-3-8B = 1 GiB, 128 for DeepSeek-V3 = 549 MiB); at least 8",
+        help="blocks per cache for every case (default: 256 for Llama-3-8B = 512 MiB, 64 for DeepSeek-V3 = 275 MiB); at least 8",
     )
     p.add_argument("--case", action="append", choices=[c.key for c in CASES], help="run only this case (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the block shuffling")
