@@ -80,7 +80,8 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
     if is_paged_cache(kv_caches):
         group = select_group(paged_groups(kv_caches), hints.get("attention_type"))
         return _paged_detection(group.view, f"PagedAttentionCache group {group.attention_type!r}, model layers {list(group.layer_ids)}")
-    if is_layered_cache(kv_caches) or is_legacy_cache(kv_caches):
+    if is_layered_cache(kv_caches) or is_legacy_cache(kv_caches) or type(kv_caches).__module__.startswith("transformers."):
+        # any other transformers object gets layer_pairs' message (encoder-decoder, unknown cache class)
         return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers")
     if isinstance(kv_caches, torch.Tensor):
         if kv_caches.dim() == 6 and kv_caches.shape[2] == 2:

@@ -1,0 +1,286 @@
+"""Allocation fixtures (``kvcore.testing.FixtureCase``) for every cache kind this plugin reads.
+
+Each ``make`` builds the cache with transformers' own classes where the installed
+version has them (5.24: ``DynamicCache``, ``DynamicSlidingWindowLayer``, ``StaticCache``,
+``FullAttentionCacheAllocator``), so shapes *and* strides are the engine's. The 4.53 API
+generation cannot be installed beside 5.x, so its two cases rebuild 4.53.3's storage
+rules exactly (``cache_utils.py::DynamicCache.update``: the first update stores the
+attention's ``key_states`` as they come — a ``transpose(1, 2)`` view, not a copy — and
+later ones ``torch.cat(dim=-2)``; ``StaticCache.__init__``: ``torch.zeros((max_batch_size,
+NH, max_cache_len, head_dim))`` per layer) in a class with 4.53's attribute names.
+
+Geometry keys: ``num_layers``, ``num_blocks`` (batch for dynamic/static caches; blocks of
+the whole tensor, trash sectors included, for the paged cache), ``block_size`` (sequence
+length / ``page_size``), ``num_heads`` (KV heads), ``head_size``.
+
+``kv_view`` (the oracle) reads the engine's own tensors, never kvcore's stride table:
+``cache.layers[i].keys`` / ``cache.key_cache[i]`` transposed to ``[batch, seq, NH, HS]``;
+for the paged cache, transformers' own page views ``allocator._kv_page_views[layer]``
+(``full_attention.py::register_cache_tensor``), whose page ``2 * NL * b`` is block ``b``.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvcore import GeometryError
+from kvcore.testing import FixtureCase
+
+from .caches import LAYER_PAIRS_FORMAT, PAGED_FORMAT
+
+__all__ = ["fixture_cases", "Legacy453DynamicCache", "Legacy453StaticCache", "make_paged_cache"]
+
+_DEFAULT = {"num_layers": 3, "num_blocks": 2, "block_size": 7, "num_heads": 2, "head_size": 8}
+_PAGED_DEFAULT = {"num_layers": 3, "num_blocks": 6, "block_size": 4, "num_heads": 2, "head_size": 8}
+
+
+def _states(sizes: dict, dtype: torch.dtype, device: Any, seq: int, seed: int) -> torch.Tensor:
+    """Attention's key/value states: ``proj(x).view(B, S, NH, HS).transpose(1, 2)`` (a view)."""
+    b, nh, hs = sizes["num_blocks"], sizes["num_heads"], sizes["head_size"]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (b, seq, nh, hs * torch.empty(0, dtype=dtype).element_size()), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).to(device).transpose(1, 2)
+
+
+# -- transformers >= 4.54 (5.24 classes) ------------------------------------------------
+
+
+def _make_dynamic(sizes, dtype, device):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(sizes["num_layers"]):
+        cache.update(
+            _states(sizes, dtype, device, sizes["block_size"], 2 * i), _states(sizes, dtype, device, sizes["block_size"], 2 * i + 1), i
+        )
+    return cache, {}
+
+
+def _make_sliding(sizes, dtype, device):
+    """All-sliding DynamicCache fed more tokens than the window: each layer keeps the view
+    ``full[:, :, -sliding_window + 1:, :]`` (5.24 ``DynamicSlidingWindowLayer.update``)."""
+    from transformers import DynamicCache
+
+    window = sizes["block_size"] + 1
+    seq = sizes["block_size"] + 3
+    data = []
+    for i in range(sizes["num_layers"]):
+        data.append((_states(sizes, dtype, device, seq, 2 * i), _states(sizes, dtype, device, seq, 2 * i + 1), torch.tensor(window)))
+    return DynamicCache(ddp_cache_data=data), {}
+
+
+def _make_static(sizes, dtype, device):
+    from transformers import LlamaConfig, StaticCache
+
+    cfg = LlamaConfig(
+        num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"],
+        num_key_value_heads=sizes["num_heads"],
+        head_dim=sizes["head_size"],
+        hidden_size=sizes["num_heads"] * sizes["head_size"],
+    )
+    cache = StaticCache(config=cfg, max_cache_len=sizes["block_size"])
+    for i in range(sizes["num_layers"]):  # a one-token prefill: lazy_initialization allocates the zeros
+        layer = cache.layers[i]
+        k, v = _states(sizes, dtype, device, 1, 2 * i), _states(sizes, dtype, device, 1, 2 * i + 1)
+        layer.lazy_initialization(k, v)
+        layer.keys[:, :, :1] = k
+        layer.values[:, :, :1] = v
+    return cache, {}
+
+
+def _view_layers(cache, layer: int, kv: int) -> torch.Tensor:
+    t = cache.layers[layer].keys if kv == 0 else cache.layers[layer].values
+    return t.transpose(1, 2)
+
+
+# -- transformers <= 4.53 -------------------------------------------------------------------
+
+
+class Legacy453DynamicCache:
+    """transformers 4.53.3 ``DynamicCache`` storage: ``key_cache`` / ``value_cache`` lists
+    (``cache_utils.py::DynamicCache.update``: first update appends ``key_states`` itself,
+    later updates ``torch.cat([...], dim=-2)``)."""
+
+    def __init__(self) -> None:
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        if len(self.key_cache) <= layer_idx:
+            for _ in range(len(self.key_cache), layer_idx):
+                self.key_cache.append(torch.tensor([]))
+                self.value_cache.append(torch.tensor([]))
+            self.key_cache.append(key_states)
+            self.value_cache.append(value_states)
+        elif not self.key_cache[layer_idx].numel():
+            self.key_cache[layer_idx] = key_states
+            self.value_cache[layer_idx] = value_states
+        else:
+            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=-2)
+            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=-2)
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+
+class Legacy453StaticCache:
+    """transformers 4.53.3 ``StaticCache.__init__`` storage: per layer
+    ``torch.zeros((max_batch_size, NH, max_cache_len, head_dim))`` for K and for V."""
+
+    def __init__(self, num_layers: int, max_batch_size: int, num_heads: int, max_cache_len: int, head_dim: int, dtype, device=None):
+        shape = (max_batch_size, num_heads, max_cache_len, head_dim)
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def _make_legacy_dynamic(sizes, dtype, device):
+    cache = Legacy453DynamicCache()
+    for i in range(sizes["num_layers"]):  # prefill only: the stored tensors are the transposed views
+        cache.update(
+            _states(sizes, dtype, device, sizes["block_size"], 2 * i), _states(sizes, dtype, device, sizes["block_size"], 2 * i + 1), i
+        )
+    return cache, {}
+
+
+def _make_legacy_static(sizes, dtype, device):
+    cache = Legacy453StaticCache(
+        sizes["num_layers"], sizes["num_blocks"], sizes["num_heads"], sizes["block_size"], sizes["head_size"], dtype, device
+    )
+    return cache, {}
+
+
+def _view_legacy(cache, layer: int, kv: int) -> torch.Tensor:
+    t = cache.key_cache[layer] if kv == 0 else cache.value_cache[layer]
+    return t.transpose(1, 2)
+
+
+# -- the continuous-batching paged cache (5.20 - 5.24) --------------------------------------
+
+
+def make_paged_cache(
+    num_layers: int, num_blocks: int, page_size: int, num_heads: int, head_size: int, dtype: torch.dtype, device: Any = "cpu"
+) -> SimpleNamespace:
+    """A ``PagedAttentionCache``-shaped object built on transformers' own
+    ``FullAttentionCacheAllocator``: one ``torch.zeros(..., dtype=torch.uint8)`` tensor of
+    ``num_blocks`` whole-model blocks (the first ``2 * blocks_per_sector`` are the trash
+    sectors), registered with ``register_cache_tensor`` as ``PagedAttentionCache.__init__``
+    does (``cache.py``; sector = ``lcm(bytes_per_block, 128)``).
+
+    Raises:
+        GeometryError: ``num_blocks`` is not 2 trash sectors plus whole sectors.
+    """
+    from transformers.generation.continuous_batching.cache_allocators import CachePool, FullAttentionCacheAllocator
+
+    cfg = SimpleNamespace(head_dim=head_size)
+    alloc = FullAttentionCacheAllocator(
+        index=0,
+        config=cfg,
+        num_key_value_heads=num_heads,
+        cache_dtype=dtype,
+        page_size=page_size,
+        layer_indices=list(range(num_layers)),
+        allow_block_sharing=True,
+    )
+    bytes_per_sector = lcm(alloc.bytes_per_block, 128)
+    per_sector = bytes_per_sector // alloc.bytes_per_block
+    if num_blocks % per_sector or num_blocks < 2 * per_sector:
+        raise GeometryError(f"num_blocks={num_blocks} must be a multiple of {per_sector} blocks per sector, at least 2 sectors")
+    num_sectors = num_blocks // per_sector - 2
+    non_trash = num_sectors * bytes_per_sector
+    tensor = torch.zeros(non_trash + 2 * bytes_per_sector, dtype=torch.uint8, device=device)
+    pool = CachePool(num_sectors, 1)
+    alloc.register_cache_tensor(bytes_per_sector, non_trash, tensor, pool)
+    return SimpleNamespace(cache_tensor=tensor, cache_allocators={"full_attention": alloc}, pool=pool)
+
+
+def _paged_sizes_ok(sizes: dict, dtype: torch.dtype) -> dict:
+    esz = torch.empty(0, dtype=dtype).element_size()
+    bpb = 2 * sizes["num_heads"] * sizes["head_size"] * esz * sizes["block_size"] * sizes["num_layers"]
+    per = lcm(bpb, 128) // bpb
+    nb = max(sizes["num_blocks"], 2 * per)
+    return {**sizes, "num_blocks": -(-nb // per) * per}
+
+
+def _make_paged(sizes, dtype, device):
+    s = _paged_sizes_ok(sizes, dtype)
+    if s["num_blocks"] != sizes["num_blocks"]:
+        raise GeometryError(
+            f"transformers cannot allocate {sizes['num_blocks']} blocks of this geometry (sectors of whole blocks); use {s['num_blocks']}"
+        )
+    cache = make_paged_cache(s["num_layers"], s["num_blocks"], s["block_size"], s["num_heads"], s["head_size"], dtype, device)
+    return cache, {}
+
+
+def _view_paged(cache, layer: int, kv: int) -> torch.Tensor:
+    alloc = cache.cache_allocators["full_attention"]
+    pages = alloc._kv_page_views[alloc.layer_indices[layer]][kv]  # [pages, page_size, NH, HS]
+    return pages[:: 2 * alloc.pages_per_block]  # page 2 * NL * b is block b
+
+
+def fixture_cases() -> list[FixtureCase]:
+    """Every fixture of this plugin (5 dynamic/static cases and the paged cache)."""
+    src524 = "transformers 5.24.0 src/transformers/cache_utils.py"
+    src453 = "transformers 4.53.3 src/transformers/cache_utils.py"
+    return [
+        FixtureCase(
+            name="transformers-5.24-DynamicCache",
+            engine="transformers",
+            format=LAYER_PAIRS_FORMAT,
+            make=_make_dynamic,
+            kv_view=_view_layers,
+            sizes=dict(_DEFAULT),
+            source=f"{src524}::DynamicLayer.update (torch.cat on dim -2)",
+        ),
+        FixtureCase(
+            name="transformers-5.24-DynamicSlidingWindowLayer",
+            engine="transformers",
+            format=LAYER_PAIRS_FORMAT,
+            make=_make_sliding,
+            kv_view=_view_layers,
+            sizes=dict(_DEFAULT),
+            source=f"{src524}::DynamicSlidingWindowLayer.update (keys = full[:, :, -sliding_window + 1:, :], a strided view)",
+        ),
+        FixtureCase(
+            name="transformers-5.24-StaticCache",
+            engine="transformers",
+            format=LAYER_PAIRS_FORMAT,
+            make=_make_static,
+            kv_view=_view_layers,
+            sizes=dict(_DEFAULT),
+            source=f"{src524}::StaticLayer.lazy_initialization (torch.zeros((batch, NH, max_cache_len, HS)))",
+        ),
+        FixtureCase(
+            name="transformers-4.53-DynamicCache-prefill",
+            engine="transformers",
+            format=LAYER_PAIRS_FORMAT,
+            make=_make_legacy_dynamic,
+            kv_view=_view_legacy,
+            sizes=dict(_DEFAULT),
+            source=f"{src453}::DynamicCache.update (key_cache list; the first update keeps the transposed key_states view)",
+        ),
+        FixtureCase(
+            name="transformers-4.53-StaticCache",
+            engine="transformers",
+            format=LAYER_PAIRS_FORMAT,
+            make=_make_legacy_static,
+            kv_view=_view_legacy,
+            sizes=dict(_DEFAULT),
+            source=f"{src453}::StaticCache.__init__ (key_cache list of torch.zeros((max_batch_size, NH, max_cache_len, head_dim)))",
+        ),
+        FixtureCase(
+            name="transformers-5.24-PagedAttentionCache-full_attention",
+            engine="transformers",
+            format=PAGED_FORMAT,
+            make=_make_paged,
+            kv_view=_view_paged,
+            sizes=dict(_PAGED_DEFAULT),
+            source=(
+                "transformers 5.24.0 src/transformers/generation/continuous_batching/cache.py::PagedAttentionCache.__init__ "
+                "and cache_allocators/full_attention.py::FullAttentionCacheAllocator.register_cache_tensor"
+            ),
+            size_constraints={"num_blocks": "2 trash sectors plus whole sectors of lcm(bytes_per_block, 128) bytes"},
+        ),
+    ]
