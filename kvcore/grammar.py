@@ -149,8 +149,8 @@ class Syntax:
 
     @property
     def two_major(self) -> bool:
-        """The K/V axis sits outside the block axis (``TWO_NB``)."""
-        k, b = self.axis("TWO"), self.axis("NB")
+        """The K/V axis sits outside the block axis (``TWO_NB``, or ``TWO_NBBS``)."""
+        k, b = self.axis("TWO"), self.axis("NB") if self.has("NB") else self.axis("NBBS")
         return k is not None and b is not None and k < b
 
     @property

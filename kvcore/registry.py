@@ -148,7 +148,16 @@ class PluginHost:
             except (ValueError, pluggy.PluginValidationError) as e:
                 raise PluginError(f"kvcore plugin {name!r} cannot be registered: {e}") from e
             info = PluginInfo(name=name, distribution=dist[0], version=dist[1])
-            info.hooks = sorted(h.name for h in (self.pm.get_hookcallers(obj) or []))
+            callers = self.pm.get_hookcallers(obj) or []
+            info.hooks = sorted(h.name for h in callers)
+            unknown = sorted(h.name for h in callers if not h.has_spec())
+            if unknown:
+                known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith("kvcore_")))
+                warnings.warn(
+                    f"kvcore plugin {name!r} implements {', '.join(unknown)}, which kvcore never calls (a typo?); the hooks are {known}",
+                    KVCorePluginWarning,
+                    stacklevel=3,
+                )
             self.info[name] = info
             caller = self.pm.subset_hook_caller  # call only this plugin's implementations
             others = [p for p in self.pm.get_plugins() if p is not obj]

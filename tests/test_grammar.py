@@ -81,6 +81,17 @@ def test_every_member_facts_match_the_reference(name):
     assert got == (kv_size, is_mla, container, is_hnd, fused_kv, fused_nbbs, two_major)
 
 
+def test_facts_of_names_beyond_the_enum():
+    # two-major over a fused slot axis; HND with the element axis not innermost (a
+    # transposed V cache, [NB, NH, HS, BS]); K|V fused only when TWO sits right outside HS
+    assert parse("NL_X_TWO_NBBS_NH_HS").two_major
+    assert not parse("NL_X_NBBS_TWO_NH_HS").two_major
+    assert parse("NL_X_NB_NH_HS_BS").is_hnd
+    assert not parse("NL_X_NB_BS_TWO_NH_HS").fused_kv
+    assert not parse("NL_X_NB_BS_NH_HS_TWO").fused_kv
+    assert parse("NB_BS_NH_HS").container == "cross_layer"
+
+
 def test_blocked_scale_and_plane_facts():
     assert parse("NL_X_NB_BSV_BSS").blocked_scale
     assert not parse("NL_X_NB_BS_HS").blocked_scale

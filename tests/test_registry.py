@@ -203,3 +203,14 @@ def test_plugins_lists_the_core_first(core_only):
     assert [p.name for p in kvcore.plugins()] == ["kvcore", "aaa"]
     d = kvcore.plugins()[1].as_dict()
     assert d["name"] == "aaa" and d["formats"] == ["NL_X_NB_BS_HS"] and d["error"] is None
+
+
+def test_a_misspelt_hook_warns(core_only):
+    class Typo:
+        @hookimpl
+        def kvcore_register_format(self, register):  # missing the final "s"
+            raise AssertionError("never called")
+
+    with pytest.warns(KVCorePluginWarning, match="'typo' implements kvcore_register_format, which kvcore never calls"):
+        kvcore.register_plugin(Typo(), name="typo")
+    assert kvcore.formats() == []
