@@ -445,7 +445,10 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 def run(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit code (0 all verified, 1 a mismatch, 2 bad options)."""
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2): an exit code, not an exception
+        return e.code if isinstance(e.code, int) else 0
     if args.num_blocks is not None and args.num_blocks < 8:
         print(
             f"kvcore demo: --num-blocks must be at least 8 (four requests, source and destination blocks), got {args.num_blocks}",
