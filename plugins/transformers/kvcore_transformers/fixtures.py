@@ -13,10 +13,16 @@ Geometry keys: ``num_layers``, ``num_blocks`` (batch for dynamic/static caches; 
 the whole tensor, trash sectors included, for the paged cache), ``block_size`` (sequence
 length / ``page_size``), ``num_heads`` (KV heads), ``head_size``.
 
-``kv_view`` (the oracle) reads the engine's own tensors, never kvcore's stride table:
-``cache.layers[i].keys`` / ``cache.key_cache[i]`` transposed to ``[batch, seq, NH, HS]``;
-for the paged cache, transformers' own page views ``allocator._kv_page_views[layer]``
-(``full_attention.py::register_cache_tensor``), whose page ``2 * NL * b`` is block ``b``.
+``make`` returns what ``kvcore.detect`` reads for the suite: the cache's own tensors as
+per-layer ``(K, V)`` pairs (``kvcore_transformers.kv_caches(cache)``), and the paged
+cache's raw ``cache_tensor`` with the hints giving its geometry. (Detecting the objects
+themselves is tested in ``tests/``, with :data:`OBJECT_BUILDERS`.)
+
+``kv_view`` (the oracle) reads the engine's own tensors, never kvcore's stride table: the
+layer's ``keys`` / ``values`` (``key_cache[i]`` in 4.53) transposed to ``[batch, seq, NH,
+HS]``; for the paged cache, the page views ``full_attention.py::register_cache_tensor``
+builds (``_kv_page_views``; page ``2 * NL * b`` is block ``b``), rebuilt from the bytes and
+checked against the allocator's own at ``make`` time.
 """
 
 from __future__ import annotations
@@ -30,9 +36,9 @@ import torch
 from kvcore import GeometryError
 from kvcore.testing import FixtureCase
 
-from .caches import LAYER_PAIRS_FORMAT, PAGED_FORMAT
+from .caches import LAYER_PAIRS_FORMAT, PAGED_FORMAT, layer_pairs
 
-__all__ = ["fixture_cases", "Legacy453DynamicCache", "Legacy453StaticCache", "make_paged_cache"]
+__all__ = ["fixture_cases", "Legacy453DynamicCache", "Legacy453StaticCache", "make_paged_cache", "make_paged_object", "OBJECT_BUILDERS"]
 
 _DEFAULT = {"num_layers": 3, "num_blocks": 2, "block_size": 7, "num_heads": 2, "head_size": 8}
 _PAGED_DEFAULT = {"num_layers": 3, "num_blocks": 6, "block_size": 4, "num_heads": 2, "head_size": 8}
@@ -49,7 +55,7 @@ def _states(sizes: dict, dtype: torch.dtype, device: Any, seq: int, seed: int) -
 # -- transformers >= 4.54 (5.24 classes) ------------------------------------------------
 
 
-def _make_dynamic(sizes, dtype, device):
+def _make_dynamic_object(sizes, dtype, device):
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -57,10 +63,10 @@ def _make_dynamic(sizes, dtype, device):
         cache.update(
             _states(sizes, dtype, device, sizes["block_size"], 2 * i), _states(sizes, dtype, device, sizes["block_size"], 2 * i + 1), i
         )
-    return cache, {}
+    return cache
 
 
-def _make_sliding(sizes, dtype, device):
+def _make_sliding_object(sizes, dtype, device):
     """All-sliding DynamicCache fed more tokens than the window: each layer keeps the view
     ``full[:, :, -sliding_window + 1:, :]`` (5.24 ``DynamicSlidingWindowLayer.update``)."""
     from transformers import DynamicCache
@@ -70,10 +76,10 @@ def _make_sliding(sizes, dtype, device):
     data = []
     for i in range(sizes["num_layers"]):
         data.append((_states(sizes, dtype, device, seq, 2 * i), _states(sizes, dtype, device, seq, 2 * i + 1), torch.tensor(window)))
-    return DynamicCache(ddp_cache_data=data), {}
+    return DynamicCache(ddp_cache_data=data)
 
 
-def _make_static(sizes, dtype, device):
+def _make_static_object(sizes, dtype, device):
     from transformers import LlamaConfig, StaticCache
 
     cfg = LlamaConfig(
@@ -90,12 +96,23 @@ def _make_static(sizes, dtype, device):
         layer.lazy_initialization(k, v)
         layer.keys[:, :, :1] = k
         layer.values[:, :, :1] = v
-    return cache, {}
+    return cache
 
 
-def _view_layers(cache, layer: int, kv: int) -> torch.Tensor:
-    t = cache.layers[layer].keys if kv == 0 else cache.layers[layer].values
-    return t.transpose(1, 2)
+def _pairs(builder):
+    """FixtureCase.make: the cache's own tensors as per-layer ``(K, V)`` pairs (what
+    :func:`kvcore_transformers.kv_caches` returns; detecting the object itself gives the
+    same layout, tested in ``tests/test_hf_fixtures.py``)."""
+
+    def make(sizes, dtype, device):
+        return layer_pairs(builder(sizes, dtype, device)), {}
+
+    return make
+
+
+def _view_pairs(pairs, layer: int, kv: int) -> torch.Tensor:
+    """The engine's tensor (``layers[i].keys`` / ``key_cache[i]``) ``[B, NH, S, HS]`` as ``[B, S, NH, HS]``."""
+    return pairs[layer][kv].transpose(1, 2)
 
 
 # -- transformers <= 4.53 -------------------------------------------------------------------
@@ -136,25 +153,20 @@ class Legacy453StaticCache:
         self.value_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
-def _make_legacy_dynamic(sizes, dtype, device):
+def _make_legacy_dynamic_object(sizes, dtype, device):
     cache = Legacy453DynamicCache()
     for i in range(sizes["num_layers"]):  # prefill only: the stored tensors are the transposed views
         cache.update(
             _states(sizes, dtype, device, sizes["block_size"], 2 * i), _states(sizes, dtype, device, sizes["block_size"], 2 * i + 1), i
         )
-    return cache, {}
+    return cache
 
 
-def _make_legacy_static(sizes, dtype, device):
+def _make_legacy_static_object(sizes, dtype, device):
     cache = Legacy453StaticCache(
         sizes["num_layers"], sizes["num_blocks"], sizes["num_heads"], sizes["block_size"], sizes["head_size"], dtype, device
     )
-    return cache, {}
-
-
-def _view_legacy(cache, layer: int, kv: int) -> torch.Tensor:
-    t = cache.key_cache[layer] if kv == 0 else cache.value_cache[layer]
-    return t.transpose(1, 2)
+    return cache
 
 
 # -- the continuous-batching paged cache (5.20 - 5.24) --------------------------------------
@@ -204,20 +216,61 @@ def _paged_sizes_ok(sizes: dict, dtype: torch.dtype) -> dict:
     return {**sizes, "num_blocks": -(-nb // per) * per}
 
 
+def _paged_hints(sizes: dict, dtype: torch.dtype) -> dict:
+    return {
+        "num_layers": sizes["num_layers"],
+        "num_kv_heads": sizes["num_heads"],
+        "head_size": sizes["head_size"],
+        "page_size": sizes["block_size"],
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+
+
 def _make_paged(sizes, dtype, device):
+    """The raw ``cache_tensor`` of a cache built by transformers' allocator, with the
+    hints that give its geometry (the bytes alone do not)."""
     s = _paged_sizes_ok(sizes, dtype)
     if s["num_blocks"] != sizes["num_blocks"]:
         raise GeometryError(
             f"transformers cannot allocate {sizes['num_blocks']} blocks of this geometry (sectors of whole blocks); use {s['num_blocks']}"
         )
     cache = make_paged_cache(s["num_layers"], s["num_blocks"], s["block_size"], s["num_heads"], s["head_size"], dtype, device)
-    return cache, {}
-
-
-def _view_paged(cache, layer: int, kv: int) -> torch.Tensor:
+    hints = _paged_hints(sizes, dtype)
     alloc = cache.cache_allocators["full_attention"]
-    pages = alloc._kv_page_views[alloc.layer_indices[layer]][kv]  # [pages, page_size, NH, HS]
-    return pages[:: 2 * alloc.pages_per_block]  # page 2 * NL * b is block b
+    for layer in range(sizes["num_layers"]):  # the oracle's arithmetic is transformers' own page views
+        for kv in range(2):
+            mine, theirs = _view_paged(cache.cache_tensor, layer, kv, hints), alloc._kv_page_views[layer][kv]
+            if (mine.data_ptr(), mine.stride()[1:], mine.shape[1:]) != (theirs.data_ptr(), theirs.stride()[1:], theirs.shape[1:]):
+                raise GeometryError(f"the paged fixture's view of layer {layer} {'KV'[kv]} differs from transformers' _kv_page_views")
+    return cache.cache_tensor, hints
+
+
+def _view_paged(buffer, layer: int, kv: int, hints: dict) -> torch.Tensor:
+    """``register_cache_tensor``'s own views, rebuilt from the bytes: the tensor viewed as
+    ``[total_tokens * 2, NH, HS]`` rows, layer ``i``'s K rows from ``2i * page_size`` (V from
+    ``(2i + 1) * page_size``), cut in pages of ``page_size`` rows; page ``2 * NL * b`` is block ``b``."""
+    dtype = getattr(torch, hints["dtype"])
+    nl, nh, hs, ps = hints["num_layers"], hints["num_kv_heads"], hints["head_size"], hints["page_size"]
+    rows = buffer.view(dtype).view(-1, nh, hs)
+    pages = rows[(2 * layer + kv) * ps :]
+    pages = pages[: pages.shape[0] // ps * ps].view(-1, ps, nh, hs)
+    return pages[:: 2 * nl]
+
+
+#: fixture name -> the builder of the cache *object* (for tests of ``kvcore.detect(cache)``)
+OBJECT_BUILDERS = {
+    "transformers-5.24-DynamicCache": _make_dynamic_object,
+    "transformers-5.24-DynamicSlidingWindowLayer": _make_sliding_object,
+    "transformers-5.24-StaticCache": _make_static_object,
+    "transformers-4.53-DynamicCache-prefill": _make_legacy_dynamic_object,
+    "transformers-4.53-StaticCache": _make_legacy_static_object,
+}
+
+
+def make_paged_object(sizes: dict, dtype: torch.dtype, device: Any = "cpu") -> SimpleNamespace:
+    """The paged fixture's cache object (``cache_tensor`` + ``cache_allocators``)."""
+    s = _paged_sizes_ok(sizes, dtype)
+    return make_paged_cache(s["num_layers"], s["num_blocks"], s["block_size"], s["num_heads"], s["head_size"], dtype, device)
 
 
 def fixture_cases() -> list[FixtureCase]:
@@ -229,8 +282,8 @@ def fixture_cases() -> list[FixtureCase]:
             name="transformers-5.24-DynamicCache",
             engine="transformers",
             format=LAYER_PAIRS_FORMAT,
-            make=_make_dynamic,
-            kv_view=_view_layers,
+            make=_pairs(_make_dynamic_object),
+            kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src524}::DynamicLayer.update (torch.cat on dim -2)",
         ),
@@ -238,8 +291,8 @@ def fixture_cases() -> list[FixtureCase]:
             name="transformers-5.24-DynamicSlidingWindowLayer",
             engine="transformers",
             format=LAYER_PAIRS_FORMAT,
-            make=_make_sliding,
-            kv_view=_view_layers,
+            make=_pairs(_make_sliding_object),
+            kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src524}::DynamicSlidingWindowLayer.update (keys = full[:, :, -sliding_window + 1:, :], a strided view)",
         ),
@@ -247,8 +300,8 @@ def fixture_cases() -> list[FixtureCase]:
             name="transformers-5.24-StaticCache",
             engine="transformers",
             format=LAYER_PAIRS_FORMAT,
-            make=_make_static,
-            kv_view=_view_layers,
+            make=_pairs(_make_static_object),
+            kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src524}::StaticLayer.lazy_initialization (torch.zeros((batch, NH, max_cache_len, HS)))",
         ),
@@ -256,8 +309,8 @@ def fixture_cases() -> list[FixtureCase]:
             name="transformers-4.53-DynamicCache-prefill",
             engine="transformers",
             format=LAYER_PAIRS_FORMAT,
-            make=_make_legacy_dynamic,
-            kv_view=_view_legacy,
+            make=_pairs(_make_legacy_dynamic_object),
+            kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src453}::DynamicCache.update (key_cache list; the first update keeps the transposed key_states view)",
         ),
@@ -265,8 +318,8 @@ def fixture_cases() -> list[FixtureCase]:
             name="transformers-4.53-StaticCache",
             engine="transformers",
             format=LAYER_PAIRS_FORMAT,
-            make=_make_legacy_static,
-            kv_view=_view_legacy,
+            make=_pairs(_make_legacy_static_object),
+            kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src453}::StaticCache.__init__ (key_cache list of torch.zeros((max_batch_size, NH, max_cache_len, head_dim)))",
         ),

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_transformers.fixtures import fixture_cases
+from kvcore_transformers import kv_caches
+from kvcore_transformers.fixtures import OBJECT_BUILDERS, fixture_cases, make_paged_object
 
 import kvcore
 
@@ -18,13 +19,13 @@ CASES = {c.name: c for c in fixture_cases()}
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8]
 
 
-def _fill(case, kvc, layout, seed):
+def _fill(case, kvc, hints, layout, seed):
     """Random bytes through the engine view; returns {(layer, kv): [NB*BS, NH*HS] expected rows}."""
     g = torch.Generator().manual_seed(seed)
     want = {}
     for layer in range(layout.num_layers):
         for kv in range(2):
-            view = case.kv_view(kvc, layer, kv)  # [NB, BS, NH, HS]
+            view = case.view(kvc, layer, kv, hints)  # [NB, BS, NH, HS]
             raw = torch.randint(0, 256, (*view.shape[:-1], view.shape[-1] * view.element_size()), dtype=torch.uint8, generator=g)
             view.copy_(raw.view(view.dtype))
             want[(layer, kv)] = raw.reshape(view.shape[0] * view.shape[1], -1)
@@ -48,7 +49,7 @@ def test_fixture_detect_geometry_and_semantic_gather(name, dtype):
     )
     assert layout.kv_size == 2 and layout.dtype == dtype
     assert layout.hidden_dim == s["num_heads"] * s["head_size"]
-    want = _fill(case, kvc, layout, seed=len(name))
+    want = _fill(case, kvc, hints, layout, seed=len(name))
     # every slot, in a scrambled order, plus padding slots that must be skipped
     n = layout.page_buffer_size
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
@@ -64,29 +65,35 @@ def test_fixture_detect_geometry_and_semantic_gather(name, dtype):
     dst = torch.arange(n - half, n)
     kvcore.scatter(layout, dst, src)
     for (layer, kv), rows in want.items():
-        view = case.kv_view(kvc, layer, kv)
+        view = case.view(kvc, layer, kv, hints)
         now = view.reshape(n, -1).view(torch.uint8)
         assert torch.equal(now[n - half :], rows[:half])
         assert torch.equal(now[: n - half], rows[: n - half]), "scatter wrote outside its slots"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fixture_object_and_kv_caches_agree(name):
-    """kvcore.detect(cache) and kvcore.detect(kv_caches(cache)) address the same bytes."""
-    from kvcore_transformers import kv_caches
-
+def test_fixture_object_and_its_tensors_agree(name):
+    """kvcore.detect(cache object) and kvcore.detect(the fixture's tensors) address the same bytes."""
     case = CASES[name]
-    kvc, hints = case.make(dict(case.sizes), torch.float16, "cpu")
-    a = kvcore.detect(kvc, engine="transformers", hints=hints)
-    b = kvcore.detect(kv_caches(kvc), engine="transformers", hints=hints)
-    assert a.format.name == b.format.name
+    sizes = dict(case.sizes)
+    if name in OBJECT_BUILDERS:
+        obj = OBJECT_BUILDERS[name](sizes, torch.float16, "cpu")
+        tensors, hints = kv_caches(obj), {}
+    else:
+        obj = make_paged_object(sizes, torch.float16)
+        tensors = obj.cache_tensor
+        hints = {"num_layers": sizes["num_layers"], "num_kv_heads": sizes["num_heads"], "head_size": sizes["head_size"]}
+        hints.update(page_size=sizes["block_size"], dtype=torch.float16)
+    a = kvcore.detect(obj, engine="transformers")
+    b = kvcore.detect(tensors, engine="transformers", hints=hints)
+    assert a.format.name == b.format.name == case.format
     assert a.stride_table().signature() == b.stride_table().signature()
 
 
 def test_legacy_prefill_is_a_strided_view_read_without_copy():
     """4.53 keeps the attention's transposed key_states: head stride HS, token stride NH*HS."""
     case = CASES["transformers-4.53-DynamicCache-prefill"]
-    kvc, _ = case.make(dict(case.sizes), torch.bfloat16, "cpu")
+    kvc = OBJECT_BUILDERS[case.name](dict(case.sizes), torch.bfloat16, "cpu")
     k = kvc.key_cache[0]
     assert not k.is_contiguous()
     layout = kvcore.detect(kvc, engine="transformers")
