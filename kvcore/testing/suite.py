@@ -186,6 +186,10 @@ class Task:
         return "::".join([self.plugin, self.format or "-", self.fixture or "-", self.kernel, self.check])
 
     def run(self) -> Result:
+        with single_thread():
+            return self._run()
+
+    def _run(self) -> Result:
         t0 = time.perf_counter()
         status, msg, detail = PASS, "", {}
         try:
@@ -217,6 +221,20 @@ def devices() -> list[torch.device]:
     if mps is not None and mps.is_available():
         out.append(torch.device("mps"))
     return out
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """One torch CPU thread for the block: the suite's tensors are tiny, and thread-pool
+    hand-offs would cost more than the copies (much more on a loaded machine)."""
+    n = torch.get_num_threads()
+    if n != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n != 1:
+            torch.set_num_threads(n)
 
 
 @contextlib.contextmanager
@@ -369,11 +387,15 @@ def _kernel_guard(kernel: Any, layout: KVLayout) -> None:
         raise CheckSkip(f"kernel {kernel.name} declines this stride table (supports() is false); another kernel serves it")
 
 
-def _change_where(snap: oracle.Snapshot, pl_before, pl_after, enc) -> str:
-    mm = oracle.plane_mismatch(pl_before, pl_after, enc)
-    if mm is not None:
-        return mm.describe(len(pl_before[0]))
+def _change_where(snap: oracle.Snapshot, pl, enc) -> str:
+    """Where the cache differs from ``snap``, in (layer, K/V, slot, head, element) terms
+    when the engine addresses the changed byte. Leaves the cache restored to ``snap``."""
     ch = snap.first_change()
+    after = _copies(pl)
+    snap.restore()
+    mm = oracle.plane_mismatch(pl, after, enc)
+    if mm is not None:
+        return mm.describe(len(pl[0]))
     if ch is None:
         return "no byte changed"
     i, off, was, now = ch
@@ -444,6 +466,12 @@ def check_fixture_contract(case: FixtureCase) -> str | None:
     dtype = _widest(case.dtypes)
     kv, hints = _make(case, case.sizes, dtype, torch.device("cpu"))
     nl, nh, hs = case.sizes["num_layers"], case.sizes["num_heads"], case.sizes["head_size"]
+    tensors = oracle.leaves(kv)
+    try:
+        tensors += oracle.leaves(detect(kv, case.engine, hints).kv_caches)  # an engine object: the tensors detection found
+    except KVCoreError:
+        pass  # the detect check reports it
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
     for layer in range(nl):
         for k in range(fmt.kv_size):
             try:
@@ -459,7 +487,7 @@ def check_fixture_contract(case: FixtureCase) -> str | None:
                     f"fixture {case.name}: kv_view(layer={layer}, kv={k}) has shape {tuple(v.shape)}; expected NH={nh} heads "
                     f"of HS={hs} elements at axes 2.."
                 )
-            if not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in oracle.leaves(kv)):
+            if v.untyped_storage().data_ptr() not in storages:
                 raise CheckFailure(f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is a copy, not a view of the cache")
     return "; ".join(notes) or None
 
@@ -629,7 +657,12 @@ class _Ctx:
             self.pl, self.enc = _filled(case, self.kv, self.layout, self.hints)
         else:
             self.pl, self.enc = _planes(case, self.kv, self.layout, self.hints), _encoding(self.layout)
-        self.base = oracle.Snapshot(self.kv)
+        self.base = self.snapshot()
+
+    def snapshot(self) -> oracle.Snapshot:
+        """Bytes of every storage the cache lives in: the engine's container and the
+        detected layout's tensors (an engine object need not be a list of tensors)."""
+        return oracle.Snapshot([self.kv, self.layout.kv_caches])
 
     def reset(self) -> _Ctx:
         """Back to the state right after construction (codes everywhere)."""
@@ -660,7 +693,7 @@ class _Ctx:
 
     def oracle_scatter(self, snap: oracle.Snapshot, slots, rows, layers=None) -> tuple[oracle.Snapshot, list]:
         """What the engine's own writes produce: restore ``snap``, write through kv_view."""
-        after_kernel = oracle.Snapshot(self.kv)
+        after_kernel = self.snapshot()
         planes_kernel = _copies(self.pl)
         snap.restore()
         oracle.write_rows(self.pl, self.layers if layers is None else layers, slots, rows)
@@ -668,12 +701,12 @@ class _Ctx:
 
 
 def _run_scatter(ctx: _Ctx, what: str, slots: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, *, layers=None, call=None) -> None:
-    snap = oracle.Snapshot(ctx.kv)
+    snap = ctx.snapshot()
     (call or (lambda: ctx.scatter(slots, src, layers=layers)))()
     after_kernel, planes_kernel = ctx.oracle_scatter(
         snap, slots, rows, None if layers is None else ([layers] if isinstance(layers, int) else layers)
     )
-    after_oracle = oracle.Snapshot(ctx.kv)
+    after_oracle = ctx.snapshot()
     mm = oracle.plane_mismatch(_copies(ctx.pl), planes_kernel, ctx.enc)
     if mm is not None:
         raise CheckFailure(f"{what}: {mm.describe(ctx.layout.kv_size)}", mm.as_dict())
@@ -796,7 +829,7 @@ def check_negative_slots(ctx: _Ctx) -> str:
 def check_empty_slots(ctx: _Ctx) -> str:
     lay = ctx.layout
     empty = torch.empty(0, dtype=torch.int64)
-    snap = oracle.Snapshot(ctx.kv)
+    snap = ctx.snapshot()
     out = ctx.gather(empty, None)
     if tuple(out.shape) != lay.staging_shape(0) or out.dtype != lay.dtype:
         raise CheckFailure(f"gather of no slots returned {tuple(out.shape)} {out.dtype}; expected {lay.staging_shape(0)} {lay.dtype}")
@@ -822,8 +855,7 @@ def check_padded_pool(case: FixtureCase, device: torch.device, kernel: Any) -> s
 
 
 def _expect_refusal(ctx: _Ctx, what: str, call: Callable[[], Any], staging: torch.Tensor | None = None) -> None:
-    snap = oracle.Snapshot(ctx.kv)
-    planes_before = _copies(ctx.pl)
+    snap = ctx.snapshot()
     st_before = staging.view(torch.uint8).clone() if staging is not None and staging.device.type != "meta" and staging.numel() else None
     try:
         call()
@@ -834,9 +866,7 @@ def _expect_refusal(ctx: _Ctx, what: str, call: Callable[[], Any], staging: torc
     else:
         raise CheckFailure(f"{what}: accepted; it must raise kvcore.TransferError")
     if snap.first_change() is not None:
-        raise CheckFailure(
-            f"{what}: raised TransferError but changed the cache first: {_change_where(snap, planes_before, ctx.pl, ctx.enc)}"
-        )
+        raise CheckFailure(f"{what}: raised TransferError but changed the cache first: {_change_where(snap, ctx.pl, ctx.enc)}")
     if st_before is not None and not torch.equal(staging.view(torch.uint8), st_before):
         raise CheckFailure(f"{what}: raised TransferError but wrote the staging buffer")
 
@@ -941,14 +971,13 @@ def check_staging_views(ctx: _Ctx) -> str:
     flat = torch.empty(math.prod(shp) + 1, dtype=lay.dtype, device=lay.device)
     views = {"row-strided": lambda: wide[..., : shp[-1]], "offset by one element": lambda: flat[1:].view(shp)}
     notes = []
-    base = oracle.Snapshot(ctx.kv)
+    base = ctx.snapshot()
     for label, mk in views.items():
         base.restore()
         out = mk()
         (out if out.is_contiguous() else wide).view(torch.uint8).fill_(0x5A)
         before = _staged(out)
-        snap = oracle.Snapshot(ctx.kv)
-        planes_before = _copies(ctx.pl)
+        snap = ctx.snapshot()
         try:
             ctx.gather(slots, out)
         except TransferError as e:
@@ -970,14 +999,14 @@ def check_staging_views(ctx: _Ctx) -> str:
         src = mk()
         rows = ctx.enc.rows(ctx.layers, slots.clamp(min=0), src=True)
         oracle.int_view(src).copy_(oracle.from_unsigned(rows, oracle.int_view(src).dtype).reshape(src.shape).to(src.device))
-        snap = oracle.Snapshot(ctx.kv)
+        snap = ctx.snapshot()
         try:
             ctx.scatter(slots, src)
         except TransferError as e:
             if snap.first_change() is not None:
                 raise CheckFailure(
                     f"scatter from a {label} buffer raised TransferError ({e}) after changing the cache: "
-                    f"{_change_where(snap, planes_before, ctx.pl, ctx.enc)}"
+                    f"{_change_where(snap, ctx.pl, ctx.enc)}"
                 ) from None
             notes.append(f"{label}: scatter refused cleanly")
             continue
@@ -1042,9 +1071,9 @@ def check_agrees_with_reference(case: FixtureCase, device: torch.device, kernel:
         n = layout.page_buffer_size
         slots = torch.tensor(sorted(set(p % (n + 1) - 1 for p in picks), key=lambda x: (x * 7919 + seed) % 104729), dtype=torch.int64)
         gen = torch.Generator().manual_seed(seed)
-        for st in oracle.Snapshot(kv).views:
+        for st in oracle.Snapshot([kv, layout.kv_caches]).views:
             st.copy_(torch.randint(0, 256, st.shape, generator=gen, dtype=torch.uint8).to(st.device))
-        base = oracle.Snapshot(kv)
+        base = oracle.Snapshot([kv, layout.kv_caches])
         outs = []
         for name in (kernel.name, REFERENCE.name):
             with forced_kernel(name):
@@ -1066,7 +1095,7 @@ def check_agrees_with_reference(case: FixtureCase, device: torch.device, kernel:
             base.restore()
             with forced_kernel(name):
                 scatter(layout, slots, src)
-            after.append(oracle.Snapshot(kv))
+            after.append(oracle.Snapshot([kv, layout.kv_caches]))
         d = after[0].same_as(after[1])
         if d is not None:
             raise CheckFailure(
@@ -1300,7 +1329,8 @@ def plan(plugins: Sequence[str] | None = None, opts: Options | None = None) -> l
 
 
 def select(tasks: Sequence[Task], *, formats=None, fixtures=None, kernels=None, checks=None) -> list[Task]:
-    """Filter tasks by glob patterns on format, fixture, kernel (``name`` or ``name@device``) and check."""
+    """Filter tasks by glob patterns on format, fixture, kernel (``name`` or ``name@device``;
+    checks that move no data are kept) and check (``invalid`` matches every ``invalid[...]``)."""
 
     def ok(value: str, pats) -> bool:
         return not pats or any(
@@ -1308,7 +1338,11 @@ def select(tasks: Sequence[Task], *, formats=None, fixtures=None, kernels=None, 
             for p in pats
         )
 
-    return [t for t in tasks if ok(t.format, formats) and ok(t.fixture, fixtures) and ok(t.kernel, kernels) and ok(t.check, checks)]
+    return [
+        t
+        for t in tasks
+        if ok(t.format, formats) and ok(t.fixture, fixtures) and (t.kernel == "-" or ok(t.kernel, kernels)) and ok(t.check, checks)
+    ]
 
 
 def run_checks(plugins: Sequence[str] | None = None, opts: Options | None = None, **filters) -> list[Result]:

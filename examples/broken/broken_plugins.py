@@ -1,0 +1,144 @@
+"""Deliberately broken kvcore plugins: the conformance suite must catch each of them.
+
+They describe "toyllm", a made-up engine that allocates one tensor per layer,
+``[1, 2, NB, BS, NH, HS]`` (a singleton axis, then K and V), so the format name
+``NL_X_ONE_TWO_NB_BS_NH_HS`` collides with no real engine's. Each plugin is a class
+instance (pluggy accepts any object with hook methods); register one at a time::
+
+    import kvcore
+    kvcore.register_plugin(SwappedKV(), name="toy-swapped")
+    ...
+    kvcore.unregister_plugin("toy-swapped")
+
+* :class:`ToyPlugin` — correct: the control, every check passes.
+* :class:`SwappedKV` — the engine stores V before K; the plugin says K first. Shapes,
+  geometry and scatter-then-gather round trips are all fine; only the semantic oracle
+  sees that gather returns V where K belongs.
+* :class:`TransposedHeads` — the engine writes HND blocks ``[NB, NH, BS, HS]``; the plugin
+  ``view``s the same memory as NHD ``[NB, BS, NH, HS]`` (the shapes still multiply out).
+  Again only the semantic oracle sees it.
+* :class:`EagerKernel` — a correct layout with a kernel that copies first and validates
+  afterwards: it refuses a row-strided staging buffer with TransferError, but only after
+  it has written the cache (scatter) or the buffer (gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore import Detection, KVFormat, Source, TransferError, hookimpl
+from kvcore.testing import FixtureCase
+
+FORMAT = "NL_X_ONE_TWO_NB_BS_NH_HS"
+SOURCE = Source(engine="toyllm", version="0", file="examples/broken/broken_plugins.py::ToyPlugin.allocate")
+
+
+class ToyPlugin:
+    """The correct toy plugin (the control)."""
+
+    engine = "toyllm"
+    v_first = False  # the engine's truth: V stored before K
+    hnd = False  # the engine's truth: heads outside tokens in a block
+
+    # -- the engine ------------------------------------------------------------------
+    def allocate(self, sizes: dict, dtype: torch.dtype, device: Any) -> tuple[list[torch.Tensor], dict]:
+        nb, bs, nh, hs = sizes["num_blocks"], sizes["block_size"], sizes["num_heads"], sizes["head_size"]
+        shape = (1, 2, nb, nh, bs, hs) if self.hnd else (1, 2, nb, bs, nh, hs)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(sizes["num_layers"])], {}
+
+    def engine_view(self, kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
+        """How the engine's attention reads K (kv=0) or V (kv=1): ``[NB, BS, NH, HS]``."""
+        t = kv_caches[layer][0, (1 - kv) if self.v_first else kv]
+        return t.transpose(1, 2) if self.hnd else t
+
+    # -- the plugin ------------------------------------------------------------------
+    def normalise(self, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(kv_caches)
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        register(KVFormat(name=FORMAT, engines=[self.engine], description="toyllm per-layer [1, 2, NB, BS, NH, HS]", sources=[SOURCE]))
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != self.engine:
+            return None
+        return Detection(format=FORMAT, kv_caches=self.normalise(kv_caches), note="toyllm")
+
+    @hookimpl
+    def kvcore_register_fixtures(self, register):
+        register(
+            FixtureCase(
+                name=f"{self.engine}-{type(self).__name__}",
+                engine=self.engine,
+                format=FORMAT,
+                make=self.allocate,
+                kv_view=self.engine_view,
+                sizes={"num_layers": 2, "num_blocks": 3, "block_size": 4, "num_heads": 2, "head_size": 8},
+                dtypes=(torch.float32, torch.bfloat16, torch.float8_e5m2),
+                source=str(SOURCE),
+            )
+        )
+
+
+class SwappedKV(ToyPlugin):
+    """Broken: the engine stores V first, the plugin's format says K first."""
+
+    v_first = True
+
+
+class TransposedHeads(ToyPlugin):
+    """Broken: the engine writes HND blocks; the plugin reinterprets the memory as NHD."""
+
+    hnd = True
+
+    def normalise(self, kv_caches):
+        out = []
+        for t in kv_caches:
+            one, two, nb, nh, bs, hs = t.shape
+            out.append(t.view(one, two, nb, bs, nh, hs))  # the bug: a view is not a permute
+        return out
+
+
+class _EagerReference:
+    """A kernel that moves the rows first and checks its input afterwards."""
+
+    name = "eager"
+    device_types = ("cpu",)
+    formats = (FORMAT,)
+    priority = 50
+
+    def available(self) -> bool:
+        return True
+
+    def why(self) -> str:
+        return "broken example: validates after writing"
+
+    def _check(self, plan) -> None:
+        if not plan.staging.is_contiguous():
+            raise TransferError("eager kernel: the staging buffer must be contiguous")
+
+    def gather(self, plan) -> None:
+        from kvcore.kernels.reference import REFERENCE
+
+        REFERENCE.gather(plan)
+        self._check(plan)  # the bug: too late
+
+    def scatter(self, plan) -> None:
+        from kvcore.kernels.reference import REFERENCE
+
+        REFERENCE.scatter(plan)
+        self._check(plan)
+
+
+class EagerKernel(ToyPlugin):
+    """Broken: a correct layout, served by a kernel that writes before validating."""
+
+    @hookimpl
+    def kvcore_register_kernels(self, register):
+        register(_EagerReference())
+
+
+__all__ = ["FORMAT", "ToyPlugin", "SwappedKV", "TransposedHeads", "EagerKernel"]

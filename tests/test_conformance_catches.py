@@ -1,0 +1,151 @@
+"""Tests of the conformance suite itself: deliberately broken plugins must be caught, with
+the first wrong element's coordinates, and the correct control plugin must pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcore
+import kvcore.testing
+from kvcore.testing import check, suite
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_examples():
+    spec = importlib.util.spec_from_file_location("kvcore_broken_examples", ROOT / "examples" / "broken" / "broken_plugins.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+broken = _load_examples()
+
+
+@pytest.fixture
+def registered(request):
+    """Register ``request.param`` (a plugin class) as 'toy', unregister afterwards."""
+    name = "toy"
+    kvcore.register_plugin(request.param(), name=name)
+    try:
+        yield name
+    finally:
+        kvcore.unregister_plugin(name)
+
+
+def _run(name: str, **filters) -> dict[str, suite.Result]:
+    results = suite.run_checks([name], suite.Options(examples=3), **filters)
+    return {f"{r.kernel}::{r.check}": r for r in results}
+
+
+def _plain_round_trip(name: str) -> None:
+    """scatter then gather through the broken layout returns what went in: a round trip alone
+    cannot see a wrong layout."""
+    case = next(c for c in kvcore.testing.fixtures(name))
+    kv, hints = case.make(case.sizes, torch.float32, "cpu")
+    layout = kvcore.detect(kv, case.engine, hints)
+    slots = torch.tensor([5, 0, -1, 11])
+    src = torch.randn(layout.staging_shape(4))
+    kvcore.scatter(layout, slots, src)
+    back = kvcore.gather(layout, slots)
+    assert torch.equal(back[:, :, [0, 1, 3]], src[:, :, [0, 1, 3]])
+
+
+def _status(results: dict[str, suite.Result], check_name: str, kernel: str = "reference@cpu") -> str:
+    return results[f"{kernel}::{check_name}"].status
+
+
+@pytest.mark.parametrize("registered", [broken.ToyPlugin], indirect=True)
+def test_the_correct_toy_plugin_passes_everything(registered):
+    results = _run(registered)
+    failed = [r.line() for r in results.values() if r.status == suite.FAIL]
+    assert failed == []
+    assert _status(results, "semantic_gather") == suite.PASS
+    assert _status(results, "semantic_scatter") == suite.PASS
+    assert _status(results, "detect", kernel="-") == suite.PASS
+    # every check ran: the toy plugin has one format, one fixture, and the reference kernel
+    checks = {k.split("::")[1] for k in results}
+    assert {
+        "grammar",
+        "fixtures_exist",
+        "geometry",
+        "ambiguity[NH=1]",
+        "roundtrip[float8_e5m2]",
+        "invalid[device]",
+        "staging_views",
+    } <= checks
+
+
+@pytest.mark.parametrize("registered", [broken.SwappedKV], indirect=True)
+def test_swapped_k_and_v_is_caught_by_the_semantic_oracle_only(registered):
+    _plain_round_trip(registered)  # a plain round trip cannot see it ...
+    results = _run(registered, kernels=["reference*"])
+    assert _status(results, "geometry", kernel="-") == suite.PASS
+    # ... the oracle does, and says where the value came from
+    r = results["reference@cpu::semantic_gather"]
+    assert r.status == suite.FAIL
+    assert r.detail["kv"] == "K" and r.detail["layer"] == 0 and r.detail["head"] == 0 and r.detail["element"] == 0
+    assert r.detail["token"] == 0 and r.detail["slot"] >= 0
+    slot = r.detail["slot"]
+    assert r.detail["expected_means"] == f"the cache value of layer 0, K, slot {slot}, head 0, element 0"
+    assert r.detail["actual_means"] == f"the cache value of layer 0, V, slot {slot}, head 0, element 0"
+    assert results["reference@cpu::semantic_scatter"].status == suite.FAIL
+    # the suite's round trip also checks where the scattered bytes landed
+    assert results["reference@cpu::roundtrip[float32]"].status == suite.FAIL
+
+
+@pytest.mark.parametrize("registered", [broken.TransposedHeads], indirect=True)
+def test_transposed_heads_are_caught(registered):
+    _plain_round_trip(registered)
+    results = _run(registered, kernels=["reference*"])
+    assert _status(results, "geometry", kernel="-") == suite.PASS  # the sizes look right
+    r = results["reference@cpu::semantic_gather"]
+    assert r.status == suite.FAIL
+    # a token's first head, element 0 is right by accident only for token 0 of a block: the
+    # first wrong element is a real (layer, K/V, token, head, element) with a decoded origin
+    assert {"layer", "kv", "token", "slot", "head", "element", "expected", "actual"} <= set(r.detail)
+    assert r.detail["expected"] != r.detail["actual"]
+    assert "the cache value of layer" in r.detail["actual_means"]
+    # NH = 1 makes HND and NHD the same bytes: that probe must pass
+    assert _status(results, "ambiguity[NH=1]", kernel="-") == suite.PASS
+
+
+@pytest.mark.parametrize("registered", [broken.EagerKernel], indirect=True)
+def test_a_kernel_that_writes_before_validating_is_caught(registered):
+    results = _run(registered, kernels=["eager*"])
+    assert _status(results, "semantic_gather", kernel="eager@cpu") == suite.PASS
+    r = results["eager@cpu::staging_views"]
+    assert r.status == suite.FAIL
+    assert "raised TransferError" in r.message and ("after" in r.message)
+
+
+@pytest.mark.parametrize("registered", [broken.SwappedKV], indirect=True)
+def test_kvcore_check_report_and_exit_code(registered, capsys):
+    rc = check.main([registered, "--check", "semantic_gather", "--kernel", "reference"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    line = next(x for x in out.splitlines() if x.startswith("FAIL"))
+    assert "toy" in line and broken.FORMAT in line and "reference@cpu" in line and "semantic_gather" in line
+    assert "layer 0, K, token 0" in out and "expected 0x" in out and "actual 0x" in out
+    rc = check.main([registered, "--check", "semantic_gather", "--kernel", "reference", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert rc == 1 and [r["status"] for r in rows] == ["FAIL"]
+    assert rows[0]["detail"]["kv"] == "K"
+
+
+@pytest.mark.parametrize("registered", [broken.ToyPlugin], indirect=True)
+def test_kvcore_check_passes_and_lists(registered, capsys):
+    assert check.main([registered, "--check", "semantic_*", "-q"]) == 0
+    assert "0 failed" in capsys.readouterr().out
+    assert check.main([registered, "--list", "--check", "detect"]) == 0
+    assert capsys.readouterr().out.split() == [f"toy::{broken.FORMAT}::toyllm-ToyPlugin::-::detect"]
+
+
+def test_kvcore_check_unknown_plugin_is_a_usage_error(capsys):
+    assert check.main(["no-such-plugin"]) == 2
+    assert "no kvcore plugin named 'no-such-plugin'" in capsys.readouterr().err
