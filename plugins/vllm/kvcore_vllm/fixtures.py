@@ -191,6 +191,11 @@ def allocate(
     if lay not in ("NHD", "HND"):
         raise GeometryError(f"vLLM {version} knows layouts NHD and HND, not {layout!r}")
     shape = _kv_shape(era, fam, num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
+    if fam == "CPU" and era == "0.11" and (head_size * esz) % 16:
+        raise GeometryError(
+            f"vLLM 0.11 TORCH_SDPA stores K in 16-byte chunks (split_kv_cache x = 16 // element_size): "
+            f"head_size {head_size} of {storage} is not a multiple of {16 // esz}"
+        )
     if fam == "PALLAS":
         for n in names:
             out[n] = torch.zeros(shape, dtype=storage, device=device)
@@ -433,7 +438,7 @@ def fixture_cases() -> list[FixtureCase]:
         cons: dict[str, Any] = {}
         if fam == "CPU" and era_of(version) == "0.11":
             dtypes = (torch.bfloat16, torch.float16, torch.float32)  # TORCH_SDPA: fp16/bf16/fp32 (engine_layouts.md §1.9)
-            cons["head_size_bytes_multiple"] = 16
+            cons["head_size_multiple"] = 8  # K is stored in 16-byte chunks: head_size * element_size % 16 == 0
         if fam == "FLASH_ATTN" and era_of(version) in ("0.11", "0.13"):
             cons["block_size_multiple"] = 16  # FlashAttention requires block_size % 16 == 0
         out.append(

@@ -54,16 +54,15 @@ class PagedAttentionSpec(Spec):
     def _build(self) -> None:
         super()._build()
         tb = self.table
-        v = tb.planes[1]
         esz = torch.empty(0, dtype=self.dtype).element_size()
-        bs, hs = self.block_size_, self.head_size_
+        bs, hs, nh = self.block_size_, self.head_size_, self.num_heads_
         ref = self.leaves[0][1]
-        isz = ref.element_size()
-        if esz != isz:
+        if ref.element_size() != esz:
             raise GeometryError(
                 f"format {self.format.name}: the CPU paged layout stores elements as themselves; got a {ref.dtype} view of {self.dtype}"
             )
-        if v.token != esz or v.chunk != bs * esz or v.head != hs * bs * esz:
+        _, _, s_nh, s_hs, s_bs = ref.stride()
+        if (bs > 1 and s_bs != 1) or (hs > 1 and s_hs != bs) or (nh > 1 and s_nh != hs * bs):
             raise GeometryError(
                 f"format {self.format.name}: a block must be one contiguous [NH, HS, BS] run as vLLM 0.11 CPU allocates it "
                 f"(strides {tuple(ref.stride())}); these strides are not that layout"
@@ -73,14 +72,21 @@ class PagedAttentionSpec(Spec):
                 f"format {self.format.name}: K is stored in {K_CHUNK_BYTES}-byte chunks, so head_size*element_size must be a "
                 f"multiple of {K_CHUNK_BYTES}; got head_size {hs} of {self.dtype}"
             )
+        blk, head = tb.planes[1].block, hs * bs * esz
+        # V (NB, NH, HS, BS): one element per chunk, HS chunks BS elements apart
+        v = PlaneStrides(block=blk, token=esz, head=head, chunk=bs * esz, chunk_bytes=esz, n_chunks=hs)
+        # K (NB, NH, HS/x, BS, x): 16-byte chunks, BS * 16 bytes apart
         k = PlaneStrides(
-            block=v.block,
+            block=blk,
             token=K_CHUNK_BYTES,
-            head=v.head,
+            head=head,
             chunk=bs * K_CHUNK_BYTES,
             chunk_bytes=K_CHUNK_BYTES,
             n_chunks=hs * esz // K_CHUNK_BYTES,
         )
+        if bs == 1:  # one token per block: each head's run is contiguous
+            v = PlaneStrides(block=blk, token=0, head=head, chunk=0, chunk_bytes=hs * esz, n_chunks=1)
+            k = v
         self.table = StrideTable(
             num_layers=tb.num_layers,
             kv_size=tb.kv_size,
