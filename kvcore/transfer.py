@@ -99,6 +99,8 @@ def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: b
 def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], single: bool, t: int, what: str) -> torch.Tensor:
     if not isinstance(staging, torch.Tensor):
         raise TransferError(f"{what} must be a torch.Tensor, got {type(staging).__name__}")
+    if staging.layout != torch.strided:
+        raise TransferError(f"{what} is a {staging.layout} tensor; staging buffers are dense (torch.strided)")
     want = layout.staging_shape(t, layers[0] if single else layers)
     if tuple(staging.shape) != want:
         lay = "[kv_size, T, NH*HS]" if single else "[kv_size, NL, T, NH*HS]"

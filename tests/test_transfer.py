@@ -373,7 +373,7 @@ def test_int32_and_list_slot_mappings():
 
 def _bad_calls(lay):
     T = 3
-    good = torch.zeros(lay.staging_shape(T))
+    good = torch.zeros(lay.staging_shape(T) if lay is not None else (2, NL, T, NH * HS))
     slots = torch.tensor([1, 2, 3])
     wide = torch.zeros(2, NL, T, 2 * NH * HS)
     return [
@@ -397,13 +397,17 @@ def _bad_calls(lay):
         ("wrong device", lambda: kvcore.scatter(lay, slots, good.to("meta")), "meta"),
         ("no src", lambda: kvcore.scatter(lay, slots, None), "needs src"),
         ("src not a tensor", lambda: kvcore.scatter(lay, slots, good.tolist()), "torch.Tensor"),
+        ("sparse src", lambda: kvcore.scatter(lay, slots, good.to_sparse()), "dense"),
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
-def test_a_refused_scatter_leaves_the_cache_byte_identical(case):
+_BAD = [c[0] for c in _bad_calls(None)]
+
+
+@pytest.mark.parametrize("what", _BAD)
+def test_a_refused_scatter_leaves_the_cache_byte_identical(what):
     lay = _coded_layout()
-    what, call, match = _bad_calls(lay)[case]
+    _, call, match = next(c for c in _bad_calls(lay) if c[0] == what)
     snap = _snapshot(lay)
     with pytest.raises(TransferError, match=match):
         call()
