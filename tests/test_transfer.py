@@ -560,3 +560,88 @@ def test_cuda_cache_with_pinned_host_staging():
     kvcore.scatter(dst, [3, -1, 4, 5], host)
     back = kvcore.gather(dst, [3, 4, 5]).cpu().view(torch.int32)
     assert torch.equal(back, want[:, :, [0, 2, 3]])
+
+
+def test_interior_padding_between_heads_and_tokens():
+    # head rows padded to HS+3 elements, token rows padded by 5 more: only strides differ
+    buf = torch.zeros(NB, BS, NH * (HS + 3) + 5)
+    t = buf[:, :, : NH * (HS + 3)].view(NB, BS, NH, HS + 3)[..., :HS]
+    kv = [t]
+    lay = build_layout("NL_X_NB_BS_NH_HS", kv)
+    p = lay.stride_table().planes[0]
+    assert (p.head, p.token, p.block) == ((HS + 3) * 4, (NH * (HS + 3) + 5) * 4, BS * (NH * (HS + 3) + 5) * 4)
+    buf.view(torch.int32).copy_(torch.arange(buf.numel(), dtype=torch.int32).view(buf.shape))
+    slots = [0, 13, -1, 19]
+    got = kvcore.gather(lay, slots)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            assert torch.equal(got[0, 0, i].view(torch.int32), t[s // BS, s % BS].reshape(-1).view(torch.int32))
+    with pytest.raises(kvcore.GeometryError, match="dim-0 block axis"):
+        lay.shape_desc()
+    # padding bytes are never written by a scatter
+    before = buf.clone()
+    kvcore.scatter(lay, [5], torch.full((1, 1, 1, NH * HS), -1.0))
+    changed = (buf.view(torch.int32) != before.view(torch.int32)).nonzero().tolist()
+    assert len(changed) == NH * HS
+    assert all(b == 1 and tok == 1 and e % (HS + 3) < HS and e < NH * (HS + 3) for b, tok, e in changed)
+
+
+# -- a plugin spec with an extra row segment: blocked-scale records --------------------
+
+
+class BlockedScaleSpec(kvcore.Spec):
+    """``[NB, BS*V + BS*S]`` uint8 pages: a block's BS value records (V bytes each), then
+    its BS scale records (S bytes each); the staged row is values then scales."""
+
+    def _build(self):
+        kv = self.kv_caches
+        t = kv[0]
+        bs, s = self.params["block_size"], self.params["scale_bytes"]
+        v = t.shape[1] // bs - s
+        self.num_layers_, self.num_blocks_, self.block_size_ = len(kv), t.shape[0], bs
+        self.num_slots_, self.num_heads_, self.head_size_, self.kv_size_ = t.shape[0] * bs, 1, v + s, 1
+        self.axis_sizes = {"NL": len(kv), "NB": t.shape[0], "BS": bs, "VALS": v, "SCALES": s}
+        extra = (kvcore.spec.Segment(offset=bs * v + self.params.get("skew", 0), token=s, head=0, nbytes=s),)
+        plane = kvcore.PlaneStrides(block=t.stride(0), token=v, head=0, chunk=0, chunk_bytes=v, n_chunks=1, extra=extra)
+        self.table = kvcore.StrideTable(
+            num_layers=len(kv),
+            kv_size=1,
+            block_size=bs,
+            num_slots=self.num_slots_,
+            num_heads=1,
+            head_bytes=v + s,
+            dtype=torch.uint8,
+            device=t.device,
+            planes=(plane,),
+            bases=tuple(((x, x.storage_offset()),) for x in kv),
+        )
+
+
+def test_extra_row_segments_move_with_the_reference_kernel():
+    class P:
+        @kvcore.hookimpl
+        def kvcore_spec(self, format):
+            return BlockedScaleSpec if format.name == "NL_X_NB_BSV_BSS" else None
+
+    kvcore.register_plugin(P(), name="blocked")
+    bs, v, s = 4, 12, 4
+    kv = [torch.randint(0, 256, (NB, bs * (v + s)), dtype=torch.uint8) for _ in range(2)]
+    lay = build_layout("NL_X_NB_BSV_BSS", kv, params={"block_size": bs, "scale_bytes": s})
+    assert lay.describe() == "2 x [5, 4x12, 4x4]"
+    slots = [7, -1, 0, 18]
+    got = kvcore.gather(lay, slots)
+    assert got.shape == (1, 2, 4, v + s)
+    for layer in range(2):
+        for i, slot in enumerate(slots):
+            if slot < 0:
+                assert not got[0, layer, i].any()
+                continue
+            b, tok = divmod(slot, bs)
+            want = torch.cat([kv[layer][b, tok * v : (tok + 1) * v], kv[layer][b, bs * v + tok * s : bs * v + (tok + 1) * s]])
+            assert torch.equal(got[0, layer, i], want)
+    dst = build_layout("NL_X_NB_BSV_BSS", [torch.zeros_like(x) for x in kv], params={"block_size": bs, "scale_bytes": s})
+    kvcore.scatter(dst, [1, -1, 2, 3], got)
+    assert torch.equal(kvcore.gather(dst, [1, 2, 3]), got[:, :, [0, 2, 3]])
+    # a segment reaching past the page is refused when the layout is built
+    with pytest.raises(kvcore.GeometryError, match="reaches byte"):
+        build_layout("NL_X_NB_BSV_BSS", kv, params={"block_size": bs, "scale_bytes": s, "skew": 1})
