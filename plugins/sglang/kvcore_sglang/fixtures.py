@@ -323,6 +323,9 @@ def _indexer_case() -> FixtureCase:
         {"num_layers": 2, "num_blocks": 3, "block_size": 64, "num_heads": 1, "head_size": 132},
         "sglang 0.5.3 memory_pool.py::NSATokenToKVPool.__init__ (read-only oracle: kv_view returns a copy)",
         dtypes=(torch.uint8,),
+        # one head of 132 bytes (index_head_dim 128 fp8 + one fp32 scale); SGLang's page count
+        # (size + page_size + 1) // page_size is num_blocks only for page_size >= 2
+        size_constraints={"fixed": ("num_heads", "head_size"), "block_size_choices": (2, 4, 8, 64)},
     )
 
 

@@ -215,3 +215,13 @@ def test_indexer_pool_detection_and_geometry():
         kvcore.detect(bufs, "sglang", {"page_size": 32})
     with pytest.raises(kvcore.DetectionError, match="not a DSA/NSA indexer pool"):
         kvcore.detect([torch.zeros(3, 64 * 130, dtype=torch.uint8)], "sglang")
+
+
+def test_bf16_indexer_pool_needs_page_size_and_reads_per_token_keys():
+    bufs = [torch.randn(3, 4 * 16).to(torch.bfloat16) for _ in range(2)]  # (num_pages, page_size * index_head_dim)
+    with pytest.raises(kvcore.DetectionError, match="page_size hint"):
+        kvcore.detect(bufs, "sglang")
+    lay = kvcore.detect(bufs, "sglang", {"page_size": 4})
+    assert (lay.format.name, lay.num_blocks, lay.block_size, lay.head_size) == ("NL_X_NB_BS_ONE_HS", 3, 4, 16)
+    out = kvcore.gather(lay, torch.tensor([6]))  # page 1, token 2
+    assert torch.equal(out[0, 1, 0], bufs[1][1, 2 * 16 : 3 * 16])
