@@ -646,8 +646,17 @@ def cmd_detect(args: argparse.Namespace) -> int:
     import kvcore
 
     doc = _read_json(args.file)
-    device = args.device
-    kv_caches, engine, hints = load_tensor_description(doc, device=device)
+    if args.device == "auto":
+        # CPU storage that is never written costs address space, not memory, and gives every
+        # tensor a real, distinct address (plugins tell aliased layers apart by address);
+        # a cache larger than this machine's address space falls back to meta tensors.
+        try:
+            kv_caches, engine, hints = load_tensor_description(doc, device="cpu")
+        except (RuntimeError, MemoryError) as e:
+            _err(f"cannot reserve CPU address space for these tensors ({e}); building them on the meta device instead")
+            kv_caches, engine, hints = load_tensor_description(doc, device="meta")
+    else:
+        kv_caches, engine, hints = load_tensor_description(doc, device=args.device)
     engine = args.engine or engine
     if not engine:
         raise UsageError('no engine: pass --engine (vllm, sglang, ...) or put "engine" in the JSON')
@@ -964,8 +973,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="detect the layout of a cache described in JSON (shapes, strides, dtypes)",
         formatter_class=_Formatter,
         description=(
-            "Detect a KV cache you only know from a log: describe its tensors in JSON and kvcore builds them on the\n"
-            "'meta' device (nothing is allocated), asks the engine's plugin, and prints the layout or why it cannot decide.\n\n"
+            "Detect a KV cache you only know from a log: describe its tensors in JSON and kvcore builds them without\n"
+            "writing any memory (see --device), asks the engine's plugin, and prints the layout or why it cannot decide.\n\n"
             'JSON: {"engine": "vllm", "hints": {...}, "dtype": "bfloat16", "kv_caches": NODE}, or a bare NODE.\n'
             'NODE: a tensor {"shape": [...], "stride": [...], "dtype": ..., "storage_offset": 0}, a list of NODEs,\n'
             'or a mapping layer-name -> NODE. "repeat": N on a tensor means N identical layers (in a mapping, the\n'
@@ -990,9 +999,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--hints", help='JSON object of hints, or @file (merged over the file\'s "hints")')
     p.add_argument(
         "--device",
-        default="meta",
-        choices=["meta", "cpu"],
-        help="where to build the tensors (default meta: allocates nothing; cpu allocates the minimal storage)",
+        default="auto",
+        choices=["auto", "cpu", "meta"],
+        help="where to build the tensors: cpu reserves the minimal storage but never writes it (address space, not "
+        "memory); meta allocates nothing, but every meta tensor has address 0, so layers sharing memory cannot be told "
+        "from layers that do not; auto (default): cpu, or meta when the address space is not there",
     )
     p.add_argument("--per-layer", action="store_true", help="hybrid models: detect each group of like layers (detect_per_layer)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
