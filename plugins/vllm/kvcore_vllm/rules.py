@@ -559,7 +559,8 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
         return False
     width = width_bytes // esz
     if rule.blocked:
-        return t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS
+        # a head_size hint equal to the record width declares a per-token record instead
+        return t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS and h.head_size != sz[last]
     if rule.mla:
         if h.head_size is not None:
             return width == h.head_size

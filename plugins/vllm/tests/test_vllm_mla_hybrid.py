@@ -68,6 +68,14 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
         assert {int(x) for x in changed[:, 0]} <= {0, 2, 3}  # only the blocks of slots 1, 8, 14
 
 
+def test_record_width_declared_per_token_by_head_size():
+    kv = allocate("0.11.0", "FLASHMLA", "NHD", num_layers=1, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
+                  cache_dtype="nvfp4_ds_mla")  # fmt: skip
+    assert kvcore.detect(kv, "vllm").format.name == "NL_X_NB_BSV_BSS"  # LMCache's record table: 352 B = 320 + 32 scale bytes
+    lay = kvcore.detect(kv, "vllm", {"head_size": 352})  # a caller who knows its records are per token says so
+    assert (lay.format.name, lay.head_size) == ("NL_X_NB_BS_HS", 352)
+
+
 def test_fp8_ds_mla_is_a_per_token_record(semantic):
     kv = allocate("0.11.0", "FLASHMLA_SPARSE", "NHD", num_layers=2, num_blocks=4, block_size=4, num_kv_heads=1, head_size=576,
                   cache_dtype="fp8_ds_mla")  # fmt: skip
