@@ -144,8 +144,19 @@ class StrideTable:
             self.num_heads,
             self.head_bytes,
             tuple(norm(p) for p in self.planes),
-            tuple(tuple((t.untyped_storage().data_ptr() + off) for (t, off) in layer) for layer in self.bases),
+            tuple(tuple(plane_address(t, off) for (t, off) in layer) for layer in self.bases),
         )
+
+
+def plane_address(t: torch.Tensor, byte_offset: int) -> int | tuple:
+    """Where a plane starts, for comparing planes: the address ``storage.data_ptr() + offset``;
+    for ``meta`` tensors, whose storages all have address 0, ``("meta", storage id, offset)``
+    so that distinct meta storages (``kvcore detect`` builds tensors from a description on
+    ``meta``) are not mistaken for one memory."""
+    st = t.untyped_storage()
+    if t.device.type == "meta":
+        return ("meta", st._cdata, byte_offset)
+    return st.data_ptr() + byte_offset
 
 
 def walk_leaves(node: Any, depth: int, where: str = "kv_caches") -> list[tuple[tuple[int, ...], torch.Tensor]]:
@@ -198,6 +209,10 @@ class Spec:
         self.format = format
         self.syntax = format.syntax
         self.kv_caches = kv_caches
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise GeometryError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        if params is not None and not isinstance(params, dict):
+            raise GeometryError(f"params must be a dict (e.g. {{'head_size': 128}}) or None, got {type(params).__name__}")
         self.params = dict(params or {})
         self._dtype_arg = dtype
         self.leaves = walk_leaves(kv_caches, len(self.syntax.list_levels))
@@ -402,10 +417,10 @@ class Spec:
     def _check_distinct_planes(self) -> None:
         """Two (layer, K/V) planes starting at one address alias at slot 0 (e.g. one
         tensor registered for two layers): a scatter to one would overwrite the other."""
-        seen: dict[int, tuple[int, int]] = {}
+        seen: dict[int | tuple, tuple[int, int]] = {}
         for li, layer in enumerate(self.table.bases):
             for kv, (t, off) in enumerate(layer):
-                addr = t.untyped_storage().data_ptr() + off
+                addr = plane_address(t, off)
                 if addr in seen and t.untyped_storage().nbytes() > 0:
                     pl, pk = seen[addr]
                     raise GeometryError(
