@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvcore import Candidate, Detection, DetectionError, resolve
+from kvcore import Candidate, Detection, DetectionError, KVCoreError, build_layout, resolve
 from kvcore_sglang.formats import HOST_FORMATS, INDEXER_FORMAT
 from kvcore_sglang.hints import SGLangHints, element_dtype, parse_hints
 from kvcore_sglang.indexer import RECORD_SCALE_BYTES, index_page_view
@@ -86,6 +86,11 @@ def _decide(cands: list[Candidate], what: str, deciding: list[str], reasons: lis
     reasons = reasons or []
     det = resolve(cands, engine=ENGINE, deciding_hints=deciding) if cands else None
     if det is None:
+        for c in cands:  # say why each reading's geometry did not fit
+            try:
+                build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
+            except KVCoreError as e:
+                reasons.append(f"{c.label or c.format}: {e}")
         why = "\n".join(f"  - {r}" for r in reasons) or "  - no SGLang layout has tensors of this rank and shape"
         tried = ", ".join(dict.fromkeys(c.format for c in cands))
         raise DetectionError(

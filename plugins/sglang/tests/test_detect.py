@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import kvcore_sglang
 import pytest
 import torch
 from kvcore_sglang import fixtures as fx
@@ -225,3 +226,21 @@ def test_bf16_indexer_pool_needs_page_size_and_reads_per_token_keys():
     assert (lay.format.name, lay.num_blocks, lay.block_size, lay.head_size) == ("NL_X_NB_BS_ONE_HS", 3, 4, 16)
     out = kvcore.gather(lay, torch.tensor([6]))  # page 1, token 2
     assert torch.equal(out[0, 1, 0], bufs[1][1, 2 * 16 : 3 * 16])
+
+
+def test_flat_k_then_v_list_is_sglangs_data_ptrs_order():
+    k, v = fx.alloc_mha_053(num_layers=3, size=8, page_size=4, head_num=2, head_dim=4)
+    lay = kvcore.detect(k + v, "sglang", kvcore_sglang.SGLangHints(page_size=4))
+    assert (lay.format.name, lay.num_layers, lay.block_size) == ("TWO_X_NL_X_NB_BS_NH_HS", 3, 4)
+    assert lay.data_ptrs() == [t.data_ptr() for t in k + v]  # SGLang: data_ptrs = cat(k_data_ptrs, v_data_ptrs)
+    with pytest.raises(kvcore.DetectionError, match="2\\*NL tensors"):
+        kvcore.detect(k + v[:2], "sglang")
+    with pytest.raises(kvcore.DetectionError, match="kv_list_layout='nested'"):
+        kvcore.detect(k + v, "sglang", {"kv_list_layout": "nested"})
+
+
+def test_a_reading_whose_strides_do_not_fit_says_why():
+    k, v = fx.alloc_mha_053(num_layers=2, size=7, page_size=1, head_num=2, head_dim=8)
+    k[1] = torch.zeros(16, 2, 8, dtype=torch.bfloat16)[::2]  # a layer with other strides
+    with pytest.raises(kvcore.DetectionError, match=r"stride=\(32, 8, 1\)"):
+        kvcore.detect([k, v], "sglang", {"kv_list_layout": "nested"})
