@@ -81,6 +81,58 @@ void scatter_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Te
   (void)base_align;
 }
 
+#ifdef KVCORE_WITH_CUDA
+// The CUDA op: every check here (this unit is compiled by the C++ compiler), then one
+// call into kvcore_cuda.cu, which launches the kernel and reports failure as a string.
+template <bool kGather>
+void cuda_op(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+             int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
+  const char* op = kGather ? "gather" : "scatter";
+  check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op);
+  TORCH_CHECK(ptrs.is_cuda() && slots.is_cuda() && ptrs.device() == slots.device(), "kvcore.", op,
+              " (CUDA): ptrs and slots must be on the cache's GPU, got ", ptrs.device(), " and ", slots.device());
+  TORCH_CHECK(staging.is_cuda() ? staging.device() == slots.device() : staging.device().is_cpu(), "kvcore.", op,
+              " (CUDA): staging must be on ", slots.device(), " or in pinned host memory, got ", staging.device());
+  const int64_t nl = ptrs.size(0), kv = ptrs.size(1);
+  TORCH_CHECK(kv * nl <= 65535, "kvcore.", op, " (CUDA): at most 65535 (layer, K/V) planes per launch, got ", kv * nl);
+  TORCH_CHECK(block_size <= int64_t{0xFFFFFFFF}, "kvcore.", op, " (CUDA): block_size ", block_size, " is too large");
+  TORCH_CHECK(base_align >= 1 && (base_align & (base_align - 1)) == 0, "kvcore.", op,
+              " (CUDA): base_align must be a power of two, got ", base_align);
+  CudaTransfer a{};
+  a.ptrs = ptrs.data_ptr<int64_t>();
+  a.slots = slots.data_ptr<int64_t>();
+  a.staging = staging.data_ptr();
+  a.staging_on_host = !staging.is_cuda();
+  const int64_t esz = staging.element_size();
+  a.s_kv = staging.stride(0) * esz;
+  a.s_layer = staging.stride(1) * esz;
+  a.s_tok = staging.stride(2) * esz;
+  a.plane[0] = plane_at(strides, 0);
+  a.plane[1] = plane_at(strides, kv - 1);
+  a.num_slots = num_slots;
+  a.T = slots.size(0);
+  a.NL = nl;
+  a.kv = kv;
+  a.block_size = block_size;
+  a.num_heads = num_heads;
+  a.head_bytes = head_bytes;
+  a.base_align = base_align;
+  a.device = slots.device().index();
+  const char* err = cuda_transfer(kGather, a);
+  TORCH_CHECK(err == nullptr, "kvcore.", op, " (CUDA): ", err ? err : "");
+}
+
+void gather_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                 int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
+  cuda_op<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+}
+
+void scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                  int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
+  cuda_op<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+}
+#endif  // KVCORE_WITH_CUDA
+
 }  // namespace
 }  // namespace kvcore
 
@@ -99,3 +151,10 @@ TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
   m.impl("gather", &kvcore::gather_cpu);
   m.impl("scatter", &kvcore::scatter_cpu);
 }
+
+#ifdef KVCORE_WITH_CUDA
+TORCH_LIBRARY_IMPL(kvcore, CUDA, m) {
+  m.impl("gather", &kvcore::gather_cuda);
+  m.impl("scatter", &kvcore::scatter_cuda);
+}
+#endif

@@ -9,14 +9,16 @@
 // [0, num_slots) (negative = padding) are skipped: the destination row stays untouched.
 // The staging buffer is device memory or pinned host memory, read or written in place
 // (zero-copy, through its mapped device address): no device staging buffer, no copy.
+// Validation and op registration live in kvcore_cpu.cpp; this unit throws nothing.
+#define KVCORE_NO_TORCH
 #include "kvcore_ops.h"
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <limits>
+#include <string>
 
 namespace kvcore {
 namespace {
@@ -145,114 +147,108 @@ int64_t gcd64(int64_t a, int64_t b) {
   return a;
 }
 
-// Device address of the staging buffer: itself on the GPU, or the mapped address of
-// pinned host memory (zero-copy). Unpinned host memory is refused before any write.
-char* staging_device_ptr(const at::Tensor& staging, const char* op) {
-  void* host = staging.data_ptr();
-  if (staging.is_cuda()) return static_cast<char*>(host);
+// Device address of pinned host memory (zero-copy), or nullptr when it is not pinned.
+char* host_device_ptr(void* host) {
   cudaPointerAttributes attr{};
   cudaError_t err = cudaPointerGetAttributes(&attr, host);
-  if (err != cudaSuccess) (void)cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, "kvcore.", op,
-              " (CUDA): a host staging buffer must be pinned (torch.empty(..., pin_memory=True)) so the kernel can reach it ",
-              "directly; this one is pageable");
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr) return nullptr;
   return static_cast<char*>(attr.devicePointer);
 }
 
-template <bool kGather>
-void cuda_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
-                   int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
-                 int64_t base_align) {
-  const char* op = kGather ? "gather" : "scatter";
-  check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op);
-  TORCH_CHECK(ptrs.is_cuda() && slots.is_cuda() && ptrs.device() == slots.device(), "kvcore.", op,
-              " (CUDA): ptrs and slots must be on the cache's GPU, got ", ptrs.device(), " and ", slots.device());
-  TORCH_CHECK(staging.is_cuda() ? staging.device() == slots.device() : staging.device().is_cpu(), "kvcore.", op,
-              " (CUDA): staging must be on ", slots.device(), " or in pinned host memory, got ", staging.device());
-  const int64_t nl = ptrs.size(0), kv = ptrs.size(1), T = slots.size(0);
-  if (T == 0 || nl == 0) return;
-  TORCH_CHECK(kv * nl <= 65535, "kvcore.", op, " (CUDA): at most 65535 (layer, K/V) planes per launch, got ", kv * nl);
-  TORCH_CHECK(block_size <= std::numeric_limits<uint32_t>::max(), "kvcore.", op, " (CUDA): block_size too large");
-  c10::cuda::CUDAGuard guard(slots.device());
-  char* st = staging_device_ptr(staging, op);
+thread_local std::string g_error;
 
+const char* fail(const std::string& msg) {
+  g_error = msg;
+  return g_error.c_str();
+}
+
+template <bool kGather>
+const char* run_transfer(const CudaTransfer& a) {
+  if (a.T == 0 || a.NL == 0) return nullptr;
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) return fail("cudaGetDevice failed");
+  if (prev != a.device && cudaSetDevice(a.device) != cudaSuccess) return fail("cudaSetDevice failed");
+  struct Restore {
+    int prev, cur;
+    ~Restore() {
+      if (prev != cur) (void)cudaSetDevice(prev);
+    }
+  } restore{prev, a.device};
+
+  char* st = static_cast<char*>(a.staging);
+  if (a.staging_on_host) {
+    st = host_device_ptr(a.staging);
+    if (st == nullptr)
+      return fail("a host staging buffer must be pinned (torch.empty(..., pin_memory=True)) so the kernel can reach it directly");
+  }
   Params p{};
-  p.ptrs = ptrs.data_ptr<int64_t>();
-  p.slots = slots.data_ptr<int64_t>();
-  const int64_t esz = staging.element_size();
-  p.s_kv = staging.stride(0) * esz;
-  p.s_layer = staging.stride(1) * esz;
-  p.s_tok = staging.stride(2) * esz;
-  p.num_slots = num_slots;
-  p.NL = static_cast<uint32_t>(nl);
-  p.kv = static_cast<uint32_t>(kv);
-  p.block_size = static_cast<uint32_t>(block_size);
-  p.slots32 = num_slots <= (int64_t{1} << 31);
+  p.ptrs = a.ptrs;
+  p.slots = a.slots;
+  p.s_kv = a.s_kv;
+  p.s_layer = a.s_layer;
+  p.s_tok = a.s_tok;
+  p.num_slots = a.num_slots;
+  p.NL = static_cast<uint32_t>(a.NL);
+  p.kv = static_cast<uint32_t>(a.kv);
+  p.block_size = static_cast<uint32_t>(a.block_size);
+  p.slots32 = a.num_slots <= (int64_t{1} << 31);
 
   // widest unit every address and length allows; the caller vouches for the plane bases
   // (base_align: a power of two dividing every base address, computed once per layout)
-  TORCH_CHECK(base_align >= 1 && (base_align & (base_align - 1)) == 0, "kvcore.", op,
-              " (CUDA): base_align must be a power of two, got ", base_align);
-  int64_t g = std::min<int64_t>(16, base_align);
+  int64_t g = std::min<int64_t>(16, a.base_align);
   g = gcd64(g, reinterpret_cast<int64_t>(st));
   g = gcd64(g, p.s_kv);
   g = gcd64(g, p.s_layer);
   g = gcd64(g, p.s_tok);
   bool contig = true, whole_heads = true;
-  for (int64_t k = 0; k < kv; ++k) {
-    PlaneStrides s = plane_at(strides, k);
-    contig = contig && row_contiguous(s, num_heads, head_bytes);
+  for (int64_t k = 0; k < a.kv; ++k) {
+    const PlaneStrides& s = a.plane[k];
+    contig = contig && s.n_chunks == 1 && (a.num_heads == 1 || s.head == a.head_bytes);
     whole_heads = whole_heads && s.n_chunks == 1;
     for (int64_t v : {s.block, s.token, s.head, s.chunk, s.chunk_bytes}) g = gcd64(g, v);
   }
-  g = gcd64(g, head_bytes);
+  g = gcd64(g, a.head_bytes);
   int width = static_cast<int>(g == 0 ? 16 : g);
   if (width != 16 && width != 8 && width != 4 && width != 2) width = (width % 2 == 0) ? 2 : 1;
-  for (int64_t k = 0; k < kv; ++k) {
-    PlaneStrides s = plane_at(strides, k);
+  for (int64_t k = 0; k < a.kv; ++k) {
+    const PlaneStrides& s = a.plane[k];
     p.plane[k] = DevPlane{s.block, s.token, s.head, s.chunk, static_cast<uint32_t>(s.chunk_bytes / width),
                           static_cast<uint32_t>(s.n_chunks)};
   }
-  if (kv == 1) p.plane[1] = p.plane[0];
+  if (a.kv == 1) p.plane[1] = p.plane[0];
   const int mode = contig ? kRowContig : (whole_heads ? kHeadRuns : kChunks);
-  const int64_t upr = num_heads * head_bytes / width;
-  TORCH_CHECK(upr <= std::numeric_limits<int32_t>::max(), "kvcore.", op, " (CUDA): a token row of ", upr * width,
-              " bytes is too large");
+  const int64_t upr = a.num_heads * a.head_bytes / width;
+  if (upr > std::numeric_limits<int32_t>::max()) return fail("a token row is too large (more than 2^31 units)");
   p.units_per_row = static_cast<uint32_t>(upr);
-  p.units_per_head = static_cast<uint32_t>(head_bytes / width);
+  p.units_per_head = static_cast<uint32_t>(a.head_bytes / width);
 
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(slots.device().index());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device)).stream();
   // token chunks keep T * units_per_row within 32 bits
   const int64_t max_tokens = std::max<int64_t>(1, (int64_t{1} << 31) / upr);
-  for (int64_t t0 = 0; t0 < T; t0 += max_tokens) {
-    const int64_t tn = std::min(max_tokens, T - t0);
+  for (int64_t t0 = 0; t0 < a.T; t0 += max_tokens) {
+    const int64_t tn = std::min(max_tokens, a.T - t0);
     Params q = p;
     q.slots = p.slots + t0;
     q.staging = st + t0 * p.s_tok;
     q.T = static_cast<uint32_t>(tn);
     const int64_t units = tn * upr;
-    dim3 grid(static_cast<unsigned>((units + kThreads * kUnroll - 1) / (kThreads * kUnroll)), static_cast<unsigned>(kv * nl));
+    dim3 grid(static_cast<unsigned>((units + kThreads * kUnroll - 1) / (kThreads * kUnroll)), static_cast<unsigned>(a.kv * a.NL));
     launch<kGather>(width, mode, q, grid, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return fail(std::string("kernel launch failed: ") + cudaGetErrorString(err));
   }
-}
-
-void gather_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
-                 int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
-                 int64_t base_align) {
-  cuda_transfer<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
-}
-
-void scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
-                  int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
-                 int64_t base_align) {
-  cuda_transfer<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+  return nullptr;
 }
 
 }  // namespace
 }  // namespace kvcore
 
-TORCH_LIBRARY_IMPL(kvcore, CUDA, m) {
-  m.impl("gather", &kvcore::gather_cuda);
-  m.impl("scatter", &kvcore::scatter_cuda);
+namespace kvcore {
+const char* cuda_transfer(bool gather, const CudaTransfer& a) noexcept {
+  return gather ? run_transfer<true>(a) : run_transfer<false>(a);
 }
+}  // namespace kvcore

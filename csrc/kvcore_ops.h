@@ -26,8 +26,25 @@ struct PlaneStrides {
   int64_t n_chunks;
 };
 
+// One CUDA transfer, fully validated by the caller (kvcore_cpu.cpp). Plain data only:
+// the CUDA translation unit never sees an at::Tensor and never throws.
+struct CudaTransfer {
+  const int64_t* ptrs;   // device [NL, kv] plane base addresses
+  const int64_t* slots;  // device [T]
+  void* staging;         // staging[0, 0, 0, 0]: device memory, or pinned host memory
+  bool staging_on_host;
+  int64_t s_kv, s_layer, s_tok;  // staging byte strides
+  PlaneStrides plane[2];
+  int64_t num_slots, T, NL, kv, block_size, num_heads, head_bytes, base_align;
+  int device;
+};
+
+// Launches on the current stream of a.device. nullptr on success, else why (never throws).
+const char* cuda_transfer(bool gather, const CudaTransfer& a) noexcept;
+
 }  // namespace kvcore
 
+#ifndef KVCORE_NO_TORCH
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -36,7 +53,7 @@ namespace kvcore {
 // Checks everything the op can check about its arguments before any byte moves.
 // (The plane base addresses are raw pointers: kvcore's Python layer proved them and the
 // slot range against the cache's storage; the op skips slots outside [0, num_slots).)
-inline void check_args(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+static inline void check_args(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
                        int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, const char* op) {
   TORCH_CHECK(ptrs.scalar_type() == at::kLong && ptrs.dim() == 2 && ptrs.is_contiguous(), "kvcore.", op,
               ": ptrs must be a contiguous int64 [num_layers, kv_size] tensor of plane base addresses, got ", ptrs.scalar_type(),
@@ -70,14 +87,15 @@ inline void check_args(const at::Tensor& ptrs, const at::Tensor& strides, const 
   }
 }
 
-inline PlaneStrides plane_at(const at::Tensor& strides, int64_t k) {
+static inline PlaneStrides plane_at(const at::Tensor& strides, int64_t k) {
   const int64_t* p = strides.data_ptr<int64_t>() + k * kStrideFields;
   return PlaneStrides{p[0], p[1], p[2], p[3], p[4], p[5]};
 }
 
 // A whole token row of the plane is one contiguous run of num_heads * head_bytes bytes.
-inline bool row_contiguous(const PlaneStrides& p, int64_t num_heads, int64_t head_bytes) {
+static inline bool row_contiguous(const PlaneStrides& p, int64_t num_heads, int64_t head_bytes) {
   return p.n_chunks == 1 && (num_heads == 1 || p.head == head_bytes);
 }
 
 }  // namespace kvcore
+#endif  // KVCORE_NO_TORCH

@@ -205,12 +205,35 @@ def _timer(device: torch.device, calls: int) -> Callable[[Callable[[int], None]]
 
 
 def _median_time(fn: Callable[[int], None], device: torch.device, repeats: int, calls: int) -> float:
-    fn(0)  # warm-up (also builds the native library, uploads pointer tables)
+    return _median_times({"x": fn}, device, repeats, calls)["x"]
+
+
+def _median_times(fns: dict[str, Callable[[int], None]], device: torch.device, repeats: int, calls: int) -> dict[str, float]:
+    """Median seconds per call of each function; the functions take turns within every
+    repeat, so a machine whose speed drifts (other load, clocks) affects them alike."""
+    timer = _timer(device, calls)
+    for fn in fns.values():
+        fn(0)  # warm-up (also builds the native library, uploads pointer tables)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    timer = _timer(device, calls)
-    timer(fn)
-    return statistics.median(timer(fn) for _ in range(repeats))
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(timer(fn))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+_PINNED: dict[str, torch.Tensor] = {}
+
+
+def _pinned(tag: str, nbytes: int) -> torch.Tensor:
+    """A reusable pinned host buffer of at least ``nbytes`` (pinning is slow: reuse it)."""
+    buf = _PINNED.get(tag)
+    if buf is None or buf.numel() < nbytes:
+        _PINNED.pop(tag, None)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        _PINNED[tag] = buf
+    return buf[:nbytes]
 
 
 # -- one case -----------------------------------------------------------------------------
@@ -253,6 +276,7 @@ def bench_case(
     repeats: int,
     with_reference: bool,
     host: bool,
+    host_reference: bool = True,
     seed: int = 0,
 ) -> list[Row]:
     """Benchmark one layout/geometry; returns the rows (both directions, and the pinned
@@ -298,16 +322,17 @@ def bench_case(
         random_fill(s)
     dst = [torch.empty(payload, dtype=torch.uint8, device=device) for _ in range(sets)]
 
-    def t(fn):
-        return _median_time(fn, device, repeats, calls)
-
-    copy_s = t(lambda i: dst[i % sets].copy_(src[i % sets]))
+    fns: dict[str, Callable[[int], None]] = {"copy": lambda i: dst[i % sets].copy_(src[i % sets])}
+    for d in ("gather", "scatter"):
+        fns[d] = lambda i, d=d: getattr(kernel, d)(plans[i % sets])
+        if with_reference and kernel is not reference:
+            fns["ref-" + d] = lambda i, d=d: getattr(reference, d)(plans[i % sets])
+    tm = _median_times(fns, device, repeats, calls)
+    copy_s = tm["copy"]
     rows = []
     for direction in ("gather", "scatter"):
-        sec = t(lambda i, d=direction: getattr(kernel, d)(plans[i % sets]))
-        ref_s = t(lambda i, d=direction: getattr(reference, d)(plans[i % sets])) if with_reference and kernel is not reference else None
-        if kernel is reference:
-            ref_s = sec
+        sec = tm[direction]
+        ref_s = tm.get("ref-" + direction, sec if kernel is reference else None)
         rows.append(
             Row(
                 device=str(device.type),
@@ -330,18 +355,32 @@ def bench_case(
             )
         )
     if host and device.type == "cuda":
-        hsets = 1
-        hstage = torch.empty(layout.staging_shape(tokens), dtype=case.dtype, pin_memory=True)
-        random_fill(hstage)
+        shape = layout.staging_shape(tokens)
+        hstage = _pinned("staging", payload).view(case.dtype).view(shape)
+        hstage.view(torch.uint8).copy_(staging[0].view(torch.uint8).reshape(hstage.view(torch.uint8).shape))
         hplan = TransferPlan(table=table, slots=slot_sets[0], staging=hstage, num_valid=tokens)
         hk = select_kernel(device.type, case.format, "cpu", table)
-        hbuf = torch.empty(payload, dtype=torch.uint8, pin_memory=True)
+        hbuf = _pinned("memcpy", payload)
         dbuf = src[0]
-        d2h = _median_time(lambda i: hbuf.copy_(dbuf, non_blocking=True), device, repeats, 5)
-        h2d = _median_time(lambda i: dbuf.copy_(hbuf, non_blocking=True), device, repeats, 5)
+        hcalls = 3 if payload > (64 << 20) else 10
+        tm = _median_times(
+            {
+                "d2h": lambda i: hbuf.copy_(dbuf, non_blocking=True),
+                "h2d": lambda i: dbuf.copy_(hbuf, non_blocking=True),
+                "gather": lambda i: hk.gather(hplan),
+                "scatter": lambda i: hk.scatter(hplan),
+            },
+            device,
+            repeats,
+            hcalls,
+        )
+        d2h, h2d = tm["d2h"], tm["h2d"]
+        tref = {}
+        if with_reference and host_reference:
+            tref = _median_times({d: (lambda i, d=d: getattr(reference, d)(hplan)) for d in ("gather", "scatter")}, device, 1, 1)
         for direction, base_s in (("gather", d2h), ("scatter", h2d)):
-            sec = _median_time(lambda i, d=direction: getattr(hk, d)(hplan), device, repeats, 5)
-            ref_s = _median_time(lambda i, d=direction: getattr(reference, d)(hplan), device, repeats, 5) if with_reference else None
+            sec = tm[direction]
+            ref_s = tref.get(direction)
             rows.append(
                 Row(
                     device="cuda",
@@ -363,7 +402,6 @@ def bench_case(
                     vs_reference=None if ref_s is None else ref_s / sec,
                 )
             )
-        del hsets
     return rows
 
 
@@ -382,7 +420,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement; the median is reported")
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference kernel")
     parser.add_argument("--no-host", action="store_true", help="cuda: skip the pinned-host rows")
-    parser.add_argument("--output", default=None, help="also write the JSON rows to this file")
+    parser.add_argument("--output", default=None, help="also write the JSON rows to this file (updated after every case)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop the matrix after this many seconds (partial table)")
 
 
 def _ints(s: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -435,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     bss = _ints(args.block_sizes, bss)
     toks = _ints(args.tokens, toks)
-    repeats = args.repeats or (5 if args.quick else 7)
+    repeats = args.repeats or 5
     combos = [(CASES[lay], b, t) for lay in layouts for b in bss for t in toks]
     try:
         from tqdm import tqdm
@@ -443,7 +482,13 @@ def run(args: argparse.Namespace) -> int:
         tqdm = None
     it = tqdm(combos, desc="kvcore bench", unit="case", file=sys.stderr, disable=None) if tqdm else combos
     rows: list[Row] = []
+    meta = _meta(device)
+    t_start = time.monotonic()
     for case, b, t in it:
+        if args.max_seconds and time.monotonic() - t_start > args.max_seconds:
+            meta["truncated"] = f"stopped after {args.max_seconds} s (--max-seconds): {len(rows)} rows"
+            print(f"kvcore bench: {meta['truncated']}", file=sys.stderr)
+            break
         if tqdm:
             it.set_postfix_str(f"{case.label} BS={b} T={t}")
         rows += bench_case(
@@ -454,11 +499,14 @@ def run(args: argparse.Namespace) -> int:
             repeats=repeats,
             with_reference=not args.no_reference,
             host=not args.no_host,
+            host_reference=(b == bss[0]),
         )
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.output:  # keep what is measured so far
+            with open(args.output, "w") as f:
+                json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     data = [asdict(r) for r in rows]
-    meta = _meta(device)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"meta": meta, "rows": data}, f, indent=1)

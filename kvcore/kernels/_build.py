@@ -177,7 +177,7 @@ def _build(with_cuda: bool) -> Path:
     cpp_extension.load(
         name=name,
         sources=sources,
-        extra_cflags=["-O3", "-fopenmp"],
+        extra_cflags=["-O3", "-fopenmp"] + (["-DKVCORE_WITH_CUDA"] if with_cuda else []),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)],
         build_directory=str(d),
