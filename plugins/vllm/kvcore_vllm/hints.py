@@ -7,9 +7,10 @@ ones.
 Precedence (highest first)
 --------------------------
 1. **explicit hints** (``hints={"kv_cache_layout": "HND", ...}``);
-2. **a vLLM object** passed as ``cache_config`` (anything with ``.cache_dtype``,
-   ``.block_size``, ``.kv_cache_layout`` -- vLLM's ``CacheConfig``; duck-typed, vLLM is
-   not imported) fills the fields the explicit hints left empty;
+2. **vLLM objects** fill the fields the explicit hints left empty: ``cache_config``
+   (anything with ``.cache_dtype``, ``.block_size``, ``.kv_cache_layout`` -- vLLM's
+   ``CacheConfig``) and ``vllm_config`` (its ``.cache_config``, ``.model_config.dtype`` and
+   ``.model_config.get_head_size()``); duck-typed, vLLM is not imported;
 3. **the environment**: ``VLLM_KV_CACHE_LAYOUT`` is read only when neither of the above
    gave a layout (vLLM 0.11 ``vllm/v1/attention/backends/utils.py::get_kv_cache_layout``
    reads the same variable);
@@ -332,6 +333,18 @@ def parse_hints(hints: Any) -> VllmHints:
         d = {k: v for k, v in hints.model_dump().items() if v is not None}
     else:
         raise DetectionError(f"vLLM hints must be a dict or VllmHints, got {type(hints).__name__}")
+    vcfg = d.pop("vllm_config", None)
+    if vcfg is not None:
+        # vLLM's VllmConfig: its cache_config, and the model's dtype and (MLA-aware) head size
+        if getattr(vcfg, "cache_config", None) is not None and "cache_config" not in d:
+            d["cache_config"] = vcfg.cache_config
+        mc = getattr(vcfg, "model_config", None)
+        if mc is not None:
+            if "dtype" not in d and getattr(mc, "dtype", None) is not None:
+                d["dtype"] = mc.dtype
+            get_hs = getattr(mc, "get_head_size", None)
+            if "head_size" not in d and callable(get_hs):
+                d["head_size"] = int(get_hs())
     obj = d.pop("cache_config", None)
     if obj is not None:
         for field, attr in (("cache_dtype", "cache_dtype"), ("block_size", "block_size"), ("kv_cache_layout", "kv_cache_layout")):
@@ -345,7 +358,7 @@ def parse_hints(hints: Any) -> VllmHints:
     generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}
     unknown = set(d) - known - generic
     if unknown:
-        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(known | {'cache_config'})}")
+        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(known | {'cache_config', 'vllm_config'})}")
     if "page_size" in d and "block_size" not in d:
         d["block_size"] = d["page_size"]
     return VllmHints(**{k: v for k, v in d.items() if k in known})

@@ -93,6 +93,14 @@ def test_cache_config_object_env_and_precedence(monkeypatch):
         kvcore.detect(hnd, "vllm", {"cache_config": SimpleNamespace(kv_cache_layout="NHD")})
 
 
+def test_vllm_config_object():
+    mc = SimpleNamespace(dtype=torch.float16, get_head_size=lambda: 576)
+    vc = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8_ds_mla", block_size=64, kv_cache_layout=None), model_config=mc)
+    h = parse_hints({"vllm_config": vc})
+    assert (h.dtype, h.head_size, h.cache_dtype, h.block_size, h.is_mla) == (torch.float16, 576, "fp8_ds_mla", 64, True)
+    assert parse_hints({"vllm_config": vc, "head_size": 128}).head_size == 128
+
+
 def test_hints_model_instance_accepted():
     kv = allocate("0.24.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=2, block_size=16, num_kv_heads=2, head_size=8)
     lay = kvcore.detect(kv, "vllm", VllmHints(vllm_version="0.24.0", kv_cache_layout="HND"))
