@@ -7,7 +7,15 @@ indices (``out_cache_loc``) into kvcore's ``slot_mapping`` and for hybrid pools,
 """
 
 from kvcore_sglang.hints import SGLangHints
-from kvcore_sglang.pools import MambaState, hybrid_linear_layer_entries, kv_caches_of, layer_entries, slot_mapping, swa_layer_entries
+from kvcore_sglang.pools import (
+    MambaState,
+    hybrid_linear_layer_entries,
+    kv_caches_of,
+    layer_entries,
+    slot_mapping,
+    swa_layer_entries,
+    swa_pool_layer_entries,
+)
 
 __all__ = [
     "SGLangHints",
@@ -17,4 +25,5 @@ __all__ = [
     "layer_entries",
     "slot_mapping",
     "swa_layer_entries",
+    "swa_pool_layer_entries",
 ]

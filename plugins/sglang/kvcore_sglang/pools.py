@@ -41,7 +41,8 @@ an MHA layer, a tensor for an MLA (or indexer) layer, a :class:`MambaState` for 
 recurrent layer (excluded: not KV). :func:`swa_layer_entries` and
 :func:`hybrid_linear_layer_entries` build that list from SGLang's sub-pools and return
 the ``layer_groups`` to pass with it (one group per sub-pool: the sub-pools have their
-own allocators, so one slot mapping addresses one group's layout).
+own allocators, so one slot mapping addresses one group's layout; the SWA layers' slots
+are ``full_to_swa_index_mapping[loc]``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,15 @@ import torch
 
 from kvcore import DetectionError, TransferError
 
-__all__ = ["MambaState", "slot_mapping", "layer_entries", "swa_layer_entries", "hybrid_linear_layer_entries", "kv_caches_of"]
+__all__ = [
+    "MambaState",
+    "slot_mapping",
+    "layer_entries",
+    "swa_layer_entries",
+    "swa_pool_layer_entries",
+    "hybrid_linear_layer_entries",
+    "kv_caches_of",
+]
 
 
 class MambaState(tuple):
@@ -135,6 +144,30 @@ def swa_layer_entries(
     """
     full, swa = _pool_entries(full_pool), _pool_entries(swa_pool)
     return _merge([(full, list(full_layer_ids), "full"), (swa, list(swa_layer_ids), "swa")])
+
+
+def swa_pool_layer_entries(pool: Any) -> tuple[list[Any], list[list[int]]]:
+    """:func:`swa_layer_entries` for an ``SWAKVPool`` object (duck-typed): reads
+    ``pool.full_kv_pool``, ``pool.swa_kv_pool`` and ``pool.layers_mapping``
+    (``{layer_id: (index_in_sub_pool, is_swa_layer)}``, 0.5.3 ``memory_pool.py::SWAKVPool.__init__``).
+
+    The SWA sub-pool has its own slots: SGLang translates a full-pool slot with
+    ``pool.full_to_swa_index_mapping[loc]``, so the slot mapping for the SWA layers'
+    layout is ``slot_mapping(pool.full_to_swa_index_mapping[out_cache_loc])``.
+
+    Raises:
+        kvcore.DetectionError: the object lacks these attributes or its mapping is inconsistent.
+    """
+    try:
+        mapping = dict(pool.layers_mapping)
+        full, swa = kv_caches_of(pool.full_kv_pool), kv_caches_of(pool.swa_kv_pool)
+    except AttributeError as e:
+        raise DetectionError(
+            f"{type(pool).__name__} is not an SGLang SWAKVPool (needs full_kv_pool, swa_kv_pool, layers_mapping): {e}"
+        ) from None
+    full_ids = [lid for lid, (_, is_swa) in sorted(mapping.items(), key=lambda kv: kv[1][0]) if not is_swa]
+    swa_ids = [lid for lid, (_, is_swa) in sorted(mapping.items(), key=lambda kv: kv[1][0]) if is_swa]
+    return swa_layer_entries(full, swa, full_ids, swa_ids)
 
 
 def hybrid_linear_layer_entries(

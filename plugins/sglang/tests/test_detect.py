@@ -43,6 +43,8 @@ def test_053_pool_geometry_counts_the_padded_page():
     assert lay.page_buffer_size == 61  # size + page_size rows
     assert lay.elements_per_layer == 2 * 61 * 128
     assert lay.data_ptrs() == [t.data_ptr() for t in k + v]
+    d = lay.shape_desc()
+    assert (d.kv_size, d.nl, d.nb, d.bs, d.nh, d.hs, d.element_size, d.block_stride_elems) == (2, 4, 61, 1, 8, 16, 2, 0)
 
 
 def test_page_size_hint_splits_rows_into_pages_as_views():

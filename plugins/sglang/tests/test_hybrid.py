@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import kvcore_sglang
 import pytest
 import torch
 from kvcore_sglang import MambaState, hybrid_linear_layer_entries, kv_caches_of, swa_layer_entries
@@ -101,3 +102,24 @@ def test_kv_caches_of_sglang_pool_objects():
     assert kvcore.detect(kv_caches_of(MLAPool()), "sglang").format.name == "NL_X_NBBS_ONE_HS"
     with pytest.raises(kvcore.DetectionError, match="not an SGLang KV pool"):
         kv_caches_of(object())
+
+
+def test_swa_pool_object_and_full_to_swa_slot_translation():
+    from types import SimpleNamespace
+
+    fk, fv, sk, sv = _swa(full_size=32, swa_size=16)
+    full_ids, swa_ids = [2, 5], [0, 1, 3, 4]
+    pool = SimpleNamespace(
+        full_kv_pool=SimpleNamespace(k_buffer=fk, v_buffer=fv),
+        swa_kv_pool=SimpleNamespace(k_buffer=sk, v_buffer=sv),
+        layers_mapping={**{g: (i, False) for i, g in enumerate(full_ids)}, **{g: (i, True) for i, g in enumerate(swa_ids)}},
+        full_to_swa_index_mapping=torch.arange(33) % 17,
+    )
+    entries, groups = kvcore_sglang.swa_pool_layer_entries(pool)
+    assert groups == [full_ids, swa_ids]
+    lays = kvcore.detect_per_layer(entries, "sglang", layer_groups=groups)
+    loc = torch.tensor([20, 30])
+    out = kvcore.gather(lays[0], kvcore_sglang.slot_mapping(pool.full_to_swa_index_mapping[loc]))
+    assert torch.equal(as_bytes(out[0, 3, 1]), as_bytes(sk[3][30 % 17]))  # model layer 4 = swa sub-pool layer 3
+    with pytest.raises(kvcore.DetectionError, match="not an SGLang SWAKVPool"):
+        kvcore_sglang.swa_pool_layer_entries(object())
