@@ -121,7 +121,10 @@ def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str]:
     keep: list[torch.Tensor] = []
     aliases: list[str] = []
     for i, t in enumerate(items):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.is_meta:  # meta tensors have no addresses: only the same object is the same memory
+            key: tuple = ("object", id(t))
+        else:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if key in seen:
             aliases.append(f"{i}->{seen[key]}")
             continue

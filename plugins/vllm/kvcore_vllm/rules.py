@@ -430,6 +430,8 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
 def _layers_separate(views: Sequence[torch.Tensor]) -> bool:
     """Each layer's bytes are its own (or exactly another layer's: shared KV, aliased
     groups); layers whose pages interleave are a cross-layer buffer instead."""
+    if any(v.is_meta for v in views):
+        return True  # no addresses to compare
     ranges = sorted({_byte_range(v) for v in views})
     for (p0, _s0, e0), (p1, s1, _e1) in zip(ranges, ranges[1:]):
         if p0 == p1 and s1 < e0:

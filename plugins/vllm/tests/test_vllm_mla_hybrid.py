@@ -160,3 +160,10 @@ def test_partially_overlapping_layers_are_not_a_layer_list():
     b = torch.as_strided(buf, (2, 4, 16, 2, 8), (1024, 256, 16, 8, 1), 8)  # interleaves with a, no uniform cross-layer form
     with pytest.raises(kvcore.DetectionError):
         kvcore.detect([a, b], "vllm", {"vllm_version": "0.11"})
+
+
+def test_meta_tensors_keep_every_layer():
+    layers = [torch.empty(2, 64, 16, 2, 8, dtype=torch.bfloat16, device="meta") for _ in range(3)]
+    lay = kvcore.detect(layers, "vllm")
+    assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 3)
+    assert kvcore.detect([layers[0], layers[0]], "vllm").num_layers == 1  # one object twice: shared KV
