@@ -193,3 +193,25 @@ def test_mla_pool_offloads_into_mla_host_pool(mem):
         bs = view.shape[1]
         for h, lc in zip(hidx.tolist(), loc.tolist()):
             assert torch.equal(view[h // bs, h % bs].reshape(-1), kv[layer][lc].reshape(-1))
+
+
+def test_this_plugins_indexer_spec_matches_the_answering_spec():
+    # kvcore_spec is first-result by format: with kvcore-vllm installed its spec for
+    # NL_X_NB_BSV_BSS may answer first; both must describe SGLang's pages identically
+    from kvcore_sglang.indexer import IndexerSpec
+
+    bufs = fx.alloc_indexer(num_layers=2, size=8 * 3, page_size=8)
+    lay = kvcore.detect(bufs, "sglang")
+    mine = IndexerSpec(lay.format, lay.kv_caches)
+    t0, t1 = mine.stride_table(), lay.stride_table()
+    assert t0.signature() == t1.signature()
+    assert (mine.num_blocks, mine.block_size, mine.head_size, mine.num_heads) == (
+        lay.num_blocks,
+        lay.block_size,
+        lay.head_size,
+        lay.num_heads,
+    )
+    with pytest.raises(kvcore.GeometryError, match="record width 130"):
+        IndexerSpec(lay.format, [b[:, :, :130] for b in lay.kv_caches])
+    with pytest.raises(kvcore.GeometryError, match="bytes"):
+        IndexerSpec(lay.format, [b.view(torch.int8) for b in lay.kv_caches])
