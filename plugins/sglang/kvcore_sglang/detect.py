@@ -210,7 +210,11 @@ def _mha_candidates(
     if not ks or len(ks) != len(vs):
         reasons.append(f"{label}: K and V lists must be non-empty and of equal length, got {len(ks)} and {len(vs)}")
         return []
-    k, v = _same(ks, "k_buffer"), _same(vs, "v_buffer")
+    try:
+        k, v = _same(ks, f"{label}: K"), _same(vs, f"{label}: V")
+    except DetectionError as e:  # this reading pairs tensors of different shapes: it is not the pool
+        reasons.append(str(e).removeprefix("sglang: "))
+        return []
     if k.dim() != v.dim() or tuple(k.shape[:-1]) != tuple(v.shape[:-1]) or k.dtype != v.dtype:
         reasons.append(f"{label}: K {tuple(k.shape)} {k.dtype} and V {tuple(v.shape)} {v.dtype} differ beyond the head size")
         return []
