@@ -62,6 +62,10 @@ def _table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _err(msg: str) -> None:
     print(f"kvcore: {msg}", file=sys.stderr)
 
@@ -188,8 +192,12 @@ def cmd_formats(args: argparse.Namespace) -> int:
         eng = ",".join(f.engines) or "-"
         if f.attention_backends:
             eng += " / " + ",".join(f.attention_backends)
+        if not args.wide:
+            eng, src = _clip(eng, 44), _clip(src, 72)
         rows.append([f.name, f.symbolic, f.kv_size, " ".join(_format_facts(f)), eng, src, d["plugin"]])
     print(_table(rows, ["name", "shape", "kv", "facts", "engines / backends", "source", "plugin"]))
+    if not args.wide:
+        print("\n(engines and sources clipped: --wide shows them whole, --json gives every source)")
     return EXIT_OK
 
 
@@ -940,6 +948,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         epilog="examples:\n  kvcore formats\n  kvcore formats --engine vllm\n  kvcore formats --json",
     )
     p.add_argument("--engine", help="only formats this engine allocates")
+    p.add_argument("--wide", action="store_true", help="do not clip the engines and source columns")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_formats)
 
