@@ -1053,6 +1053,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 p.set_defaults(missing=True)
             else:
                 mod.add_arguments(p)
+                if p.description and "\n" not in p.description:  # a module's one-paragraph description
+                    p.description = textwrap.fill(p.description, width=100)
                 p.set_defaults(func=mod.run, missing=False)
     return top
 
