@@ -44,6 +44,7 @@ __all__ = [
     "alloc_host_mha",
     "alloc_host_mla",
     "indexer_token_records",
+    "indexer_segment_views",
     "CASES",
 ]
 
@@ -128,6 +129,15 @@ def indexer_token_records(buf: torch.Tensor, page_size: int, index_head_dim: int
     vals = buf[:, : page_size * index_head_dim].reshape(buf.shape[0], page_size, index_head_dim)
     scales = buf[:, page_size * index_head_dim :].reshape(buf.shape[0], page_size, -1)
     return torch.cat([vals, scales], dim=-1)
+
+
+def indexer_segment_views(buf: torch.Tensor, page_size: int, index_head_dim: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer buffer's two per-token regions as **views** ``([NP, BS, 1, 128] keys,
+    [NP, BS, 1, 4] scale bytes)``: concatenated on the last axis they are a staged row.
+    (For an oracle that accepts a row made of several views; writes go to the cache.)"""
+    vals = buf[:, : page_size * index_head_dim].unflatten(1, (page_size, 1, index_head_dim))
+    scales = buf[:, page_size * index_head_dim :].unflatten(1, (page_size, 1, -1))
+    return vals, scales
 
 
 def alloc_host_mha(

@@ -128,6 +128,9 @@ def test_indexer_pool_gathers_keys_then_scales_by_page_and_by_slot():
     loc = torch.tensor([2 * ps + 5, 70])
     by_slot = kvcore.gather(lay, loc)
     assert torch.equal(by_slot[0, :, 0], out[0, :, 5]) and torch.equal(by_slot[0, 1, 1, :128], bufs[1][1, 6 * 128 : 7 * 128])
+    vals, scl = fx.indexer_segment_views(bufs[1], ps)
+    assert vals.untyped_storage().data_ptr() == bufs[1].untyped_storage().data_ptr()
+    assert torch.equal(out[0, 1, ps + 3], torch.cat([vals[0, 3, 0], scl[0, 3, 0]]))  # page 0, token 3
     # round trip into other pages: keys and scales land in their own regions
     kvcore.scatter_blocks(lay, torch.tensor([1, 0]), out)
     assert torch.equal(bufs[0][1], bufs[0][2]) and torch.equal(bufs[1][1], bufs[1][2])
