@@ -94,6 +94,8 @@ def _kv_shape(era: str, fam: str, nb: int, bs: int, nh: int, hs: int, cache_dtyp
         return (nb, bs, INDEXER_BYTES)
     if fam == "PALLAS":
         return (nb, bs, 2 * nh, -(-hs // 128) * 128)
+    if fam == "ROCM_ATTN":
+        return (2, nb, bs, nh, hs)  # rocm_attn.py::RocmAttentionBackend.get_kv_cache_shape
     if fam == "CPU":
         if era == "0.11":
             return (2, nb, bs * nh * hs)
@@ -110,7 +112,7 @@ def _kv_shape(era: str, fam: str, nb: int, bs: int, nh: int, hs: int, cache_dtyp
 def _stride_order(era: str, fam: str, layout: str, rank: int) -> tuple[int, ...]:
     """``get_kv_cache_stride_order`` per era, backend family and NHD/HND."""
     ident = tuple(range(rank))
-    if fam in ("MLA", "INDEXER", "PALLAS", "CPU"):
+    if fam in ("MLA", "INDEXER", "PALLAS", "CPU", "ROCM_ATTN"):
         return ident  # no stride-order override: memory follows the logical shape
     if era == "0.26":
         return (0, 2, 1, 3) if layout == "NHD" else ident
@@ -191,7 +193,7 @@ def allocate(
     if lay not in ("NHD", "HND"):
         raise GeometryError(f"vLLM {version} knows layouts NHD and HND, not {layout!r}")
     shape = _kv_shape(era, fam, num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
-    if fam == "CPU" and era == "0.11" and (head_size * esz) % 16:
+    if (fam == "ROCM_ATTN" or (fam == "CPU" and era == "0.11")) and (head_size * esz) % 16:
         raise GeometryError(
             f"vLLM 0.11 TORCH_SDPA stores K in 16-byte chunks (split_kv_cache x = 16 // element_size): "
             f"head_size {head_size} of {storage} is not a multiple of {16 // esz}"
@@ -243,6 +245,10 @@ def _allocate_v033(out, names, fam, lay, nb, bs, nh, hs, storage, device, cache_
         )
     elif fam == "INDEXER":
         heads, c = 1, INDEXER_BYTES
+    elif fam == "ROCM_ATTN":
+        if lay not in ("LBHNC", "LHBNC"):
+            raise GeometryError("vLLM 0.33 ROCM_ATTN supports LHBNC and LBHNC (engine_layouts.md §1.12)")
+        heads, c = 2, nh * hs * esz  # customize_spec: num_head_slots=2 (K, V), C = NH*HS*dtype
     else:
         heads, c = nh, 2 * hs * esz
     L = len(names)
@@ -321,6 +327,16 @@ def kv_view(
         v = t.unsqueeze(2)
     elif fam == "PALLAS":
         v = t[:, :, kv::2, :hs]  # write_to_kv_cache: cat([k, v], -1).reshape(-1, 2H, D): k0, v0, k1, v1...
+    elif fam == "ROCM_ATTN" and era == "0.33":
+        nh = meta.get("num_kv_heads") or h.get("num_kv_heads") or t.shape[-1] // hs
+        v = t[:, kv].unflatten(-1, (nh, t.shape[-1] // nh))  # the K (V) head slot: [NB, BS, NH*HS]
+    elif fam == "ROCM_ATTN":
+        nb, bs, nh = t.shape[1], t.shape[2], t.shape[3]
+        x = 16 // t.element_size()
+        if kv == 0:  # PagedAttention.split_kv_cache
+            v = t[0].view(nb, nh, hs // x, bs, x).permute(0, 3, 1, 2, 4)
+        else:
+            v = t[1].view(nb, nh, hs, bs).permute(0, 3, 1, 2)
     elif fam == "CPU" and era == "0.11":
         nb = t.shape[1]
         bs = meta.get("block_size") or h.get("block_size")
@@ -362,6 +378,7 @@ MATRIX: tuple[tuple[str, str, str, bool, str], ...] = (
     ("0.11.0", "FLASHMLA", "NHD", False, "NL_X_NB_BS_HS"),
     ("0.11.0", "TORCH_SDPA", "HND", False, "NL_X_TWO_NB_NH_HS_BS"),
     ("0.11.0", "PALLAS", "NHD", False, "NL_X_NB_BS_NH_TWO_HS"),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS"),
     ("0.13.0", "FLASH_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS"),
     ("0.13.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS"),
     ("0.13.0", "FLASHINFER", "NHD", True, "NB_NL_TWO_BS_NH_HS"),
@@ -387,6 +404,8 @@ MATRIX: tuple[tuple[str, str, str, bool, str], ...] = (
     ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS"),
     ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS"),
     ("0.33.0", "CPU_ATTN", "LBHNC", False, "NL_X_NB_NH_TWO_BS_HS"),
+    ("0.33.0", "ROCM_ATTN", "LBHNC", False, "NL_X_NB_TWO_BS_NH_HS"),
+    ("0.33.0", "ROCM_ATTN", "LHBNC", False, "NL_X_TWO_NB_BS_NH_HS"),
 )
 
 
@@ -423,6 +442,7 @@ def _make(version: str, backend: str, layout: str, cross: bool):
         h = _hints(version, backend, layout, cache_dtype, dtype, fam)
         h["head_size"] = sizes["head_size"]
         h["block_size"] = sizes["block_size"]
+        h["num_kv_heads"] = sizes["num_heads"]
         return kv, h
 
     return make
@@ -441,6 +461,9 @@ def fixture_cases() -> list[FixtureCase]:
             cons["head_size_multiple"] = 8  # K is stored in 16-byte chunks: head_size * element_size % 16 == 0
         if fam == "FLASH_ATTN" and era_of(version) in ("0.11", "0.13"):
             cons["block_size_multiple"] = 16  # FlashAttention requires block_size % 16 == 0
+        if fam == "ROCM_ATTN" and era_of(version) != "0.33":
+            cons["block_size_multiple"] = 16  # rocm_attn.py: "Block size must be a multiple of 16"
+            cons["head_size_multiple"] = 16  # split_kv_cache: 16-byte K chunks for every element size
         out.append(
             FixtureCase(
                 name=case_name(version, backend, layout, cross),

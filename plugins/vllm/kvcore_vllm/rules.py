@@ -78,7 +78,8 @@ class Rule:
         sources: where the facts come from.
         transform: name of a zero-copy view transform (:data:`TRANSFORMS`), or "".
         gate: "gpu" (excluded when device_type is cpu/tpu), "cpu" (needs device_type cpu
-            or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "" (any).
+            or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "rocm" (needs
+            device_type rocm or ROCM_ATTN), "" (any).
         physical_ok: a tensor already permuted to a layout's physical order is a valid
             reading when the layout hint names it (or sizes cannot tell).
         mla: MLA latent (no K/V axis); blocked: blocked-scale records.
@@ -155,7 +156,7 @@ RULES: tuple[Rule, ...] = (
         layouts={"NHD": _o("NL NB TWO BS NH HS")},
         sources=(_src("0.11.0", _TR + " (l.169), no stride order: NHD only"), _src("0.24.0", _TR)),
         physical_ok=True,
-        backends_label=("TRITON_ATTN", "ROCM_ATTN"),
+        backends_label=("TRITON_ATTN",),
     ),
     Rule(
         label="0.24 blocks-first (NB, 2, BS, NH, HS)",
@@ -215,7 +216,7 @@ RULES: tuple[Rule, ...] = (
             "BHLNC": _o("NB NH NL BS CS"),
         },
         sources=(_src("0.33.0", _V33 + " (l.418); vllm/v1/worker/utils.py::allocate_kv_cache (l.564)"),),
-        backends_label=GPU_FAMILIES + ("ROCM_ATTN",),
+        backends_label=GPU_FAMILIES,
     ),
     Rule(
         label="CPU 0.11 paged (2, NB, BS*NH*HS)",
@@ -228,6 +229,40 @@ RULES: tuple[Rule, ...] = (
         transform="paged",
         gate="cpu",
         backends_label=("TORCH_SDPA",),
+    ),
+    Rule(
+        label="ROCm paged (2, NB, BS, NH, HS) read by split_kv_cache",
+        eras=("0.11", "0.13"),
+        families=("ROCM_ATTN",),
+        rank=5,
+        logical=_o("TWO NB NH HS BS"),
+        layouts={"NHD": _o("NL TWO NB NH HS BS")},
+        sources=(
+            _src(
+                "0.11.0",
+                "vllm/v1/attention/backends/rocm_attn.py::RocmAttentionBackend.get_kv_cache_shape; RocmAttentionImpl.forward "
+                "PagedAttention.split_kv_cache (K (NB, NH, HS/x, BS, x), V (NB, NH, HS, BS))",
+            ),
+        ),
+        transform="paged5",
+        gate="rocm",
+        backends_label=("ROCM_ATTN",),
+    ),
+    Rule(
+        label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS]",
+        eras=("0.33",),
+        families=("ROCM_ATTN",),
+        rank=4,
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"LBHNC": _o("NL NB TWO BS NH HS"), "LHBNC": _o("NL TWO NB BS NH HS")},
+        sources=(
+            _src(
+                "0.33.0", "vllm/v1/attention/backends/rocm_attn.py::RocmAttentionBackend.customize_spec (num_head_slots=2, C = NH*HS*dtype)"
+            ),
+        ),
+        transform="head_slots",
+        gate="rocm",
+        backends_label=("ROCM_ATTN",),
     ),
     Rule(
         label="CPU 0.13 (2, NB, NH, BS, HS)",
@@ -386,6 +421,30 @@ def _t_paged(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     return torch.as_strided(t, (two, b, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
 
 
+def _t_paged5(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # ROCm <= 0.2x: (2, NB, BS, NH, HS) allocated contiguous, read as the paged layout -> V's view (2, NB, NH, HS, BS)
+    two, b, n, nh, d = t.shape
+    if (d > 1 and t.stride(4) != 1) or (nh > 1 and t.stride(3) != d) or (n > 1 and t.stride(2) != nh * d):
+        return None
+    return torch.as_strided(t, (two, b, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
+
+
+def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # ROCm 0.33: [NB, 2, BS, C] with C = NH*HS: split C into (NH, HS) by the hints (else one head of C)
+    b, two, n, c = t.shape
+    if t.stride(3) != 1:
+        return None
+    if h.num_kv_heads:
+        nh = h.num_kv_heads
+    elif h.head_size and c % h.head_size == 0:
+        nh = c // h.head_size
+    else:
+        nh = 1
+    if c % nh:
+        return None
+    return t.unflatten(3, (nh, c // nh))
+
+
 def _t_pallas(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     # (B, N, 2H, P) -> (B, N, H, 2, D): K and V alternate on the head axis; D = head_size (<= P)
     b, n, h2, p = t.shape
@@ -402,6 +461,8 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] 
     "kv_rows": _t_kv_rows,
     "paged": _t_paged,
     "pallas": _t_pallas,
+    "paged5": _t_paged5,
+    "head_slots": _t_head_slots,
 }
 
 
@@ -531,6 +592,8 @@ def _rule_ok(rule: Rule, h: VllmHints) -> bool:
     if rule.gate == "cpu" and not (dev == "cpu" or fam == "CPU"):
         return False
     if rule.gate == "tpu" and not (dev == "tpu" or fam == "PALLAS"):
+        return False
+    if rule.gate == "rocm" and not (dev == "rocm" or fam == "ROCM_ATTN"):
         return False
     return True
 

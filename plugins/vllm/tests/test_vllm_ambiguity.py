@@ -120,3 +120,28 @@ def test_wrong_size_hint_says_what_fits():
     kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
     with pytest.raises(kvcore.DetectionError, match="block_size"):
         kvcore.detect(kv, "vllm", {"block_size": 16})
+
+
+def test_rocm_paged_vs_flash_attention(semantic):
+    g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=16)
+    kv = allocate("0.11.0", "ROCM_ATTN", "NHD", **g)  # same shape as FlashAttention's, bytes in the paged layout
+    assert kvcore.detect(kv, "vllm").format.name == "NL_X_TWO_NB_BS_NH_HS"  # no ROCm signal: CUDA FlashAttention
+    _ambiguous(kv, {"device_type": "rocm"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS", deciding=("attention_backend",))
+    lay = kvcore.detect(kv, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_ATTN"})
+    assert lay.format.name == "NL_X_TWO_NB_NH_HS_BS"
+    semantic(lay, kv, kv_view)
+
+
+def test_nh2_packed_vs_rocm_head_slots(semantic):
+    """[NB, 2, BS, C]: two KV heads with K|V packed per head, or ROCm 0.33's K slot and V slot."""
+    g = dict(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
+    packed = allocate("0.33.0", "FLASH_ATTN", "LBHNC", **g)
+    _ambiguous(packed, {"device_type": "rocm"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_TWO_BS_NH_HS", deciding=("attention_backend",))
+    lay = kvcore.detect(packed, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_AITER_FA"})
+    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
+    semantic(lay, packed, kv_view)
+    slots = allocate("0.33.0", "ROCM_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=16)
+    assert next(iter(slots.values())).shape == (3, 2, 4, 16)  # one KV head: the same shape as two packed heads of 8
+    lay = kvcore.detect(slots, "vllm", {"attention_backend": "ROCM_ATTN", "num_kv_heads": 1})
+    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_TWO_BS_NH_HS", 1, 16)
+    semantic(lay, slots, kv_view)

@@ -70,6 +70,8 @@ def test_detect_from_strides_with_few_hints(name):
         hints["head_size"] = full["head_size"]
     if "0.33-FLASHMLA" in name:
         hints["head_size"] = 576  # [NB, 1, BS, 576]: one MHA head of 288 or an MLA latent of 576
+    if "ROCM_ATTN" in name:
+        hints.update(attention_backend="ROCM_ATTN", num_kv_heads=case.sizes["num_heads"])
     if "CPU_ATTN" in name:
         hints["vllm_version"] = full["vllm_version"]
     layout = kvcore.detect(kv, "vllm", hints)
