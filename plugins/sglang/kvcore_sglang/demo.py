@@ -56,7 +56,7 @@ SCENARIOS = [
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcore demo --engine sglang", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pool-tokens", type=int, default=1024, help="device pool size (SGLang's max_total_num_tokens), default 1024")
+    p.add_argument("--pool-tokens", type=int, default=768, help="device pool size (SGLang's max_total_num_tokens), default 768")
     p.add_argument("--tokens", type=int, default=256, help="tokens of the request offloaded and restored, default 256")
     p.add_argument("--layers", type=int, default=None, help="override every model's layer count (small runs)")
     p.add_argument("--dtype", choices=["bf16", "fp8_e4m3"], default="bf16", help="KV dtype (fp8 is stored as uint8, as SGLang does)")
