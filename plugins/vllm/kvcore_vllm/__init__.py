@@ -16,6 +16,8 @@ version  backend                       layout         kvcore format
 0.11     FLASH_ATTN                     HND            NL_X_TWO_NB_NH_BS_HS
 0.11     FLASHINFER, TRITON_ATTN        NHD            NL_X_NB_TWO_BS_NH_HS
 0.11     FLASHINFER                     HND            NL_X_NB_TWO_NH_BS_HS
+0.11     FLASH_ATTN beside Mamba        NHD / HND      NL_X_NB_TWO_BS_NH_HS / NL_X_NB_TWO_NH_BS_HS
+0.11     ROCM_ATTN (split_kv_cache)     -              NL_X_TWO_NB_NH_HS_BS (K in 16-byte chunks)
 0.11+    MLA backends (576; fp8_ds_mla  -              NL_X_NB_BS_HS
          656 uint8)
 0.11+    DSv3.2 indexer 132 uint8,      -              NL_X_NB_BSV_BSS
@@ -40,5 +42,6 @@ version  backend                       layout         kvcore format
 0.33     GPU backends                   BHLNC          NB_NH_NL_BS_CS
 0.33     MLA backends                   LB* / B*       NL_X_NB_BS_HS / NB_NL_BS_HS
 0.33     CPU_ATTN                       LBHNC          NL_X_NB_NH_TWO_BS_HS
+0.33     ROCM_ATTN (K/V head slots)     LBHNC / LHBNC  NL_X_NB_TWO_BS_NH_HS / NL_X_TWO_NB_BS_NH_HS
 =======  ============================  =============  =========================
 """

@@ -44,7 +44,7 @@ def _layout_class(r: Reading) -> tuple[str, bool] | None:
     if base == "*":
         return None
     fam = LAYOUT_FAMILY.get(base, base)
-    return fam, bool(cross) or base[0] == "B"
+    return fam, cross == "cross" or base[0] == "B"
 
 
 def _deciding(readings: list[Reading]) -> list[str]:

@@ -150,6 +150,7 @@ def allocate(
     device: Any = "cpu",
     cache_dtype: str = "auto",
     cross_layer: bool = False,
+    mamba_hybrid: bool = False,
     byte_views: bool = False,
     block_padding: int = 0,
     layer_name: str = "model.layers.{i}.self_attn.attn",
@@ -167,6 +168,9 @@ def allocate(
         dtype: the model dtype (``cache_dtype="auto"``) or the element dtype to store.
         cache_dtype: vLLM's ``--kv-cache-dtype`` (``fp8*`` and ``*_ds_mla`` store uint8).
         cross_layer: 0.13-0.2x cross-layer buffer (one int8 buffer, per-layer views).
+        mamba_hybrid: <= 0.2x attention layers of a Mamba hybrid: a ``(2, NB, ...)`` tensor is
+            restrided in place to stride ``(hidden, 2*hidden, ...)`` so a block's K and V sit
+            together (0.11 ``gpu_model_runner.py::_update_hybrid_attention_mamba_layout``).
         byte_views: 0.33 only: keep the per-layer views int8 (C in bytes).
         block_padding: extra bytes per page (MLA / indexer / 0.33: a dim-0 padded pool).
     Returns:
@@ -227,7 +231,11 @@ def allocate(
         return out
     for n in names:
         raw = torch.zeros(per_layer * esz, dtype=torch.int8, device=device)
-        out[n] = raw.view(storage).view(tuple(shape[i] for i in order)).permute(*_inverse(order))
+        t = raw.view(storage).view(tuple(shape[i] for i in order)).permute(*_inverse(order))
+        if mamba_hybrid and t.shape[0] == 2:
+            hidden = per_layer // (2 * t.shape[1])
+            t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
+        out[n] = t
     return out
 
 

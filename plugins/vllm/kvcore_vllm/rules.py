@@ -6,8 +6,9 @@ A rule says what vLLM hands out and where its bytes live:
   ``get_kv_cache_shape`` (<= 0.26) or ``create_kv_cache_views`` (0.33) gives it, after an
   optional zero-copy ``transform`` (e.g. 0.33 CPU's ``[B, H, N, C]`` -> ``[B, H, 2, N, D]``);
 * ``layouts``: per layout key, the **physical** axis order of the whole cache, ``NL``
-  included. The key is ``NHD``/``HND`` (+ ``/cross`` for 0.13-0.2x cross-layer buffers)
-  for <= 0.26, a ``KVCacheLayout`` member for 0.33. The physical order *is* the kvcore
+  included. The key is ``NHD``/``HND`` (+ ``/cross`` for 0.13-0.2x cross-layer buffers,
+  ``/mamba`` for 0.11 attention restrided beside Mamba layers) for <= 0.26, a
+  ``KVCacheLayout`` member for 0.33. The physical order *is* the kvcore
   format name: ``NL`` first gives a layer list ``NL_X_...``; ``NL`` inside gives the one
   cross-layer tensor (``NB_NL_TWO_BS_NH_HS``), rebuilt from the per-layer views that
   share one buffer with a uniform layer stride.
@@ -111,8 +112,19 @@ RULES: tuple[Rule, ...] = (
         families=("FLASH_ATTN", "FLEX_ATTENTION"),
         rank=5,
         logical=_o("TWO NB BS NH HS"),
-        layouts={"NHD": _o("NL TWO NB BS NH HS"), "HND": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.11.0", _FA + " (l.78), get_kv_cache_stride_order HND (0,1,3,2,4)"), _src("0.11.0", _FLEX + " (l.86)")),
+        layouts={
+            "NHD": _o("NL TWO NB BS NH HS"),
+            "HND": _o("NL TWO NB NH BS HS"),
+            # attention beside Mamba: _update_hybrid_attention_mamba_layout restrides (2, NB, ...) to
+            # stride (hidden, 2*hidden, ...) so a block's K and V are adjacent
+            "NHD/mamba": _o("NL NB TWO BS NH HS"),
+            "HND/mamba": _o("NL NB TWO NH BS HS"),
+        },
+        sources=(
+            _src("0.11.0", _FA + " (l.78), get_kv_cache_stride_order HND (0,1,3,2,4)"),
+            _src("0.11.0", _FLEX + " (l.86)"),
+            _src("0.11.0", "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (Mamba hybrids)"),
+        ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "XPU"),
     ),
@@ -565,15 +577,16 @@ def _layout_ok(rule: Rule, key: str, h: VllmHints) -> bool:
         return True
     specific = h.kv_cache_layout in KV_CACHE_LAYOUTS
     base, _, cross = key.partition("/")
+    cross = cross == "cross"
     if base == "*":
-        return not specific or (h.kv_cache_layout[0] == "B") == bool(cross)
+        return not specific or (h.kv_cache_layout[0] == "B") == cross
     if base in KV_CACHE_LAYOUTS:
         if specific:
             return base == h.kv_cache_layout
         return LAYOUT_FAMILY[base] == fam
     if base != fam:
         return False
-    return not specific or (h.kv_cache_layout[0] == "B") == bool(cross)
+    return not specific or (h.kv_cache_layout[0] == "B") == cross
 
 
 def _rule_ok(rule: Rule, h: VllmHints) -> bool:

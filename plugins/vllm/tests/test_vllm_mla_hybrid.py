@@ -167,3 +167,13 @@ def test_meta_tensors_keep_every_layer():
     lay = kvcore.detect(layers, "vllm")
     assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 3)
     assert kvcore.detect([layers[0], layers[0]], "vllm").num_layers == 1  # one object twice: shared KV
+
+
+@pytest.mark.parametrize(("layout", "fmt"), [("NHD", "NL_X_NB_TWO_BS_NH_HS"), ("HND", "NL_X_NB_TWO_NH_BS_HS")])
+def test_attention_restrided_beside_mamba(layout, fmt, semantic):
+    kv = allocate("0.11.0", "FLASH_ATTN", layout, num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8, mamba_hybrid=True)
+    t = next(iter(kv.values()))
+    assert t.shape == (2, 5, 16, 2, 8) and t.stride()[:2] == (256, 512)
+    lay = kvcore.detect(kv, "vllm")
+    assert lay.format.name == fmt  # K and V of a block are adjacent: blocks-first physically
+    semantic(lay, kv, kv_view)
