@@ -15,16 +15,29 @@
 namespace kvcore {
 namespace {
 
+thread_local std::string g_last_error;
+
+int64_t fail(std::string msg) {
+  g_last_error = std::move(msg);
+  return 1;
+}
+
+#define KVCORE_CHECKED(expr)            \
+  do {                                  \
+    std::string e_ = (expr);            \
+    if (!e_.empty()) return fail(e_);   \
+  } while (0)
+
 template <bool kGather>
-void cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+int64_t cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
                   int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots) {
   const char* op = kGather ? "gather" : "scatter";
-  check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op);
-  TORCH_CHECK(ptrs.device().is_cpu() && slots.device().is_cpu() && staging.device().is_cpu(), "kvcore.", op,
-              " (CPU): ptrs, slots and staging must be CPU tensors, got ", ptrs.device(), ", ", slots.device(), ", ",
-              staging.device());
+  KVCORE_CHECKED(check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op));
+  if (!(ptrs.device().is_cpu() && slots.device().is_cpu() && staging.device().is_cpu()))
+    return fail(c10::str("kvcore.", op, " (CPU): ptrs, slots and staging must be CPU tensors, got ", ptrs.device(), ", ",
+                         slots.device(), ", ", staging.device()));
   const int64_t nl = ptrs.size(0), kv = ptrs.size(1), T = slots.size(0);
-  if (T == 0 || nl == 0) return;
+  if (T == 0 || nl == 0) return 0;
   const int64_t* base = ptrs.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   PlaneStrides pl[2] = {plane_at(strides, 0), plane_at(strides, kv - 1)};
@@ -65,39 +78,49 @@ void cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at::T
       }
     }
   });
+  return 0;
 }
 
-void gather_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+int64_t gather_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
                 int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
                  int64_t base_align) {
-  cpu_transfer<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots);
+  return cpu_transfer<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots);
   (void)base_align;
 }
 
-void scatter_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+int64_t scatter_cpu(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
                  int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
                  int64_t base_align) {
-  cpu_transfer<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots);
+  return cpu_transfer<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots);
   (void)base_align;
 }
 
 #ifdef KVCORE_WITH_CUDA
+// loads in flight per thread (4 or 8), for device staging and for pinned host staging
+int64_t g_unroll = 4;
+int64_t g_unroll_host = 8;
+
 // The CUDA op: every check here (this unit is compiled by the C++ compiler), then one
 // call into kvcore_cuda.cu, which launches the kernel and reports failure as a string.
 template <bool kGather>
-void cuda_op(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
-             int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
+int64_t cuda_op(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+                int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
   const char* op = kGather ? "gather" : "scatter";
-  check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op);
-  TORCH_CHECK(ptrs.is_cuda() && slots.is_cuda() && ptrs.device() == slots.device(), "kvcore.", op,
-              " (CUDA): ptrs and slots must be on the cache's GPU, got ", ptrs.device(), " and ", slots.device());
-  TORCH_CHECK(staging.is_cuda() ? staging.device() == slots.device() : staging.device().is_cpu(), "kvcore.", op,
-              " (CUDA): staging must be on ", slots.device(), " or in pinned host memory, got ", staging.device());
+  KVCORE_CHECKED(check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op));
+  auto why = [&]() -> std::string {
+    KVCORE_REQUIRE(ptrs.is_cuda() && slots.is_cuda() && ptrs.device() == slots.device(),
+                   "(CUDA) ptrs and slots must be on the cache's GPU, got ", ptrs.device(), " and ", slots.device());
+    KVCORE_REQUIRE(staging.is_cuda() ? staging.device() == slots.device() : staging.device().is_cpu(), "(CUDA) staging must be on ",
+                   slots.device(), " or in pinned host memory, got ", staging.device());
+    KVCORE_REQUIRE(ptrs.size(0) * ptrs.size(1) <= 65535, "(CUDA) at most 65535 (layer, K/V) planes per launch, got ",
+                   ptrs.size(0) * ptrs.size(1));
+    KVCORE_REQUIRE(block_size <= int64_t{0xFFFFFFFF}, "(CUDA) block_size ", block_size, " is too large");
+    KVCORE_REQUIRE(base_align >= 1 && (base_align & (base_align - 1)) == 0, "(CUDA) base_align must be a power of two, got ",
+                   base_align);
+    return std::string();
+  };
+  KVCORE_CHECKED(why());
   const int64_t nl = ptrs.size(0), kv = ptrs.size(1);
-  TORCH_CHECK(kv * nl <= 65535, "kvcore.", op, " (CUDA): at most 65535 (layer, K/V) planes per launch, got ", kv * nl);
-  TORCH_CHECK(block_size <= int64_t{0xFFFFFFFF}, "kvcore.", op, " (CUDA): block_size ", block_size, " is too large");
-  TORCH_CHECK(base_align >= 1 && (base_align & (base_align - 1)) == 0, "kvcore.", op,
-              " (CUDA): base_align must be a power of two, got ", base_align);
   CudaTransfer a{};
   a.ptrs = ptrs.data_ptr<int64_t>();
   a.slots = slots.data_ptr<int64_t>();
@@ -118,18 +141,20 @@ void cuda_op(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor
   a.head_bytes = head_bytes;
   a.base_align = base_align;
   a.device = slots.device().index();
+  a.unroll = a.staging_on_host ? g_unroll_host : g_unroll;
   const char* err = cuda_transfer(kGather, a);
-  TORCH_CHECK(err == nullptr, "kvcore.", op, " (CUDA): ", err ? err : "");
+  if (err != nullptr) return fail(c10::str("kvcore.", op, " (CUDA): ", err));
+  return 0;
 }
 
-void gather_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+int64_t gather_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
                  int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
-  cuda_op<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+  return cuda_op<true>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
 }
 
-void scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
+int64_t scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
                   int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, int64_t base_align) {
-  cuda_op<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+  return cuda_op<false>(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
 }
 #endif  // KVCORE_WITH_CUDA
 
@@ -139,12 +164,24 @@ void scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at::T
 TORCH_LIBRARY(kvcore, m) {
   m.def(
       "gather(Tensor ptrs, Tensor strides, Tensor slots, Tensor(a!) staging, int block_size, int num_heads, int head_bytes, "
-      "int num_slots, int base_align) -> ()");
+      "int num_slots, int base_align) -> int");
   m.def(
       "scatter(Tensor ptrs, Tensor strides, Tensor slots, Tensor staging, int block_size, int num_heads, int head_bytes, "
-      "int num_slots, int base_align) -> ()");
+      "int num_slots, int base_align) -> int");
   // the op-library version: bumped whenever the op schemas or semantics change
-  m.def("abi_version() -> int", []() -> int64_t { return 1; });
+  m.def("abi_version() -> int", []() -> int64_t { return 2; });
+  // gather/scatter return 0, or non-zero with the reason here (the ops never throw)
+  m.def("last_error() -> str", []() -> std::string { return kvcore::g_last_error; });
+  // CUDA tuning: loads in flight per thread for device / pinned-host staging (4 or 8)
+  m.def("set_cuda_unroll(int device, int host) -> ()", [](int64_t device, int64_t host) {
+#ifdef KVCORE_WITH_CUDA
+    kvcore::g_unroll = device == 8 ? 8 : 4;
+    kvcore::g_unroll_host = host == 8 ? 8 : 4;
+#else
+    (void)device;
+    (void)host;
+#endif
+  });
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) {

@@ -24,7 +24,6 @@ namespace kvcore {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 
 struct DevPlane {
   int64_t block, token, head, chunk;  // bytes
@@ -55,7 +54,7 @@ __device__ __forceinline__ void store_stream(V* p, const V& v) {
   __stcs(p, v);
 }
 
-template <typename V, int kMode, bool kGather>
+template <typename V, int kMode, bool kGather, int kUnroll>
 __global__ void __launch_bounds__(kThreads) kv_transfer_kernel(const Params p) {
   constexpr uint32_t W = sizeof(V);
   const uint32_t plane_idx = blockIdx.y;  // kv * NL + layer
@@ -117,24 +116,24 @@ __global__ void __launch_bounds__(kThreads) kv_transfer_kernel(const Params p) {
     if (dst[j] != nullptr) store_stream(dst[j], buf[j]);
 }
 
-template <typename V, bool kGather>
+template <typename V, bool kGather, int kUnroll>
 void launch_mode(int mode, const Params& p, dim3 grid, cudaStream_t stream) {
   if (mode == kRowContig)
-    kv_transfer_kernel<V, kRowContig, kGather><<<grid, kThreads, 0, stream>>>(p);
+    kv_transfer_kernel<V, kRowContig, kGather, kUnroll><<<grid, kThreads, 0, stream>>>(p);
   else if (mode == kHeadRuns)
-    kv_transfer_kernel<V, kHeadRuns, kGather><<<grid, kThreads, 0, stream>>>(p);
+    kv_transfer_kernel<V, kHeadRuns, kGather, kUnroll><<<grid, kThreads, 0, stream>>>(p);
   else
-    kv_transfer_kernel<V, kChunks, kGather><<<grid, kThreads, 0, stream>>>(p);
+    kv_transfer_kernel<V, kChunks, kGather, kUnroll><<<grid, kThreads, 0, stream>>>(p);
 }
 
-template <bool kGather>
+template <bool kGather, int kUnroll>
 void launch(int width, int mode, const Params& p, dim3 grid, cudaStream_t stream) {
   switch (width) {
-    case 16: launch_mode<uint4, kGather>(mode, p, grid, stream); break;
-    case 8: launch_mode<uint2, kGather>(mode, p, grid, stream); break;
-    case 4: launch_mode<unsigned int, kGather>(mode, p, grid, stream); break;
-    case 2: launch_mode<unsigned short, kGather>(mode, p, grid, stream); break;
-    default: launch_mode<unsigned char, kGather>(mode, p, grid, stream); break;
+    case 16: launch_mode<uint4, kGather, kUnroll>(mode, p, grid, stream); break;
+    case 8: launch_mode<uint2, kGather, kUnroll>(mode, p, grid, stream); break;
+    case 4: launch_mode<unsigned int, kGather, kUnroll>(mode, p, grid, stream); break;
+    case 2: launch_mode<unsigned short, kGather, kUnroll>(mode, p, grid, stream); break;
+    default: launch_mode<unsigned char, kGather, kUnroll>(mode, p, grid, stream); break;
   }
 }
 
@@ -236,8 +235,12 @@ const char* run_transfer(const CudaTransfer& a) {
     q.staging = st + t0 * p.s_tok;
     q.T = static_cast<uint32_t>(tn);
     const int64_t units = tn * upr;
-    dim3 grid(static_cast<unsigned>((units + kThreads * kUnroll - 1) / (kThreads * kUnroll)), static_cast<unsigned>(a.kv * a.NL));
-    launch<kGather>(width, mode, q, grid, stream);
+    const int64_t per_block = kThreads * (a.unroll == 8 ? 8 : 4);
+    dim3 grid(static_cast<unsigned>((units + per_block - 1) / per_block), static_cast<unsigned>(a.kv * a.NL));
+    if (a.unroll == 8)
+      launch<kGather, 8>(width, mode, q, grid, stream);
+    else
+      launch<kGather, 4>(width, mode, q, grid, stream);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return fail(std::string("kernel launch failed: ") + cudaGetErrorString(err));
   }

@@ -36,6 +36,7 @@ struct CudaTransfer {
   int64_t s_kv, s_layer, s_tok;  // staging byte strides
   PlaneStrides plane[2];
   int64_t num_slots, T, NL, kv, block_size, num_heads, head_bytes, base_align;
+  int64_t unroll;  // loads in flight per thread: 4 or 8
   int device;
 };
 
@@ -48,43 +49,54 @@ const char* cuda_transfer(bool gather, const CudaTransfer& a) noexcept;
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace kvcore {
 
-// Checks everything the op can check about its arguments before any byte moves.
-// (The plane base addresses are raw pointers: kvcore's Python layer proved them and the
-// slot range against the cache's storage; the op skips slots outside [0, num_slots).)
-static inline void check_args(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots, const at::Tensor& staging,
-                       int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots, const char* op) {
-  TORCH_CHECK(ptrs.scalar_type() == at::kLong && ptrs.dim() == 2 && ptrs.is_contiguous(), "kvcore.", op,
-              ": ptrs must be a contiguous int64 [num_layers, kv_size] tensor of plane base addresses, got ", ptrs.scalar_type(),
-              " of shape ", ptrs.sizes());
+// The ops never throw (a C++ exception crossing into torch's dispatcher crashed the
+// process with some torch builds): a failed check returns its message, the op returns a
+// non-zero code and kvcore.last_error() gives the message to the Python layer.
+#define KVCORE_REQUIRE(cond, ...) \
+  if (!(cond)) return c10::str("kvcore.", op, ": ", __VA_ARGS__)
+
+// Checks everything the op can check about its arguments before any byte moves; returns
+// "" or what is wrong. (The plane base addresses are raw pointers: kvcore's Python layer
+// proved them and the slot range against the cache's storage; the op skips slots outside
+// [0, num_slots).)
+static inline std::string check_args(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots,
+                                     const at::Tensor& staging, int64_t block_size, int64_t num_heads, int64_t head_bytes,
+                                     int64_t num_slots, const char* op) {
+  KVCORE_REQUIRE(ptrs.defined() && strides.defined() && slots.defined() && staging.defined(), "every tensor argument is required");
+  KVCORE_REQUIRE(ptrs.scalar_type() == at::kLong && ptrs.dim() == 2 && ptrs.is_contiguous(),
+                 "ptrs must be a contiguous int64 [num_layers, kv_size] tensor of plane base addresses, got ", ptrs.scalar_type(),
+                 " of shape ", ptrs.sizes());
   const int64_t nl = ptrs.size(0), kv = ptrs.size(1);
-  TORCH_CHECK(kv == 1 || kv == 2, "kvcore.", op, ": kv_size (ptrs.size(1)) must be 1 (MLA) or 2 (K, V), got ", kv);
-  TORCH_CHECK(strides.device().is_cpu() && strides.scalar_type() == at::kLong && strides.dim() == 2 && strides.size(0) == kv &&
-                  strides.size(1) == kStrideFields && strides.is_contiguous(),
-              "kvcore.", op, ": strides must be a contiguous CPU int64 [kv_size, 6] tensor (block, token, head, chunk, chunk_bytes, ",
-              "n_chunks), got ", strides.scalar_type(), " of shape ", strides.sizes(), " on ", strides.device());
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "kvcore.", op,
-              ": slots must be a contiguous int64 [T] tensor, got ", slots.scalar_type(), " of shape ", slots.sizes());
-  TORCH_CHECK(staging.dim() == 4 && staging.size(0) == kv && staging.size(1) == nl && staging.size(2) == slots.size(0), "kvcore.",
-              op, ": staging must be [kv_size=", kv, ", num_layers=", nl, ", T=", slots.size(0), ", row], got ", staging.sizes());
-  TORCH_CHECK(staging.numel() == 0 || staging.stride(3) == 1, "kvcore.", op,
-              ": the staging buffer's last dim must be contiguous, got strides ", staging.strides());
+  KVCORE_REQUIRE(kv == 1 || kv == 2, "kv_size (ptrs.size(1)) must be 1 (MLA) or 2 (K, V), got ", kv);
+  KVCORE_REQUIRE(strides.device().is_cpu() && strides.scalar_type() == at::kLong && strides.dim() == 2 && strides.size(0) == kv &&
+                     strides.size(1) == kStrideFields && strides.is_contiguous(),
+                 "strides must be a contiguous CPU int64 [kv_size, 6] tensor (block, token, head, chunk, chunk_bytes, n_chunks), got ",
+                 strides.scalar_type(), " of shape ", strides.sizes(), " on ", strides.device());
+  KVCORE_REQUIRE(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+                 "slots must be a contiguous int64 [T] tensor, got ", slots.scalar_type(), " of shape ", slots.sizes());
+  KVCORE_REQUIRE(staging.dim() == 4 && staging.size(0) == kv && staging.size(1) == nl && staging.size(2) == slots.size(0),
+                 "staging must be [kv_size=", kv, ", num_layers=", nl, ", T=", slots.size(0), ", row], got ", staging.sizes());
+  KVCORE_REQUIRE(staging.numel() == 0 || staging.stride(3) == 1, "the staging buffer's last dim must be contiguous, got strides ",
+                 staging.strides());
   for (int d = 0; d < 3; ++d)
-    TORCH_CHECK(staging.stride(d) >= 0, "kvcore.", op, ": negative staging strides are not supported, got ", staging.strides());
-  TORCH_CHECK(block_size >= 1 && num_heads >= 1 && head_bytes >= 1 && num_slots >= 0, "kvcore.", op,
-              ": block_size, num_heads and head_bytes must be >= 1 and num_slots >= 0, got ", block_size, ", ", num_heads, ", ",
-              head_bytes, ", ", num_slots);
-  TORCH_CHECK(staging.size(3) * staging.element_size() == num_heads * head_bytes, "kvcore.", op, ": a staging row holds ",
-              staging.size(3) * staging.element_size(), " bytes but num_heads * head_bytes = ", num_heads * head_bytes);
+    KVCORE_REQUIRE(staging.stride(d) >= 0, "negative staging strides are not supported, got ", staging.strides());
+  KVCORE_REQUIRE(block_size >= 1 && num_heads >= 1 && head_bytes >= 1 && num_slots >= 0,
+                 "block_size, num_heads and head_bytes must be >= 1 and num_slots >= 0, got ", block_size, ", ", num_heads, ", ",
+                 head_bytes, ", ", num_slots);
+  KVCORE_REQUIRE(staging.size(3) * static_cast<int64_t>(staging.element_size()) == num_heads * head_bytes, "a staging row holds ",
+                 staging.size(3) * staging.element_size(), " bytes but num_heads * head_bytes = ", num_heads * head_bytes);
   const int64_t* s = strides.data_ptr<int64_t>();
   for (int64_t k = 0; k < kv; ++k) {
     const int64_t* p = s + k * kStrideFields;
-    for (int f = 0; f < kStrideFields; ++f)
-      TORCH_CHECK(p[f] >= 0, "kvcore.", op, ": plane ", k, " has a negative stride field ", f, " (", p[f], ")");
-    TORCH_CHECK(p[4] >= 1 && p[5] >= 1 && p[4] * p[5] == head_bytes, "kvcore.", op, ": plane ", k, " has chunk_bytes ", p[4],
-                " x n_chunks ", p[5], " != head_bytes ", head_bytes);
+    for (int f = 0; f < kStrideFields; ++f) KVCORE_REQUIRE(p[f] >= 0, "plane ", k, " has a negative stride field ", f, " (", p[f], ")");
+    KVCORE_REQUIRE(p[4] >= 1 && p[5] >= 1 && p[4] * p[5] == head_bytes, "plane ", k, " has chunk_bytes ", p[4], " x n_chunks ", p[5],
+                   " != head_bytes ", head_bytes);
   }
+  return std::string();
 }
 
 static inline PlaneStrides plane_at(const at::Tensor& strides, int64_t k) {

@@ -21,6 +21,7 @@ disables both kernels.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections import OrderedDict
 
@@ -81,6 +82,13 @@ def _ops():
     if not _build.load().loaded:
         return None
     _OPS.append((torch.ops.kvcore.gather.default, torch.ops.kvcore.scatter.default))
+    tune = os.environ.get("KVCORE_CUDA_UNROLL", "").strip()
+    if tune:  # "DEVICE,HOST": loads in flight per thread (4 or 8) for device / pinned-host staging
+        try:
+            dev, host = (int(x) for x in tune.split(","))
+        except ValueError:
+            raise TransferError(f"KVCORE_CUDA_UNROLL must be 'DEVICE,HOST' with values 4 or 8, got {tune!r}") from None
+        torch.ops.kvcore.set_cuda_unroll(dev, host)
     return _OPS[0]
 
 
@@ -108,10 +116,9 @@ class _NativeKernel:
             (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
             return
         slots = plan.slots if plan.slots.is_contiguous() else plan.slots.contiguous()
-        try:
-            ops[0 if gather else 1](prep.ptrs, prep.strides, slots, plan.staging, *prep.args)
-        except RuntimeError as e:  # the op validates before moving a byte
-            raise TransferError(f"{self.name} {'gather' if gather else 'scatter'} refused the transfer: {e}") from None
+        if ops[0 if gather else 1](prep.ptrs, prep.strides, slots, plan.staging, *prep.args):
+            # the op validates before moving a byte, and reports instead of throwing
+            raise TransferError(f"{self.name} refused the transfer: {torch.ops.kvcore.last_error()}")
 
     def gather(self, plan: TransferPlan) -> None:
         self._call(plan, True)
