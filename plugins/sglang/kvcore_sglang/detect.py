@@ -62,7 +62,7 @@ def detect_sglang(kv_caches: Any, hints: dict[str, Any] | None) -> Detection:
     """
     h = parse_hints(hints)
     if isinstance(kv_caches, torch.Tensor):
-        return _decide(_host_candidates(kv_caches, h), "host pool", ["mem_layout", "num_layers", "num_kv_heads", "is_mla"])
+        return _decide(_host_candidates(kv_caches, h), "host pool", ["mem_layout", "layout", "num_layers", "num_kv_heads", "is_mla"])
     if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
         raise DetectionError(
             f"sglang: expected a list of per-layer tensors, [k_buffer, v_buffer] or a host pool tensor, got {type(kv_caches).__name__}"
@@ -133,6 +133,8 @@ def _flat(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
     rank = ranks[0]
     if rank == 2:
         return _indexer(ts, h)
+    if rank == 5:
+        return _decide(_ascend_from_halves(ts, h), "device pool", ["layout"])
     ref = _same(ts, "kv_caches")
     reasons: list[str] = []
     cands: list[Candidate] = []
@@ -230,6 +232,8 @@ def _mha_candidates(
             "v_buffer each as a key-only MLA-style list with is_mla=True) or pad V to the K head size"
         )
     if not _check(reasons, h.head_size in (None, hs), f"{label}: head_size hint {h.head_size} but the tensors' head size is {hs}"):
+        return []
+    if not _check(reasons, h.layout != "ASCEND", f"{label}: layout='ascend' is one cross-layer tensor (2, NL, pages, page_size, NH, HS)"):
         return []
     dtype = element_dtype(k.dtype, h)
     out: list[Candidate] = []
@@ -388,7 +392,8 @@ def _host_candidates(t: torch.Tensor, h: SGLangHints) -> list[Candidate]:
 
     def want(mem: str, mla: bool, nl: int, nh: int | None, ps_axis: int | None, rows: int | None) -> bool:
         return (
-            h.mem_layout in (None, mem)
+            h.layout != "ASCEND"
+            and h.mem_layout in (None, mem)
             and h.is_mla in (None, mla)
             and h.num_layers in (None, nl)
             and (nh is None or h.num_kv_heads in (None, nh))
@@ -419,6 +424,8 @@ def _host_candidates(t: torch.Tensor, h: SGLangHints) -> list[Candidate]:
             add("page_first_direct", False)
         if want("page_head", False, s[4], s[2], s[3], None):
             add("page_head", False)
+    if t.dim() == 6 and s[0] == 2:
+        cands += _ascend_candidates(t, h)
     if t.dim() == 4 and s[2] == 1:
         if want("layer_first", True, s[0], None, None, s[1]):
             add("layer_first", True)
@@ -434,3 +441,53 @@ def _host_candidates(t: torch.Tensor, h: SGLangHints) -> list[Candidate]:
             "(NL, size, 1, D), page_first (size, NL, 1, D), page_first_direct (pages, NL, page_size, 1, D)"
         )
     return cands
+
+
+# -- Ascend cross-layer device pool -------------------------------------------------------
+
+
+def _ascend_candidates(t: torch.Tensor, h: SGLangHints) -> list[Candidate]:
+    """SGLang 0.5.3 ``memory_pool.py::AscendTokenToKVPool``: one tensor
+    ``(2, layer_num, size // page_size + 1, page_size, head_num, head_dim)``."""
+    s = tuple(int(x) for x in t.shape)
+    if not (
+        h.mem_layout is None
+        and h.layout in (None, "ASCEND")
+        and h.is_mla is not True
+        and h.num_layers in (None, s[1])
+        and h.page_size in (None, s[3])
+        and h.num_kv_heads in (None, s[4])
+    ):
+        return []
+    return [
+        Candidate(
+            "TWO_NL_NB_BS_NH_HS",
+            t,
+            element_dtype(t.dtype, h),
+            note="SGLang AscendTokenToKVPool kv_buffer (cross-layer)",
+            decided_by={"layout": "ascend"},
+            label="Ascend device pool",
+        )
+    ]
+
+
+def _ascend_from_halves(ts: list[torch.Tensor], h: SGLangHints) -> list[Candidate]:
+    """``[k_buffer, v_buffer]`` of an Ascend pool: ``kv_buffer[0]`` and ``kv_buffer[1]``,
+    5-D views of one storage; re-viewed (``as_strided``, no copy) as the 6-D pool."""
+    if len(ts) != 2:
+        raise DetectionError(f"sglang: {len(ts)} 5-D tensors; an Ascend pool's k_buffer, v_buffer are kv_buffer[0], kv_buffer[1]")
+    k, v = ts
+    delta = v.storage_offset() - k.storage_offset()
+    if (
+        not _one_storage(k, v)
+        or tuple(k.shape) != tuple(v.shape)
+        or tuple(k.stride()) != tuple(v.stride())
+        or k.dtype != v.dtype
+        or delta <= 0
+    ):
+        raise DetectionError(
+            "sglang: two 5-D tensors are an Ascend pool only as kv_buffer[0], kv_buffer[1] of one "
+            "(2, NL, pages, page_size, NH, HS) tensor (one storage, V after K); pass kv_buffer itself"
+        )
+    base = torch.as_strided(k, (2, *k.shape), (delta, *k.stride()), k.storage_offset())
+    return _ascend_candidates(base, h)

@@ -39,6 +39,7 @@ __all__ = [
     "store_dtype",
     "alloc_mha_053",
     "alloc_mha_0523",
+    "alloc_ascend",
     "alloc_mla",
     "alloc_indexer",
     "alloc_host_mha",
@@ -104,6 +105,14 @@ def alloc_mha_0523(
             k.append(buf[0, :rows])
             v.append(buf[1, :rows])
     return k, v
+
+
+def alloc_ascend(
+    num_layers: int, size: int, page_size: int, head_num: int, head_dim: int, dtype=torch.bfloat16, device="cpu"
+) -> torch.Tensor:
+    """SGLang 0.5.3 ``AscendTokenToKVPool``: one tensor ``(2, layer_num, size // page_size + 1,
+    page_size, head_num, head_dim)``; ``k_buffer = kv_buffer[0]``, ``v_buffer = kv_buffer[1]``."""
+    return torch.zeros((2, num_layers, size // page_size + 1, page_size, head_num, head_dim), dtype=store_dtype(dtype), device=device)
 
 
 def alloc_mla(
@@ -315,6 +324,19 @@ def _host_case(mem: str, mla: bool) -> FixtureCase:
     return _case(f"sglang-host-{'mla' if mla else 'mha'}-{mem}", fmt, make, kv_view, over, src)
 
 
+def _ascend_case() -> FixtureCase:
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        nl, nb, bs, nh, hs = _geom(sizes)
+        return alloc_ascend(nl, (nb - 1) * bs, bs, nh, hs, dtype, device), {**_hints_for(dtype), "layout": "ascend"}
+
+    def kv_view(buf: Any, layer: int, kv: int) -> torch.Tensor:
+        return buf[kv, layer]  # k_buffer = kv_buffer[0]: (NL, pages, page_size, NH, HS)
+
+    return _case(
+        "sglang-0.5.3-ascend", "TWO_NL_NB_BS_NH_HS", make, kv_view, {"block_size": 4}, "sglang 0.5.3 memory_pool.py::AscendTokenToKVPool"
+    )
+
+
 def _indexer_case() -> FixtureCase:
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         nl, nb, bs, _, _ = _geom(sizes)
@@ -385,6 +407,7 @@ CASES: list[FixtureCase] = [
     ),
     _mla_case("sglang-mla", "NL_X_NBBS_ONE_HS", False),
     _mla_case("sglang-mla-paged", "NL_X_NB_BS_ONE_HS", True),
+    _ascend_case(),
     _indexer_case(),
     _flat_kv_case(),
     *[_host_case(m, False) for m in ("layer_first", "page_first", "page_first_direct", "page_head")],

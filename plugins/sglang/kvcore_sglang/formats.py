@@ -79,6 +79,13 @@ FORMATS: list[KVFormat] = [
         description="SGLang MLA device pool, token rows split into pages by a page_size hint (views)",
         sources=[_src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers")],
     ),
+    KVFormat(
+        name="TWO_NL_NB_BS_NH_HS",
+        engines=["sglang"],
+        attention_backends=["AscendTokenToKVPool"],
+        description="SGLang Ascend (NPU) MHA device pool: one cross-layer tensor (2, NL, size // page_size + 1, page_size, NH, HS)",
+        sources=[_src("0.5.3", f"{MEMORY_POOL}::AscendTokenToKVPool._create_buffers")],
+    ),
     # -- HiCache host pools (one pinned tensor, the layer axis inside it) -----------------
     KVFormat(
         name="TWO_NL_NBBS_NH_HS",

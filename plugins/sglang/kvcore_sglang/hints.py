@@ -16,8 +16,10 @@ Fields (all optional; aliases in brackets):
   ``data_ptrs = cat(k_data_ptrs, v_data_ptrs)`` order, LMCache's MP path);
   ``"nested"``: ``[k_buffer, v_buffer]``; ``"pairs"``: one ``(k, v)`` per layer (what
   :func:`kvcore.detect_per_layer` hands a group). ``"k_v"`` also says "this is MHA".
-* ``layout`` [``kv_cache_layout``]: ``"NHD"`` (SGLang's default token rows) or
-  ``"HND"`` (``SGLANG_USE_HND_KVCACHE``: page rows ``(num_pages, NH, page_size, HS)``).
+* ``layout`` [``kv_cache_layout``]: ``"NHD"`` (SGLang's default token rows),
+  ``"HND"`` (``SGLANG_USE_HND_KVCACHE``: page rows ``(num_pages, NH, page_size, HS)``)
+  or ``"ascend"`` (``AscendTokenToKVPool``: one cross-layer tensor
+  ``(2, NL, pages, page_size, NH, HS)``).
 * ``mem_layout`` [``hicache_mem_layout``]: a HiCache host pool's layout:
   ``layer_first``, ``page_first`` (SGLang's default), ``page_first_direct``,
   ``page_head``.
@@ -81,7 +83,7 @@ class SGLangHints(BaseModel):
 
     page_size: int | None = Field(None, ge=1, validation_alias=AliasChoices("page_size", "tokens_per_block", "block_size"))
     kv_list_layout: Literal["k_v", "nested", "pairs"] | None = None
-    layout: Literal["NHD", "HND"] | None = Field(None, validation_alias=AliasChoices("layout", "kv_cache_layout"))
+    layout: Literal["NHD", "HND", "ASCEND"] | None = Field(None, validation_alias=AliasChoices("layout", "kv_cache_layout"))
     mem_layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] | None = Field(
         None, validation_alias=AliasChoices("mem_layout", "hicache_mem_layout")
     )

@@ -246,3 +246,17 @@ def test_a_reading_whose_strides_do_not_fit_says_why():
     k[1] = torch.zeros(16, 2, 8, dtype=torch.bfloat16)[::2]  # a layer with other strides
     with pytest.raises(kvcore.DetectionError, match=r"stride=\(32, 8, 1\)"):
         kvcore.detect([k, v], "sglang", {"kv_list_layout": "nested"})
+
+
+def test_ascend_cross_layer_pool_from_the_tensor_or_its_halves():
+    buf = fx.alloc_ascend(num_layers=3, size=12, page_size=4, head_num=2, head_dim=8)
+    lay = kvcore.detect(buf, "sglang", {"layout": "ascend"})
+    assert (lay.format.name, lay.num_layers, lay.num_blocks, lay.block_size, lay.num_heads) == ("TWO_NL_NB_BS_NH_HS", 3, 4, 4, 2)
+    # AscendTokenToKVPool.k_buffer / v_buffer are kv_buffer[0] / kv_buffer[1]
+    halves = kvcore.detect([buf[0], buf[1]], "sglang")
+    assert halves.stride_table().signature() == lay.stride_table().signature()
+    # without a hint the 6-D tensor also reads as host page_first_direct / page_head pools
+    with pytest.raises(kvcore.AmbiguousLayoutError, match="layout"):
+        kvcore.detect(buf, "sglang")
+    with pytest.raises(kvcore.DetectionError, match="kv_buffer\\[0\\], kv_buffer\\[1\\]"):
+        kvcore.detect([buf[0].clone(), buf[1].clone()], "sglang")
