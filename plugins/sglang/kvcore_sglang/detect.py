@@ -17,7 +17,9 @@ flat ``k_buffer + v_buffer`` (``2*NL``)          MHA, K layers then V layers (``
 flat ``kv_buffer`` ``(rows, 1, D)``              MLA; with an even count and no hint also
                                                one-head MHA ``k_v``: ambiguous
 flat 2-D uint8 ``(pages, page_size * 132)``     DSA/NSA indexer pool
-one tensor                                     HiCache host pool (``mem_layout``)
+one tensor                                     HiCache host pool (``mem_layout``), or the
+                                               Ascend cross-layer pool (``layout="ascend"``)
+``[kv_buffer[0], kv_buffer[1]]`` (5-D)          Ascend pool halves, re-viewed as one tensor
 :class:`~kvcore_sglang.pools.MambaState`        excluded: not KV
 =============================================  ==========================================
 

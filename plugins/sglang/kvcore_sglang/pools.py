@@ -211,7 +211,8 @@ def kv_caches_of(pool: Any) -> Any:
     * ``NSATokenToKVPool`` / ``DSATokenToKVPool`` -> ``kv_buffer`` (its indexer pool:
       ``pool.index_k_with_scale_buffer``, detected on its own)
     * ``MLATokenToKVPool`` (``kv_buffer`` list) -> ``kv_buffer``
-    * ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` (``kv_buffer`` tensor) -> the tensor
+    * ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` / ``AscendTokenToKVPool``
+      (``kv_buffer`` tensor) -> the tensor (detect it with ``mem_layout`` / ``layout="ascend"``)
 
     Raises:
         kvcore.DetectionError: an object with none of these attributes.
