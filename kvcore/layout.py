@@ -178,8 +178,13 @@ class KVLayout:
 
     # -- kernels ---------------------------------------------------------------------
     def stride_table(self, layers: Sequence[int] | None = None) -> StrideTable:
+        """The byte stride table kernels use, for ``layers`` in the order given (default: all).
+
+        Raises:
+            GeometryError: a layer index out of range or repeated.
+        """
         t = self.spec.stride_table()
-        return t if layers is None else t.subset(list(layers))
+        return t if layers is None else t.subset(self._layer_selection(layers))
 
     def _layer_selection(self, layer_indices: Sequence[int] | None) -> list[int]:
         n = self.num_layers

@@ -263,10 +263,17 @@ def test_malformed_name_in_build_layout():
 def test_layer_index_errors():
     lay = build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS) for _ in range(NL)])
     for bad in ([3], [-1], [0, 0], ["a"], [True]):
-        with pytest.raises(GeometryError):
-            lay.data_ptrs(bad)
-        with pytest.raises(GeometryError):
-            lay.shape_desc(bad)
+        for call in (lay.data_ptrs, lay.shape_desc, lay.stride_table):
+            with pytest.raises(GeometryError):
+                call(bad)
+
+
+def test_dtype_and_params_arguments_are_checked():
+    kv = [torch.zeros(NB, BS, HS)]
+    with pytest.raises(GeometryError, match="torch.dtype"):
+        build_layout("NL_X_NB_BS_HS", kv, dtype="bfloat16")
+    with pytest.raises(GeometryError, match="params must be a dict"):
+        build_layout("NL_X_NB_BS_HS", kv, params=[("head_size", 4)])
 
 
 # -- dim-0 padding: every format whose dim 0 is the block axis, found from the grammar ----
