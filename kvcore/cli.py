@@ -739,9 +739,16 @@ def _devices() -> list[dict[str, Any]]:
 
 
 def _serving_kernel(rows: list[dict], device_type: str) -> dict[str, Any] | None:
-    cands = [r for r in rows if device_type in r["device_types"] and r["formats"] == "all" and r["available"]]
-    cands.sort(key=lambda r: -r["priority"])
-    return cands[0] if cands else None
+    """The row of the kernel a transfer on ``device_type`` gets for a format no kernel claims
+    specifically (``kvcore.kernels.select_kernel``, so ``KVCORE_KERNEL`` is honoured)."""
+    from kvcore.errors import TransferError
+    from kvcore.kernels import select_kernel
+
+    try:
+        k = select_kernel(device_type, "", device_type)
+    except TransferError as e:
+        return {"name": None, "why": str(e)}
+    return next((r for r in rows if r["name"] == k.name), {"name": k.name, "why": k.why()})
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -757,11 +764,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for d in devices:
         k = _serving_kernel(rows, d["type"])
         specific = [r["name"] for r in rows if d["type"] in r["device_types"] and r["formats"] != "all" and r["available"]]
-        serving[d["type"]] = {
-            "kernel": k["name"] if k else None,
-            "why": k["why"] if k else "no available kernel claims this device type",
-            "format_specific": specific,
-        }
+        serving[d["type"]] = {"kernel": k["name"], "why": k["why"], "format_specific": specific}
     compilers = {}
     for c in ("c++", "g++", "clang++", "nvcc", "hipcc", "icpx", "ninja"):
         p = shutil.which(c)
@@ -799,29 +802,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for i in bad:
         print(f"  FAILED   {i.name}: {i.error}")
     print("\nkernels")
-    print(
-        textwrap.indent(
-            _table(
-                [
-                    [
-                        r["name"],
-                        ",".join(r["device_types"]),
-                        r["formats"] if r["formats"] == "all" else len(r["formats"]),
-                        r["priority"],
-                        "yes" if r["available"] else "no",
-                        r["why"],
-                    ]
-                    for r in rows
-                ],
-                ["name", "devices", "formats", "prio", "available", "why"],
-            ),
-            "  ",
-        )
+    table = _table(
+        [
+            [
+                r["name"],
+                ",".join(r["device_types"]),
+                r["formats"] if r["formats"] == "all" else len(r["formats"]),
+                r["priority"],
+                "yes" if r["available"] else "no",
+            ]
+            for r in rows
+        ],
+        ["name", "devices", "formats", "priority", "available"],
     )
-    print("\nserving")
-    for dev, s in serving.items():
-        extra = f" (+ format-specific: {', '.join(s['format_specific'])})" if s["format_specific"] else ""
-        print(f"  {dev:<6} {s['kernel'] or '-'}: {s['why']}{extra}")
+    print(textwrap.indent(table, "  "))
+    for r in rows:
+        print(textwrap.fill(f"{r['name']}: {r['why']}", width=100, initial_indent="  ", subsequent_indent="      "))
+    print("\nserving (the kernel a transfer on each device type gets, for any format)")
+    for dev, sv in serving.items():
+        extra = f"; format-specific kernels: {', '.join(sv['format_specific'])}" if sv["format_specific"] else ""
+        print(f"  {dev:<6} {sv['kernel'] or '-'}{extra}")
     print("\ncompilers  " + ", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()))
     if env:
         print("env        " + " ".join(f"{k}={v}" for k, v in env.items()))
