@@ -230,8 +230,8 @@ def _mha_candidates(
         raise DetectionError(
             f"sglang: MHA pool with K head size {hs} and V head size {vhs if hs != vhs else h.v_head_size} "
             "(MHATokenToKVPool head_dim != v_head_dim): kvcore's staging layout [2, NL, T, NH*HS] carries one head size "
-            "for K and V, so no kvcore format can describe this pool; move K and V as two pools (detect k_buffer and "
-            "v_buffer each as a key-only MLA-style list with is_mla=True) or pad V to the K head size"
+            "for K and V, so no K/V format can describe this pool; move K and V as two key-only layouts: "
+            "kvcore.build_layout('NL_X_NBBS_NH_HS', k_buffer) and kvcore.build_layout('NL_X_NBBS_NH_HS', v_buffer)"
         )
     if not _check(reasons, h.head_size in (None, hs), f"{label}: head_size hint {h.head_size} but the tensors' head size is {hs}"):
         return []

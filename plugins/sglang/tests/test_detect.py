@@ -151,8 +151,14 @@ def test_hnd_vs_nhd_when_page_size_equals_num_heads():
 
 def test_v_head_size_different_from_k_is_refused_clearly():
     k, v = fx.alloc_mha_053(num_layers=2, size=8, page_size=1, head_num=2, head_dim=16, v_head_dim=8)
-    with pytest.raises(kvcore.DetectionError, match=r"K head size 16 and V head size 8"):
+    with pytest.raises(kvcore.DetectionError, match=r"K head size 16 and V head size 8") as ei:
         kvcore.detect([k, v], "sglang")
+    # the workaround the message names: K and V as two key-only layouts
+    assert "build_layout('NL_X_NBBS_NH_HS', v_buffer)" in str(ei.value)
+    lv = kvcore.build_layout("NL_X_NBBS_NH_HS", v)
+    v[1][3] = torch.arange(16, dtype=torch.bfloat16).reshape(2, 8)
+    assert (lv.kv_size, lv.head_size) == (1, 8)
+    assert torch.equal(kvcore.gather(lv, torch.tensor([3]))[0, 1, 0], v[1][3].reshape(-1))
 
 
 def test_hints_that_contradict_the_tensors_are_errors():
