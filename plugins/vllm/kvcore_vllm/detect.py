@@ -49,19 +49,22 @@ def _layout_class(r: Reading) -> tuple[str, bool] | None:
 
 def _deciding(readings: list[Reading]) -> list[str]:
     """The hints whose values differ between readings that place bytes differently."""
-    reps: dict[tuple, Reading] = {}
+    groups: dict[tuple, list[Reading]] = {}
+    geo: dict[int, tuple] = {}
     for r in readings:
         c = r.candidate
         try:
             lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
         except GeometryError:
             continue
-        reps.setdefault((lay.kv_size, lay.stride_table().signature()), r)
-    rs = list(reps.values())
+        groups.setdefault((lay.kv_size, lay.stride_table().signature()), []).append(r)
+        geo[id(r)] = (lay.block_size, lay.num_heads, lay.head_size)
+    gs = list(groups.values())
     keys: list[str] = []
 
     def differs(f) -> bool:
-        return len({f(r) for r in rs}) > 1
+        # a hint decides when the groups of byte-identical readings answer it differently
+        return len({frozenset(f(r) for r in g) for g in gs}) > 1
 
     if differs(lambda r: r.rule.mla):
         keys += ["attention_backend", "head_size", "cache_dtype"]
@@ -69,12 +72,17 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("vllm_version")
     if differs(lambda r: r.rule.families):
         keys.append("attention_backend")
-    classes = [_layout_class(r) for r in rs]
-    if None not in classes and len(set(classes)) > 1:
+    if differs(_layout_class) and all(_layout_class(r) is not None for g in gs for r in g):
         keys.append("kv_cache_layout")
     if differs(lambda r: r.candidate.note.endswith("physical order)")):
-        keys += ["kv_cache_layout", "block_size", "num_kv_heads"]
-    if differs(lambda r: r.rule.gate in ("cpu", "tpu")):
+        keys.append("kv_cache_layout")
+    if differs(lambda r: geo[id(r)][0]):
+        keys.append("block_size")
+    if differs(lambda r: geo[id(r)][1]):
+        keys.append("num_kv_heads")
+    if differs(lambda r: geo[id(r)][2]):
+        keys.append("head_size")
+    if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm")):
         keys.append("device_type")
     return list(dict.fromkeys(keys))
 

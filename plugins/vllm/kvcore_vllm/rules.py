@@ -738,7 +738,7 @@ def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool 
             # a tensor already permuted to this layout's physical order
             order = rule.layouts[key]
             phys = tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
-            if not rule.physical_ok or order[0] != "NL" or phys == rule.logical:
+            if not rule.physical_ok or "/" in key or order[0] != "NL" or phys == rule.logical:
                 continue
             hinted = check_layout and h.kv_cache_layout is not None and _layout_ok(rule, key, h)
             sz_l, sz_p = _sizes(rule.logical, views[0]), _sizes(phys, views[0])
