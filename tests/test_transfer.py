@@ -460,18 +460,24 @@ def _cases(draw):
     n_slots = sizes["NB"] * sizes["BS"]
     t = draw(st.integers(0, 8))
     slots = draw(st.lists(st.integers(-2, n_slots - 1), min_size=t, max_size=t))
-    return cross, logical, physical, sizes, dtype, slots
+    pad = (draw(st.sampled_from(axes)), draw(st.integers(0, 2)))  # padding on one physical axis
+    return cross, logical, physical, sizes, dtype, slots, pad
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_cases())
 def test_property_gather_matches_an_independent_oracle(case):
-    cross, logical, physical, sizes, dtype, slots = case
+    cross, logical, physical, sizes, dtype, slots, (pad_axis, pad) = case
     it = _int(dtype)
     gen = torch.Generator().manual_seed(len(slots) * 31 + sizes["NB"])
 
+    bases = []
+
     def one():
-        phys = torch.randint(0, 2**8 if it == torch.uint8 else 2**15, [sizes[a] for a in physical], generator=gen).to(it).view(dtype)
+        shape = [sizes[a] + (pad if a == pad_axis else 0) for a in physical]
+        phys = torch.randint(0, 2**8 if it == torch.uint8 else 2**15, shape, generator=gen).to(it).view(dtype)
+        bases.append(phys)
+        phys = phys.narrow(physical.index(pad_axis), 0, sizes[pad_axis])  # padded rows: only strides differ
         return phys.permute([physical.index(a) for a in logical])  # a permuted view, no copy
 
     name = "_".join(logical) if cross else "NL_X_" + "_".join(logical)
@@ -497,13 +503,17 @@ def test_property_gather_matches_an_independent_oracle(case):
     # scatter into a zeroed twin of the same memory order, then gather back
     valid = sorted({s for s in slots if s >= 0})
     if valid:
+        n_before = len(bases)
         kv2 = one() if cross else [one() for _ in range(nl)]
-        for x in [kv2] if cross else kv2:
-            x.view(it).zero_()
+        for b in bases[n_before:]:
+            b.view(it).zero_()  # the whole allocation, padding included
         lay2 = build_layout(name, kv2)
         src = kvcore.gather(lay, torch.tensor(valid))
         kvcore.scatter(lay2, torch.tensor(valid), src)
         assert torch.equal(kvcore.gather(lay2, torch.tensor(valid)).view(it), src.view(it))
+        # nothing but the valid slots' rows changed: padding stays zero, and no other slot
+        written = sum(int((b.view(it) != 0).sum()) for b in bases[n_before:])
+        assert written == int((src.view(it) != 0).sum())
 
 
 def test_per_layer_views_into_a_blocks_first_pool():
