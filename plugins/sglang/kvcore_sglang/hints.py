@@ -118,8 +118,18 @@ def parse_hints(hints: Mapping[str, Any] | None) -> SGLangHints:
     Raises:
         kvcore.DetectionError: an unknown key (listing the accepted ones) or a bad value.
     """
+    raw = dict(hints or {})
+    for name, f in SGLangHints.model_fields.items():
+        alias = f.validation_alias
+        names = [n for n in (alias.choices if isinstance(alias, AliasChoices) else [name]) if n in raw and raw[n] is not None]
+        if len(names) > 1:
+            values = {n: raw[n] for n in names}
+            if len({repr(v) for v in values.values()}) > 1:
+                raise DetectionError(f"sglang hints {values} name one fact ({name}) with different values; pass one of them")
+            for n in names[1:]:
+                del raw[n]
     try:
-        return SGLangHints.model_validate(dict(hints or {}))
+        return SGLangHints.model_validate(raw)
     except ValidationError as e:
         accepted = []
         for name, f in SGLangHints.model_fields.items():

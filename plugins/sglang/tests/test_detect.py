@@ -179,6 +179,9 @@ def test_bad_hints_name_the_accepted_ones():
         kvcore.detect([k, v], "sglang", {"page_sise": 4})
     with pytest.raises(kvcore.DetectionError, match="mem_layout"):
         kvcore.detect([k, v], "sglang", {"mem_layout": "page_last"})
+    assert kvcore.detect([k, v], "sglang", {"page_size": 5, "tokens_per_block": 5}).block_size == 5
+    with pytest.raises(kvcore.DetectionError, match="different values"):
+        kvcore.detect([k, v], "sglang", {"page_size": 5, "tokens_per_block": 1})
     with pytest.raises(kvcore.DetectionError, match="fp4"):
         kvcore.detect([k, v], "sglang", {"kv_cache_dtype": "fp4_e2m1"})
 
