@@ -119,20 +119,25 @@ def _format_dict(fmt: Any) -> dict[str, Any]:
 # -- plugins -----------------------------------------------------------------------------
 
 
-def _load_plugins_capturing() -> list[str]:
-    """Load plugins, returning the warnings loading produced (broken plugins)."""
+def _load_plugins_capturing(report: bool = True) -> list[str]:
+    """Load plugins; the warnings loading produced (a plugin that failed to import) are
+    returned, and printed to stderr as one line each when ``report``."""
     from kvcore import registry
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         registry.host()
-    return [str(w.message) for w in caught]
+    msgs = [str(w.message) for w in caught]
+    if report:
+        for m in msgs:
+            _err(f"warning: {m}")
+    return msgs
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     import kvcore
 
-    _load_plugins_capturing()
+    _load_plugins_capturing(report=False)
     infos = kvcore.plugins()
     if args.json:
         _print_json([i.as_dict() for i in infos])
@@ -757,7 +762,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import kvcore
     from kvcore.kernels import kernel_report
 
-    plugin_warnings = _load_plugins_capturing()
+    plugin_warnings = _load_plugins_capturing(report=False)
     rows = kernel_report()
     devices = _devices()
     serving = {}
@@ -845,7 +850,10 @@ def run_demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvcore demo", add_help=False)
     p.add_argument("--engine", default=None)
     p.add_argument("--list", action="store_true")
-    ns, rest = p.parse_known_args(argv)
+    try:
+        ns, rest = p.parse_known_args(argv)
+    except SystemExit as e:  # "--engine" without a value
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     _load_plugins_capturing()
     demos = registry.demos()
     if ns.list or (ns.engine is None and any(a in ("-h", "--help") for a in rest)):
@@ -1108,7 +1116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
-    except BrokenPipeError:  # `kvcore formats | head`
+    except BrokenPipeError:  # `kvcore formats | head`: stop quietly
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
         return EXIT_OK
     except Exception as e:  # noqa: BLE001 - report, don't dump a traceback on users
         if os.environ.get("KVCORE_DEBUG"):
