@@ -327,6 +327,11 @@ def kv_view(
     t = _layers(kv_caches)[layer]
     if era == "0.33" and t.dtype == torch.int8 and meta.get("storage", torch.int8) != torch.int8:
         t = t.view(meta["storage"])
+    if hs is None:  # not given: what the shape says (packed K|V halves; Pallas: the padded width)
+        if fam == "CPU" and era == "0.11":
+            raise GeometryError("kv_view of vLLM 0.11 TORCH_SDPA needs head_size (and block_size): (2, NB, BS*NH*HS) cannot tell")
+        packed = (era in ("0.26", "0.33") and fam not in ("MLA", "INDEXER", "ROCM_ATTN")) or (fam == "CPU" and era == "0.24")
+        hs = t.shape[-1] // 2 if packed else t.shape[-1]
     if fam in ("MLA", "INDEXER"):
         if kv != 0:
             raise GeometryError("an MLA latent cache has no V plane (kv_size 1): use kv=0")

@@ -36,6 +36,8 @@ def test_detect_geometry_and_semantics(name, semantic):
     assert layout.kv_size == (1 if "MLA" in name else 2)
     assert layout.dtype == torch.bfloat16
     assert layout.hidden_dim == sizes["num_heads"] * sizes["head_size"]
+    inputs = {t.untyped_storage().data_ptr() for t in kv.values()}
+    assert all(t.untyped_storage().data_ptr() in inputs for t in layout.spec.kernel_leaves())  # views, never copies
     if layout.format.container == "layer_list":
         assert layout.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(sizes["num_layers"]))
     semantic(layout, kv, lambda k, layer, p: case.view(k, layer, p, hints))
@@ -176,3 +178,14 @@ def test_other_engines_are_not_answered():
     from kvcore_vllm.plugin import kvcore_detect
 
     assert kvcore_detect(kv_caches=[torch.zeros(2, 4, 16, 2, 8)], engine="sglang", hints={}) is None
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "layout"), [("0.11.0", "FLASHINFER", "HND"), ("0.26.0", "FLASH_ATTN", "NHD"), ("0.33.0", "FLASH_ATTN", "BLNHC")]
+)
+def test_kv_view_on_a_plain_list_with_explicit_facts(version, backend, layout, semantic):
+    from kvcore_vllm.fixtures import allocate, kv_view
+
+    kv = list(allocate(version, backend, layout, num_layers=2, num_blocks=3, block_size=8, num_kv_heads=2, head_size=8).values())
+    lay = kvcore.detect(kv, "vllm", {"vllm_version": version, "kv_cache_layout": layout})
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p, version=version, backend=backend, layout=layout))
