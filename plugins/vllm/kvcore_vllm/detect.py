@@ -20,6 +20,10 @@ Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
 3. when the hints rule out every reading the tensors allow, :class:`kvcore.DetectionError`
    says what the hints said and what the strides show.
 
+vLLM 0.33 int8 byte views with neither ``dtype`` nor an fp8 ``cache_dtype`` hint are
+described in bytes (dtype int8, head_size in bytes): transfers still move exactly the
+right bytes, K before V; pass ``dtype`` for element geometry.
+
 A contiguous per-layer 5-D tensor with distinct BS and NH and no hints is vLLM's default
 NHD (``get_kv_cache_layout`` falls back to NHD; 0.11 ``vllm/v1/attention/backends/utils.py``
 l.345).

@@ -644,6 +644,8 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
             return width == h.head_size
         if width in MLA_WIDTHS:
             return True
+        if t.dtype == torch.int8 and esz == 1:  # a 0.33 byte view of unknown element dtype: 576 elements of 1, 2 or 4 bytes
+            return any(width == w * k for w in MLA_WIDTHS for k in (2, 4))
         return t.dtype in _BYTE_DTYPES and sz[last] == FP8_DS_MLA_BYTES
     if last == "CS":
         if width % 2:

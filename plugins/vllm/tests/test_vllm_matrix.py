@@ -189,3 +189,16 @@ def test_kv_view_on_a_plain_list_with_explicit_facts(version, backend, layout, s
     kv = list(allocate(version, backend, layout, num_layers=2, num_blocks=3, block_size=8, num_kv_heads=2, head_size=8).values())
     lay = kvcore.detect(kv, "vllm", {"vllm_version": version, "kv_cache_layout": layout})
     semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p, version=version, backend=backend, layout=layout))
+
+
+def test_v033_mla_byte_views():
+    from kvcore_vllm.fixtures import allocate
+
+    kv = allocate("0.33.0", "FLASHMLA", "LBNHC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576, byte_views=True)
+    assert next(iter(kv.values())).shape == (3, 1, 4, 1152)
+    with pytest.raises(kvcore.AmbiguousLayoutError):  # 1152 bytes: a bf16 latent of 576, or one K|V head
+        kvcore.detect(kv, "vllm")
+    lay = kvcore.detect(kv, "vllm", {"attention_backend": "FLASHMLA"})
+    assert (lay.format.name, lay.dtype, lay.head_size, lay.kv_size) == ("NL_X_NB_BS_HS", torch.int8, 1152, 1)
+    lay = kvcore.detect(kv, "vllm", {"attention_backend": "FLASHMLA", "dtype": "bfloat16"})
+    assert (lay.dtype, lay.head_size) == (torch.bfloat16, 576)
