@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from collections import Counter
 
@@ -49,7 +50,7 @@ exit codes: 0 all passed (or skipped), 1 a check failed, 2 usage error"""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``kvcore check``'s options to ``parser`` (kvcore/cli.py calls this)."""
-    parser.description = DESCRIPTION
+    parser.description = textwrap.fill(DESCRIPTION, 100)
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("plugins", nargs="*", metavar="PLUGIN", help="plugin names (kvcore plugins lists them); default: all")
