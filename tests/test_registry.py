@@ -214,3 +214,70 @@ def test_a_misspelt_hook_warns(core_only):
     with pytest.warns(KVCorePluginWarning, match="'typo' implements kvcore_register_format, which kvcore never calls"):
         kvcore.register_plugin(Typo(), name="typo")
     assert kvcore.formats() == []
+
+
+def test_kernels_register_and_leave_with_their_plugin(core_only):
+    class Kernel:
+        name = "toy-kernel"
+        device_types = ("cpu",)
+        formats = ("NL_X_NB_BS_HS",)
+        priority = 10_000
+
+        def available(self):
+            return True
+
+        def why(self):
+            return "a test kernel"
+
+        def gather(self, plan):
+            raise AssertionError("not called here")
+
+        scatter = gather
+
+    class P:
+        @hookimpl
+        def kvcore_register_kernels(self, register):
+            register(Kernel())
+
+    core_kernels = [k.name for k in registry.kernels()]  # the reference (and any native kernels)
+    assert "reference" in core_kernels
+    kvcore.register_plugin(P(), name="kern")
+    assert [k.name for k in registry.kernels()] == core_kernels + ["toy-kernel"]
+    assert {p.name: p for p in kvcore.plugins()}["kern"].kernels == ["toy-kernel"]
+    from kvcore.kernels import select_kernel
+
+    assert select_kernel("cpu", "NL_X_NB_BS_HS").name == "toy-kernel"  # higher priority, claims the format
+    assert select_kernel("cpu", "NL_X_NBBS_ONE_HS").name != "toy-kernel"  # not its format
+    kvcore.unregister_plugin("kern")
+    assert [k.name for k in registry.kernels()] == core_kernels
+
+
+def test_a_kernel_without_its_methods_is_refused(core_only):
+    class Half:
+        name = "half"
+        device_types = ("cpu",)
+
+    class P:
+        @hookimpl
+        def kvcore_register_kernels(self, register):
+            register(Half())
+
+    core_kernels = [k.name for k in registry.kernels()]
+    with pytest.raises(PluginError, match="'halfplug' registered a kernel without 'gather'"):
+        kvcore.register_plugin(P(), name="halfplug")
+    assert [k.name for k in registry.kernels()] == core_kernels
+
+
+def test_duplicate_demo_names_both_plugins(core_only):
+    def make(n):
+        class D:
+            @hookimpl
+            def kvcore_register_demos(self, register):
+                register("same", lambda argv: 0, f"demo of {n}")
+
+        return D()
+
+    kvcore.register_plugin(make("a"), name="demo-a")
+    with pytest.raises(PluginError, match="'same' is registered by two plugins: 'demo-a' and 'demo-b'"):
+        kvcore.register_plugin(make("b"), name="demo-b")
+    assert registry.demos()["same"][2] == "demo-a"
