@@ -64,7 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", dest="devices", action="append", metavar="TYPE", help="only these device types (default: every device present)"
     )
     parser.add_argument("--examples", type=int, default=8, help="hypothesis examples per kernel agreement check (default 8)")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of slot mappings and random bits (default 1234)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
     parser.add_argument("--list", action="store_true", help="list the checks that would run, without running them")
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opts = suite.Options(examples=max(1, args.examples), seed=args.seed, devices=tuple(args.devices) if args.devices else None)
+        opts = suite.Options(examples=max(1, args.examples), devices=tuple(args.devices) if args.devices else None)
         try:
             tasks = suite.plan(args.plugins or None, opts)
         except PluginError as e:
