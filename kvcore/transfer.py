@@ -143,7 +143,7 @@ def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gath
     table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
     plan = TransferPlan(table=table, slots=slots, staging=st4, num_valid=nv)
     if nv:
-        kernel = select_kernel(layout.device.type, layout.format.name, st4.device.type)
+        kernel = select_kernel(layout.device.type, layout.format.name, st4.device.type, table=table)
         (kernel.gather if gather else kernel.scatter)(plan)
     return staging
 

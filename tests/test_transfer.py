@@ -655,3 +655,48 @@ def test_extra_row_segments_move_with_the_reference_kernel():
     # a segment reaching past the page is refused when the layout is built
     with pytest.raises(kvcore.GeometryError, match="reaches byte"):
         build_layout("NL_X_NB_BSV_BSS", kv, params={"block_size": bs, "scale_bytes": s, "skew": 1})
+
+
+def test_kernel_selection_skips_kernels_that_decline_the_stride_table(monkeypatch):
+    """A kernel with ``supports(table) -> False`` (e.g. no extra row segments) must not be
+    chosen for that table, whatever its priority."""
+    monkeypatch.delenv("KVCORE_KERNEL")
+    seen = []
+
+    class Picky:
+        name = "picky"
+        device_types = ("cpu",)
+        formats = None
+        priority = 10_000
+
+        def available(self):
+            return True
+
+        def why(self):
+            return "declines tables with extra segments"
+
+        def supports(self, table):
+            seen.append(table)
+            return not any(p.extra for p in table.planes)
+
+        def gather(self, plan):
+            raise AssertionError("picky kernel must not be used for this table")
+
+        scatter = gather
+
+    class P:
+        @kvcore.hookimpl
+        def kvcore_register_kernels(self, register):
+            register(Picky())
+
+        @kvcore.hookimpl
+        def kvcore_spec(self, format):
+            return BlockedScaleSpec if format.name == "NL_X_NB_BSV_BSS" else None
+
+    kvcore.register_plugin(P(), name="picky-plugin")
+    kv = [torch.randint(0, 256, (NB, 4 * 16), dtype=torch.uint8)]
+    lay = build_layout("NL_X_NB_BSV_BSS", kv, params={"block_size": 4, "scale_bytes": 4})
+    got = kvcore.gather(lay, [5])
+    assert torch.equal(got[0, 0, 0], torch.cat([kv[0][1, 12:24], kv[0][1, 52:56]]))
+    kvcore.scatter(lay, [6], got)
+    assert seen and all(t.planes[0].extra for t in seen)
