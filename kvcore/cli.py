@@ -625,6 +625,8 @@ def _layout_dict(layout: Any) -> dict[str, Any]:
     except KeyError:
         d["plugin"] = None
     d["sources"] = [str(s) for s in layout.format.sources]
+    syn = layout.format.syntax
+    d["head_order"] = ("HND" if syn.is_hnd else "NHD") if (syn.has("NH") and syn.has("BS")) else None
     try:
         d["shape_desc"] = layout.shape_desc().model_dump()
     except Exception as e:  # noqa: BLE001 - a plugin spec may not answer; report, don't fail
@@ -641,7 +643,8 @@ def _print_layout(d: dict[str, Any], indent: str = "") -> None:
         ("slots/layer", d["page_buffer_size"]),
         (
             "heads",
-            f"{d['num_heads']} x {d['head_size']} (hidden {d['hidden_dim']}), kv_size {d['kv_size']}, {'HND' if d['is_hnd'] else 'NHD'}",
+            f"{d['num_heads']} x {d['head_size']} (hidden {d['hidden_dim']}), kv_size {d['kv_size']}"
+            + (f", {d['head_order']}" if d.get("head_order") else ""),
         ),
         ("dtype", d["dtype"] + (f" (stored as {d['storage_dtype']})" if d["storage_dtype"] != d["dtype"] else "")),
         ("device", d["device"]),
