@@ -45,3 +45,22 @@ version  backend                       layout         kvcore format
 0.33     ROCM_ATTN (K/V head slots)     LBHNC / LHBNC  NL_X_NB_TWO_BS_NH_HS / NL_X_TWO_NB_BS_NH_HS
 =======  ============================  =============  =========================
 """
+
+__all__ = ["VllmHints", "allocate", "kv_view", "blocked_views", "RULES"]
+
+_LAZY = {
+    "VllmHints": "kvcore_vllm.hints",
+    "allocate": "kvcore_vllm.fixtures",
+    "kv_view": "kvcore_vllm.fixtures",
+    "blocked_views": "kvcore_vllm.fixtures",
+    "RULES": "kvcore_vllm.rules",
+}
+
+
+def __getattr__(name: str):
+    # lazy: loading the plugin (kvcore_vllm.plugin) must stay cheap and import nothing it does not need
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvcore_vllm' has no attribute {name!r}")

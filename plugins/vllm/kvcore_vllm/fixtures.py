@@ -35,8 +35,9 @@ import torch
 from kvcore import GeometryError
 from kvcore.testing import FixtureCase
 from kvcore_vllm.hints import BACKEND_FAMILY, era_of
+from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
 
-__all__ = ["allocate", "kv_view", "VllmKVCaches", "fixture_cases", "LAYOUT_ORDERS", "MLA_HEAD_SIZE"]
+__all__ = ["allocate", "kv_view", "blocked_views", "VllmKVCaches", "fixture_cases", "LAYOUT_ORDERS", "MLA_HEAD_SIZE"]
 
 MLA_HEAD_SIZE = 576
 FP8_DS_MLA_BYTES = 656
@@ -332,7 +333,12 @@ def kv_view(
             raise GeometryError("kv_view of vLLM 0.11 TORCH_SDPA needs head_size (and block_size): (2, NB, BS*NH*HS) cannot tell")
         packed = (era in ("0.26", "0.33") and fam not in ("MLA", "INDEXER", "ROCM_ATTN")) or (fam == "CPU" and era == "0.24")
         hs = t.shape[-1] // 2 if packed else t.shape[-1]
-    if fam in ("MLA", "INDEXER"):
+    if fam == "INDEXER" or (fam == "MLA" and t.shape[-1] in BLOCKED_SCALE_RECORDS and t.dtype == torch.uint8 and hs != t.shape[-1]):
+        raise GeometryError(
+            f"a blocked-scale page ({t.shape[-1]} B records: a block's values, then its scales) has no per-token view; "
+            "use kvcore_vllm.fixtures.blocked_views(kv_caches, layer)"
+        )
+    if fam == "MLA":
         if kv != 0:
             raise GeometryError("an MLA latent cache has no V plane (kv_size 1): use kv=0")
         if t.dim() == 4:
@@ -373,6 +379,28 @@ def kv_view(
     if element is not None and element != v.dtype and _esz(element) == v.element_size():
         v = v.view(element)
     return v
+
+
+def blocked_views(kv_caches: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two views of one layer's blocked-scale page (DeepSeek-V3.2 indexer ``(NB, BS, 132)``,
+    nvfp4 352 B records): ``values [NB, BS, V]`` and ``scales [NB, BS, S]`` -- per block all
+    BS tokens' value bytes, then all BS tokens' scale bytes (vLLM 0.11
+    ``deepseek_v2.py::DeepseekV32IndexerCache``; widths from lmcache_kv_format.md §6.4).
+
+    Raises:
+        GeometryError: the record width is not a known blocked-scale record.
+    """
+    t = _layers(kv_caches)[layer]
+    if t.dim() == 4:
+        t = t.squeeze(1)
+    nb, bs, w = t.shape
+    if w not in BLOCKED_SCALE_RECORDS:
+        raise GeometryError(f"record width {w} is not a blocked-scale record ({sorted(BLOCKED_SCALE_RECORDS)})")
+    sb = BLOCKED_SCALE_RECORDS[w]
+    v = w - sb
+    values = torch.as_strided(t, (nb, bs, v), (t.stride(0), v, 1), t.storage_offset())
+    scales = torch.as_strided(t, (nb, bs, sb), (t.stride(0), sb, 1), t.storage_offset() + bs * v)
+    return values, scales
 
 
 # -- conformance fixtures ------------------------------------------------------------

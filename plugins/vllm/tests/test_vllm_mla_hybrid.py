@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import allocate, kv_view
+from kvcore_vllm.fixtures import allocate, blocked_views, kv_view
 
 import kvcore
-
-
-def blocked_planes(t: torch.Tensor, scale_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's indexer page: per block all BS tokens' value bytes, then their scale bytes."""
-    nb, bs, w = t.shape
-    v = w - scale_bytes
-    vals = torch.as_strided(t, (nb, bs, v), (t.stride(0), v, 1), t.storage_offset())
-    scales = torch.as_strided(t, (nb, bs, scale_bytes), (t.stride(0), scale_bytes, 1), t.storage_offset() + bs * v)
-    return vals, scales
 
 
 @pytest.mark.parametrize(
@@ -43,13 +34,16 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
     assert lay.describe() == f"2 x [5, 4x{width - scale}, 4x{scale}]"
     assert lay.stride_table().planes[0].block == 4 * width + padding
     layers = [t.squeeze(1) if t.dim() == 4 else t for t in kv.values()]
+    with pytest.raises(kvcore.GeometryError, match="blocked_views"):
+        kv_view(kv, 0, 0, head_size=576)
     g = torch.Generator().manual_seed(1)
     for t in layers:
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
     slots = torch.tensor([7, -1, 0, 19, 12])
     out = kvcore.gather(lay, slots)
-    for li, t in enumerate(layers):
-        vals, scales = blocked_planes(t, scale)
+    for li in range(len(layers)):
+        vals, scales = blocked_views(kv, li)
+        assert vals.shape[-1] == width - scale and scales.shape[-1] == scale
         for i, s in enumerate(slots.tolist()):
             if s < 0:
                 assert not out[0, li, i].any()
@@ -60,7 +54,7 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
     src = torch.randint(0, 256, (1, 2, 3, width), generator=g, dtype=torch.uint8)
     kvcore.scatter(lay, torch.tensor([1, 8, 14]), src)
     for li, t in enumerate(layers):
-        vals, scales = blocked_planes(t, scale)
+        vals, scales = blocked_views(kv, li)
         for i, s in enumerate([1, 8, 14]):
             b, n = divmod(s, 4)
             assert torch.equal(vals[b, n], src[0, li, i, : width - scale]) and torch.equal(scales[b, n], src[0, li, i, width - scale :])
