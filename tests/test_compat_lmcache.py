@@ -376,3 +376,22 @@ def test_extract_shapes_and_legible_print(caplog):
         L.legible_print_engine_kv_format("NL_X_NB_BS_HS")
         L.legible_print_engine_kv_format("BAD")
     assert "NL x [NB, BS, HS]" in caplog.text and "Unknown Engine KV Format: BAD" in caplog.text
+
+
+def test_with_the_vllm_plugin_byte_views_and_0_33_geometry():
+    """Integration with a real engine plugin (skipped without kvcore-vllm): vLLM 0.33 keeps
+    per-layer int8 views of one buffer; the format carries bf16 so the accessors report
+    element geometry, and the pointers are the per-layer views' bases."""
+    fixtures = pytest.importorskip("kvcore_vllm.fixtures")
+    kv = fixtures.allocate(
+        "0.33.0", "FLASH_ATTN", "NHD", num_layers=3, num_blocks=6, block_size=16, num_kv_heads=2, head_size=8, byte_views=True
+    )
+    fmt, norm = L.normalize_kv_and_discover_format(kv, "vllm", {"vllm_version": "0.33.0", "dtype": "bfloat16"})
+    assert fmt == "NL_X_NB_BS_NH_CS" and fmt.is_fused_packed and fmt.dtype == torch.bfloat16
+    assert all(t.dtype == torch.int8 for t in norm)
+    assert (L.get_num_layers(norm, fmt), L.get_num_blocks(norm, fmt), L.get_block_size(norm, fmt)) == (3, 6, 16)
+    assert (L.get_num_heads(norm, fmt), L.get_head_size(norm, fmt), L.get_kv_size(norm, fmt)) == (2, 8, 2)
+    assert L.get_dtype(norm, fmt, 2) == torch.bfloat16
+    assert L.get_concrete_engine_kv_shape(norm, fmt) == "3 x [6, 16, 2, 32]"  # the tensors as they are: CS in bytes
+    assert L.get_data_ptrs(norm, fmt) == [t.data_ptr() for t in norm]
+    assert L.resolve_block_stride_and_log_layout(norm, fmt, 1, 0) == 16 * 2 * 16
