@@ -171,3 +171,35 @@ def test_attention_restrided_beside_mamba(layout, fmt, semantic):
     lay = kvcore.detect(kv, "vllm")
     assert lay.format.name == fmt  # K and V of a block are adjacent: blocks-first physically
     semantic(lay, kv, kv_view)
+
+
+def test_v033_mixed_page_sizes_share_one_block_outermost_buffer():
+    """Gemma-4-style groups with different head sizes in one 0.33 buffer, BLHNC: a block holds
+    every layer's page of both groups (vllm/v1/kv_cache_interface.py::create_kv_cache_views with
+    each KVCacheTensor's offset, layer_stride and the shared block_stride)."""
+    nb, bs = 4, 4
+    groups = [dict(nh=2, hs=8, layers=2), dict(nh=1, hs=16, layers=2)]
+    pages = [g["nh"] * bs * 2 * g["hs"] * 2 for g in groups]  # bf16 K|V bytes per (layer, block)
+    block_stride = sum(p * g["layers"] for p, g in zip(pages, groups))
+    buf = torch.zeros(block_stride * nb, dtype=torch.int8)
+    views, offset = [], 0
+    for g, page in zip(groups, pages):
+        c = 2 * g["hs"] * 2
+        for layer in range(g["layers"]):
+            v = torch.as_strided(buf, (nb, g["nh"], bs, c), (block_stride, bs * c, c, 1), offset + layer * page)
+            views.append(v.view(torch.bfloat16))
+        offset += page * g["layers"]
+    kv = {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate([views[0], views[2], views[1], views[3]])}
+    lays = kvcore.detect_per_layer(kv, "vllm", hints={"vllm_version": "0.33.0"})
+    assert [x.format.name for x in lays] == ["NB_NL_NH_BS_CS"] * 4
+    assert lays[0] is lays[2] and lays[1] is lays[3] and lays[0] is not lays[1]
+    assert (lays[0].head_size, lays[0].num_heads, lays[1].head_size, lays[1].num_heads) == (8, 2, 16, 1)
+    assert lays[0].stride_table().planes[0].block == block_stride == lays[1].stride_table().planes[0].block
+    # semantic: write each layer's K of slot 5 through vLLM's own split and gather it back per group
+    for i, v in enumerate(kv.values()):
+        k = v.transpose(1, 2).split(v.shape[-1] // 2, dim=-1)[0]  # [NB, BS, NH, HS]
+        k[1, 1].fill_(float(i + 1))
+    for lay, ids in ((lays[0], (0, 2)), (lays[1], (1, 3))):
+        out = kvcore.gather(lay, torch.tensor([5]))
+        assert out[0, :, 0].float().mean(dim=-1).tolist() == [float(i + 1) for i in ids]
+        assert not out[1].any()
