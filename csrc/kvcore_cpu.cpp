@@ -34,7 +34,7 @@ int64_t cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at
   const char* op = kGather ? "gather" : "scatter";
   KVCORE_CHECKED(check_args(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, op));
   if (!(ptrs.device().is_cpu() && slots.device().is_cpu() && staging.device().is_cpu()))
-    return fail(c10::str("kvcore.", op, " (CPU): ptrs, slots and staging must be CPU tensors, got ", ptrs.device(), ", ",
+    return fail(cat("kvcore.", op, " (CPU): ptrs, slots and staging must be CPU tensors, got ", ptrs.device(), ", ",
                          slots.device(), ", ", staging.device()));
   const int64_t nl = ptrs.size(0), kv = ptrs.size(1), T = slots.size(0);
   if (T == 0 || nl == 0) return 0;
@@ -143,7 +143,7 @@ int64_t cuda_op(const at::Tensor& ptrs, const at::Tensor& strides, const at::Ten
   a.device = slots.device().index();
   a.unroll = a.staging_on_host ? g_unroll_host : g_unroll;
   const char* err = cuda_transfer(kGather, a);
-  if (err != nullptr) return fail(c10::str("kvcore.", op, " (CUDA): ", err));
+  if (err != nullptr) return fail(cat("kvcore.", op, " (CUDA): ", err));
   return 0;
 }
 

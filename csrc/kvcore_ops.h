@@ -50,14 +50,44 @@ const char* cuda_transfer(bool gather, const CudaTransfer& a) noexcept;
 #include <ATen/ATen.h>
 
 #include <string>
+#include <type_traits>
 
 namespace kvcore {
 
-// The ops never throw (a C++ exception crossing into torch's dispatcher crashed the
-// process with some torch builds): a failed check returns its message, the op returns a
-// non-zero code and kvcore.last_error() gives the message to the Python layer.
+// Messages are built without iostreams: with torch 2.11+cu130 on the GPU machine, any
+// std::ostream insertion compiled into this library (c10::str, TORCH_CHECK's message)
+// crashed in libstdc++'s locale facets (seen under cuda-gdb: codecvt::do_unshift from
+// basic_ostream::_M_insert<long>), so a failed check would kill the process.
+static inline void cat_one(std::string& s, const char* v) { s += v; }
+static inline void cat_one(std::string& s, const std::string& v) { s += v; }
+static inline void cat_one(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += "]";
+}
+static inline void cat_one(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+static inline void cat_one(std::string& s, const c10::Device& v) {
+  s += c10::DeviceTypeName(v.type(), /*lower_case=*/true);
+  if (v.has_index()) s += ":" + std::to_string(static_cast<int>(v.index()));
+}
+template <typename T, typename std::enable_if<std::is_integral<T>::value, int>::type = 0>
+static inline void cat_one(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <typename... A>
+static inline std::string cat(const A&... a) {
+  std::string s;
+  (cat_one(s, a), ...);
+  return s;
+}
+
+// The ops never throw: a failed check returns its message, the op returns a non-zero
+// code and kvcore.last_error() gives the message to the Python layer.
 #define KVCORE_REQUIRE(cond, ...) \
-  if (!(cond)) return c10::str("kvcore.", op, ": ", __VA_ARGS__)
+  if (!(cond)) return cat("kvcore.", op, ": ", __VA_ARGS__)
 
 // Checks everything the op can check about its arguments before any byte moves; returns
 // "" or what is wrong. (The plane base addresses are raw pointers: kvcore's Python layer

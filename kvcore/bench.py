@@ -295,7 +295,8 @@ class Row:
     vs_reference: float | None
     graph_seconds: float | None = None  # cuda device rows: per call, replaying a captured CUDA graph
     graph_gbps: float | None = None
-    graph_vs_copy: float | None = None  # against the copy replayed the same way
+    graph_vs_copy: float | None = None  # against the eager copy (a copy captured in a graph becomes a DMA node: slower)
+    graph_copy_seconds: float | None = None
 
 
 def _kernels(device: torch.device):
@@ -395,7 +396,8 @@ def bench_case(
                 vs_reference=None if ref_s is None else ref_s / sec,
                 graph_seconds=gt.get(direction),
                 graph_gbps=2 * payload / gt[direction] / 1e9 if direction in gt else None,
-                graph_vs_copy=gt["copy"] / gt[direction] if direction in gt else None,
+                graph_vs_copy=copy_s / gt[direction] if direction in gt else None,
+                graph_copy_seconds=gt.get("copy"),
             )
         )
     if host and device.type == "cuda":
