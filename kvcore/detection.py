@@ -182,7 +182,9 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
     n_layer_names = names if names is not None else None
     try:
-        layout = build_layout(det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine)
+        layout = build_layout(
+            det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine, layer_ids=det.layer_ids
+        )
     except GeometryError as e:
         raise DetectionError(
             f"engine {engine!r}: detected {det.format} but the tensors do not fit it: {e}\ntensors:\n{describe_input(container)}"
@@ -259,7 +261,13 @@ def detect_per_layer(
             if det.format is None:
                 log.info("layers %s excluded: %s", idxs, det.excluded or det.note)
                 continue
-            layout = build_layout(det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine)
+            try:
+                layout = build_layout(det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine)
+            except GeometryError as e:
+                raise DetectionError(
+                    f"engine {engine!r}: layers {idxs} detected as {det.format} but the tensors do not fit it: {e}\n"
+                    f"tensors:\n{describe_input(sub)}"
+                ) from e
             if layout.num_layers == len(idxs):
                 layout.layer_ids = tuple(idxs)
                 if names is not None:

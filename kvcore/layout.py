@@ -57,6 +57,9 @@ class Detection:
         note: one line on how it was decided (shown by ``kvcore detect``).
         excluded: set (with the reason) for tensors that are not KV (Mamba state);
             then ``format`` is None.
+        layer_ids: the model's layer indices of the layout's layers, when the plugin
+            knows them and they are not 0..NL-1 (one attention-type group of a hybrid
+            model's cache); None: 0..NL-1.
     """
 
     format: str | None
@@ -65,6 +68,7 @@ class Detection:
     params: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     excluded: str | None = None
+    layer_ids: tuple[int, ...] | None = None
 
 
 class KVLayout:
