@@ -79,7 +79,9 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
         check_version("cache", version=str(hints["transformers_version"]))
     if is_paged_cache(kv_caches):
         group = select_group(paged_groups(kv_caches), hints.get("attention_type"))
-        return _paged_detection(group.view, f"PagedAttentionCache group {group.attention_type!r}, model layers {list(group.layer_ids)}")
+        det = _paged_detection(group.view, f"PagedAttentionCache group {group.attention_type!r}, model layers {list(group.layer_ids)}")
+        det.layer_ids = group.layer_ids
+        return det
     if is_layered_cache(kv_caches) or is_legacy_cache(kv_caches) or type(kv_caches).__module__.startswith("transformers."):
         # any other transformers object gets layer_pairs' message (encoder-decoder, unknown cache class)
         return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers")
@@ -110,7 +112,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
 
 
 def _paged_detection(view: torch.Tensor, note: str) -> Detection:
-    # the layout's layers are the group's, in block order; PagedGroup.layer_ids maps them to the model's
+    # the layout's layers are the group's, in block order (PagedGroup.layer_ids: the model's)
     return Detection(format=PAGED_FORMAT, kv_caches=view, note=f"transformers {note}")
 
 

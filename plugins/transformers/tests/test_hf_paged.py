@@ -86,6 +86,7 @@ def test_detect_needs_the_group_when_there_are_two():
     assert "attention_type" in str(e.value) and e.value.hints == ["attention_type"]
     lay = kvcore.detect(cache, engine="transformers", hints={"attention_type": "sliding_attention"})
     assert lay.num_layers == len(SLIDING_LAYERS)
+    assert lay.layer_ids == tuple(SLIDING_LAYERS)  # the model's layers of the group, not 0..NL-1
     with pytest.raises(kvcore.DetectionError, match="groups"):
         kvcore.detect(cache, engine="transformers", hints={"attention_type": "chunked_attention"})
 
