@@ -258,3 +258,18 @@ def test_a_crashing_or_misbehaving_detect_hook_is_a_detection_error(core_only):
     kvcore.register_plugin(Wrong(), name="wrong")
     with pytest.raises(DetectionError, match="must return a kvcore.Detection"):
         kvcore.detect([t], "e")
+
+
+def test_a_detection_whose_tensors_do_not_fit_is_a_detection_error(core_only):
+    class Liar:
+        @hookimpl
+        def kvcore_detect(self, kv_caches, engine, hints):
+            return Detection(format="NL_X_TWO_NB_BS_NH_HS", kv_caches=list(kv_caches))  # these are rank 3
+
+    kvcore.register_plugin(Liar(), name="liar")
+    t = torch.zeros(NB, BS, HS)
+    for call in (lambda: kvcore.detect([t], "e"), lambda: kvcore.detect_per_layer([t], "e")):
+        with pytest.raises(DetectionError, match="do not fit it") as ei:
+            call()
+        assert "shape=[6, 4, 8]" in str(ei.value)
+        assert isinstance(ei.value.__cause__, kvcore.GeometryError)
