@@ -28,7 +28,7 @@ FlashMLA forces 64).
 3. ``kvcore.detect`` it and print the layout;
 4. offload four requests of mixed lengths by slot mapping (``kvcore.gather``): one a whole number
    of blocks, one not a multiple of the block size, one short, one with padding slots ``-1``
-   (vLLM pads the slot mapping of a CUDA-graph batch); the blocks are scattered (shuffled
+   (engine padding, skipped in both directions: ``../shared/DESIGN.md``); the blocks are scattered (shuffled
    block tables, as a paged allocator hands them out);
 5. wipe the requests' blocks, then load each request into *other* blocks (``kvcore.scatter``);
 6. verify: the staged rows equal the encoding of their source slots (semantic gather) and padded
