@@ -301,7 +301,7 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
     checks["geometry"] = got_geo == want_geo
     if not checks["geometry"]:
         fail("geometry", f"detected {got_geo}, expected {want_geo}")
-    log(f"\n{case.model} / vLLM {case.version} {case.backend} {case.layout}")
+    log(f"\n{case.model} / vLLM {case.version} {case.backend} " + ("MLA latent" if case.is_mla else case.layout))
     log(f"  format   {layout.format.name}  ({layout.format.symbolic})")
     log(f"  shape    {layout.describe()}, {str(layout.dtype).replace('torch.', '')} on {layout.device}")
     log(
