@@ -19,9 +19,10 @@ version  backend                       layout         kvcore format
 0.11     FLASH_ATTN beside Mamba        NHD / HND      NL_X_NB_TWO_BS_NH_HS / NL_X_NB_TWO_NH_BS_HS
 0.11     ROCM_ATTN (split_kv_cache)     -              NL_X_TWO_NB_NH_HS_BS (K in 16-byte chunks)
 0.11+    MLA backends (576; fp8_ds_mla  -              NL_X_NB_BS_HS
-         656 uint8)
+         656 and nvfp4_ds_mla 352
+         uint8 per-token records)
 0.11+    DSv3.2 indexer 132 uint8,      -              NL_X_NB_BSV_BSS
-         nvfp4_ds_mla 352, V4 584/528
+         DSv4 fp8_ds_mla 584/528 pages
 0.11     TORCH_SDPA (CPU)               -              NL_X_TWO_NB_NH_HS_BS (K in 16-byte chunks)
 0.11     PALLAS (TPU)                   -              NL_X_NB_BS_NH_TWO_HS
 0.13     FLASH_ATTN / FLASHINFER        NHD cross      NB_NL_TWO_BS_NH_HS

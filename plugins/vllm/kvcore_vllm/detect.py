@@ -72,6 +72,8 @@ def _deciding(readings: list[Reading]) -> list[str]:
 
     if differs(lambda r: r.rule.mla):
         keys += ["attention_backend", "head_size", "cache_dtype"]
+    if differs(lambda r: r.rule.blocked):
+        keys += ["cache_dtype", "head_size"]
     if differs(lambda r: r.rule.eras):
         keys.append("vllm_version")
     if differs(lambda r: r.rule.families):

@@ -333,7 +333,10 @@ def kv_view(
             raise GeometryError("kv_view of vLLM 0.11 TORCH_SDPA needs head_size (and block_size): (2, NB, BS*NH*HS) cannot tell")
         packed = (era in ("0.26", "0.33") and fam not in ("MLA", "INDEXER", "ROCM_ATTN")) or (fam == "CPU" and era == "0.24")
         hs = t.shape[-1] // 2 if packed else t.shape[-1]
-    if fam == "INDEXER" or (fam == "MLA" and t.shape[-1] in BLOCKED_SCALE_RECORDS and t.dtype == torch.uint8 and hs != t.shape[-1]):
+    blocked_mla = (
+        fam == "MLA" and t.dtype == torch.uint8 and t.shape[-1] in BLOCKED_SCALE_RECORDS and meta.get("cache_dtype") == "fp8_ds_mla"
+    )
+    if fam == "INDEXER" or blocked_mla:
         raise GeometryError(
             f"a blocked-scale page ({t.shape[-1]} B records: a block's values, then its scales) has no per-token view; "
             "use kvcore_vllm.fixtures.blocked_views(kv_caches, layer)"

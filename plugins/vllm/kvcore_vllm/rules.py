@@ -46,6 +46,14 @@ __all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physica
 #: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8).
 MLA_WIDTHS = (576,)
 FP8_DS_MLA_BYTES = 656
+#: uint8 MLA record widths that are either per-token records or blocked-scale pages: shape
+#: cannot tell, the cache dtype does. nvfp4_ds_mla (352 B) is written slot by slot
+#: (``concat_and_cache_mla`` with a slot mapping, as the nvfp4 variants in vLLM-derived
+#: code do: NoPE, then scales, then RoPE inside each token's record); LMCache's table
+#: (lmcache_kv_format.md §6.4) lists 352/528/584 as blocked-scale, which kvcore-vllm keeps
+#: for fp8_ds_mla's DeepSeek-V4 584/528 B pages. No cache_dtype: AmbiguousLayoutError.
+RECORD_WIDTHS_PER_TOKEN_DTYPE = {352: "nvfp4_ds_mla", 528: "nvfp4_ds_mla", 584: "nvfp4_ds_mla"}
+INDEXER_WIDTHS = (132, 68)
 
 _FA = "vllm/v1/attention/backends/flash_attn.py::FlashAttentionBackend.get_kv_cache_shape"
 _FI = "vllm/v1/attention/backends/flashinfer.py::FlashInferBackend.get_kv_cache_shape"
@@ -333,6 +341,7 @@ RULES: tuple[Rule, ...] = (
             _src("0.11.0", _MLA + " (l.284)"),
             _src("0.11.0", "vllm/v1/attention/backends/mla/flashmla_sparse.py::get_kv_cache_shape (l.74) fp8_ds_mla (NB, BS, 656) uint8"),
             _src("0.33.0", "vllm/model_executor/layers/attention/mla_attention.py::MLAAttention.bind_kv_cache (l.748) squeeze(1)"),
+            _src("0.33.0", "mla_attention.py l.1371: state_content_bytes 656 (fp8_ds_mla), 352 (nvfp4_ds_mla) per stored state"),
         ),
         gate="",
         mla=True,
@@ -359,7 +368,7 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"),
     ),
     Rule(
-        label="blocked-scale records (NB, BS, W) uint8 (DeepSeek-V3.2 indexer 132, nvfp4 352, V4 584/528)",
+        label="blocked-scale pages (NB, BS, W) uint8 (DeepSeek-V3.2 indexer 132/68; DeepSeek-V4 fp8_ds_mla 584/528)",
         eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
         families=("MLA",),
         rank=3,
@@ -378,7 +387,7 @@ RULES: tuple[Rule, ...] = (
         rank=4,
         logical=_o("NB BS HS"),
         layouts={"LBNHC": _o("NL NB BSV BSS"), "LBHNC": _o("NL NB BSV BSS"), "LHBNC": _o("NL NB BSV BSS")},
-        sources=(_src("0.33.0", _V33 + "; state_content_bytes 352 (nvfp4_ds_mla), mla_attention.py l.1371"),),
+        sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec state_content_bytes (mla_attention.py l.1371)"),),
         transform="squeeze_head",
         gate="",
         mla=True,
@@ -637,8 +646,10 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
         return False
     width = width_bytes // esz
     if rule.blocked:
-        # a head_size hint equal to the record width declares a per-token record instead
-        return t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS and h.head_size != sz[last]
+        w = sz[last]
+        if not (t.dtype in _BYTE_DTYPES and esz == 1 and w in BLOCKED_SCALE_RECORDS) or h.head_size == w:
+            return False  # a head_size hint equal to the record width declares a per-token record
+        return w in INDEXER_WIDTHS or h.cache_dtype in (None, "auto", "fp8_ds_mla")
     if rule.mla:
         if h.head_size is not None:
             return width == h.head_size
@@ -646,7 +657,11 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
             return True
         if t.dtype == torch.int8 and esz == 1:  # a 0.33 byte view of unknown element dtype: 576 elements of 1, 2 or 4 bytes
             return any(width == w * k for w in MLA_WIDTHS for k in (2, 4))
-        return t.dtype in _BYTE_DTYPES and sz[last] == FP8_DS_MLA_BYTES
+        if t.dtype not in _BYTE_DTYPES:
+            return False
+        if sz[last] == FP8_DS_MLA_BYTES:
+            return True
+        return sz[last] in RECORD_WIDTHS_PER_TOKEN_DTYPE and h.cache_dtype in (None, "auto", RECORD_WIDTHS_PER_TOKEN_DTYPE[sz[last]])
     if last == "CS":
         if width % 2:
             return False

@@ -11,7 +11,7 @@ format is served by kvcore's generic spec, which reads the tensors' own strides.
   ``vllm/v1/attention/backends/cpu_attn.py::_PagedAttention.get_kv_cache_shape`` and
   ``::_PagedAttention.split_kv_cache`` (engine_layouts.md §1.9).
 * :class:`BlockedScaleSpec` -- ``NL_X_NB_BSV_BSS``: blocked-scale records (DeepSeek-V3.2
-  lightning indexer ``(NB, BS, 132)`` uint8, nvfp4 / DeepSeek-V4 MLA pages): per block all
+  lightning indexer ``(NB, BS, 132)`` uint8, DeepSeek-V4 fp8_ds_mla MLA pages): per block all
   BS tokens' value bytes, then all BS tokens' scale bytes. A token's staged row is
   ``[values | scales]`` (``W = V + S`` bytes). Sources: vLLM 0.11.0
   ``vllm/v1/attention/backends/mla/indexer.py`` and

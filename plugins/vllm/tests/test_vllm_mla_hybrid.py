@@ -14,16 +14,28 @@ import kvcore
     [
         ("0.11.0", "INDEXER", "NHD", 132, 4),
         ("0.33.0", "INDEXER", "LBNHC", 132, 4),
-        ("0.11.0", "FLASHMLA", "NHD", 352, 32),
+        ("0.11.0", "V4", "NHD", 584, 8),
+        ("0.33.0", "V4", "LBNHC", 528, 16),
     ],
 )
 @pytest.mark.parametrize("padding", [0, 40])
 def test_blocked_scale_records(version, backend, layout, width, scale, padding):
-    cd = "nvfp4_ds_mla" if width == 352 else "auto"
-    kv = allocate(version, backend, layout, num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576,
-                  dtype=torch.uint8, cache_dtype=cd, block_padding=padding)  # fmt: skip
-    hints = {"cache_dtype": cd} if cd != "auto" else None
-    if version.startswith("0.33"):
+    if backend == "V4":  # DeepSeek-V4 fp8_ds_mla pages (LMCache's blocked-scale table), as vLLM's allocator lays them
+        cd = "fp8_ds_mla"
+        raw = torch.zeros((4 * width + padding) * 5, dtype=torch.int8)
+        shape = (5, 1, 4, width) if version.startswith("0.33") else (5, 4, width)
+        stride = (4 * width + padding, 4 * width, width, 1) if len(shape) == 4 else (4 * width + padding, width, 1)
+        kv = {f"model.layers.{i}.attn": torch.as_strided(raw.view(torch.uint8), shape, stride, 0) for i in range(1)}
+        kv["model.layers.1.attn"] = torch.as_strided(torch.zeros_like(raw).view(torch.uint8), shape, stride, 0)
+        hints = {"cache_dtype": cd}
+        with pytest.raises(kvcore.AmbiguousLayoutError):  # without the cache dtype: per-token record or blocked page
+            kvcore.detect(kv, "vllm", {"vllm_version": version})
+    else:
+        cd = "auto"
+        kv = allocate(version, backend, layout, num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576,
+                      dtype=torch.uint8, block_padding=padding)  # fmt: skip
+        hints = None
+    if version.startswith("0.33") and backend == "INDEXER":
         # [NB, 1, BS, 132] uint8 is also one fp8 MHA head of 66: the backend decides
         with pytest.raises(kvcore.AmbiguousLayoutError):
             kvcore.detect(kv, "vllm")
@@ -34,8 +46,9 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
     assert lay.describe() == f"2 x [5, 4x{width - scale}, 4x{scale}]"
     assert lay.stride_table().planes[0].block == 4 * width + padding
     layers = [t.squeeze(1) if t.dim() == 4 else t for t in kv.values()]
-    with pytest.raises(kvcore.GeometryError, match="blocked_views"):
-        kv_view(kv, 0, 0, head_size=576)
+    if backend == "INDEXER":
+        with pytest.raises(kvcore.GeometryError, match="blocked_views"):
+            kv_view(kv, 0, 0, head_size=576)
     g = torch.Generator().manual_seed(1)
     for t in layers:
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
@@ -62,12 +75,20 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
         assert {int(x) for x in changed[:, 0]} <= {0, 2, 3}  # only the blocks of slots 1, 8, 14
 
 
-def test_record_width_declared_per_token_by_head_size():
-    kv = allocate("0.11.0", "FLASHMLA", "NHD", num_layers=1, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
+def test_nvfp4_ds_mla_records(semantic):
+    kv = allocate("0.11.0", "FLASHMLA", "NHD", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
                   cache_dtype="nvfp4_ds_mla")  # fmt: skip
-    assert kvcore.detect(kv, "vllm").format.name == "NL_X_NB_BSV_BSS"  # LMCache's record table: 352 B = 320 + 32 scale bytes
-    lay = kvcore.detect(kv, "vllm", {"head_size": 352})  # a caller who knows its records are per token says so
-    assert (lay.format.name, lay.head_size) == ("NL_X_NB_BS_HS", 352)
+    assert next(iter(kv.values())).shape == (3, 4, 352)
+    err = None
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:  # per-token record, or LMCache's blocked-scale page
+        kvcore.detect(kv, "vllm")
+    err = ei.value
+    assert {"NL_X_NB_BS_HS", "NL_X_NB_BSV_BSS"} <= set(err.candidates) and "cache_dtype" in err.hints
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "nvfp4_ds_mla"})
+    assert (lay.format.name, lay.head_size, lay.dtype) == ("NL_X_NB_BS_HS", 352, torch.uint8)
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
+    assert kvcore.detect(kv, "vllm", {"head_size": 352}).format.name == "NL_X_NB_BS_HS"  # declared per token
+    assert kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_ds_mla"}).format.name == "NL_X_NB_BSV_BSS"
 
 
 def test_fp8_ds_mla_is_a_per_token_record(semantic):
