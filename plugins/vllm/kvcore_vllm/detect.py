@@ -124,7 +124,7 @@ def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict) 
         )
 
 
-def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str]:
+def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str, tuple[int, ...] | None]:
     """Drop entries that are the very same view as an earlier one: vLLM registers one tensor
     under several layer names for KV groups that alias one buffer (0.11
     ``kv_cache_utils.py::get_kv_cache_config_from_groups``: ``shared_by=[full.i, sw.i]``) and
@@ -133,6 +133,7 @@ def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str]:
     one address: a scatter would write it twice)."""
     seen: dict[tuple, int] = {}
     keep: list[torch.Tensor] = []
+    kept: list[int] = []
     aliases: list[str] = []
     for i, t in enumerate(items):
         if t.is_meta:  # meta tensors have no addresses: only the same object is the same memory
@@ -144,11 +145,16 @@ def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str]:
             continue
         seen[key] = i
         keep.append(t)
+        kept.append(i)
     if not aliases:
-        return items, ""
-    return keep, (
-        f"; entries {', '.join(aliases)} alias an earlier entry (shared KV / aliased KV cache groups): "
-        f"the layout holds the {len(keep)} distinct layers"
+        return items, "", None
+    return (
+        keep,
+        (
+            f"; entries {', '.join(aliases)} alias an earlier entry (shared KV / aliased KV cache groups): "
+            f"the layout holds the {len(keep)} distinct layers"
+        ),
+        tuple(kept),
     )
 
 
@@ -177,7 +183,7 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     t0 = items[0]
     if any(t.dim() != t0.dim() or t.dtype != t0.dtype for t in items):
         return None  # the core groups by signature; a mixed list is not one layout
-    items, alias_note = _distinct(items)
+    items, alias_note, kept = _distinct(items)
     readings = candidates(items, h)
     if alias_note:
         for r in readings:
@@ -192,6 +198,7 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         except AmbiguousLayoutError:
             raise
         if det is not None:
+            det.layer_ids = kept  # the entries the layout's layers are (aliases dropped), or None: all
             return det
     if t0.dim() == 4 and t0.shape[1] == 1 and t0.shape[2] == 1:
         return Detection(

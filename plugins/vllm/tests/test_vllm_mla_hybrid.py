@@ -156,6 +156,7 @@ def test_aliased_groups_and_shared_kv_layers(semantic):
     lay = kvcore.detect(kv, "vllm")
     assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 2)  # one memory, one layer
     assert lay.data_ptrs() == [t0.data_ptr(), t1.data_ptr()] and "alias" in lay.note
+    assert lay.layer_ids == (0, 2)  # the entries the layout's two layers are
     semantic(lay, base, kv_view)
     lays = kvcore.detect_per_layer(kv, "vllm")
     assert all(x is lays[0] for x in lays) and lays[0].format.name == "NL_X_TWO_NB_BS_NH_HS"
