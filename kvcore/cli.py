@@ -348,10 +348,16 @@ def cmd_describe(args: argparse.Namespace) -> int:
     if fmt is not None:
         d = _format_dict(fmt)
         out.update({k: d[k] for k in ("engines", "attention_backends", "description", "sources", "plugin")})
+    else:
+        import difflib
+
+        out["similar"] = difflib.get_close_matches(syn.name, list(registry.host().formats), n=3, cutoff=0.75)
     if args.json:
         _print_json(out)
         return EXIT_OK
     print(f"format     {syn.name}" + ("" if fmt is not None else "   (not registered by any plugin)"))
+    if out.get("similar"):
+        print(f"similar    {', '.join(out['similar'])} (registered)")
     print(f"symbolic   {out['symbolic']}")
     if out["concrete"]:
         print(f"concrete   {out['concrete']}")

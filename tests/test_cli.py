@@ -219,6 +219,9 @@ def test_describe_shows_sources_of_a_registered_format(capsys):
     assert "plugin     clitest-plugin" in out and f"sources    {ENGINE} 9.9 engine/attn.py::shape" in out
     rc, out, _ = run(capsys, "describe", "NB_NL_NH_BS_TWO_HS")
     assert rc == 0 and "(not registered by any plugin)" in out and "NB x" not in out
+    rc, out, _ = run(capsys, "describe", "NL_X_NB_BS_ONE_HS_ONE", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["registered"] is False and FORMAT in d["similar"]
 
 
 @pytest.mark.parametrize(
