@@ -664,6 +664,14 @@ def _print_layout(d: dict[str, Any], indent: str = "") -> None:
         print(f"{indent}{k:<12} {v}")
 
 
+def _leaves_device(node: Any) -> str | None:
+    import torch
+
+    while isinstance(node, (list, tuple, dict)):
+        node = next(iter(node.values())) if isinstance(node, dict) else node[0]
+    return node.device.type if isinstance(node, torch.Tensor) else None
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     import kvcore
 
@@ -679,6 +687,10 @@ def cmd_detect(args: argparse.Namespace) -> int:
             kv_caches, engine, hints = load_tensor_description(doc, device="meta")
     else:
         kv_caches, engine, hints = load_tensor_description(doc, device=args.device)
+    if _leaves_device(kv_caches) == "meta":
+        _err(
+            "note: the tensors are on the meta device, where every address is 0: a plugin that compares addresses sees all layers as one memory"
+        )
     engine = args.engine or engine
     if not engine:
         raise UsageError('no engine: pass --engine (vllm, sglang, ...) or put "engine" in the JSON')
