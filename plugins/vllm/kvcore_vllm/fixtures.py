@@ -246,6 +246,8 @@ def _allocate_v033(out, names, fam, lay, nb, bs, nh, hs, storage, device, cache_
         raise GeometryError(f"vLLM 0.33 KVCacheLayout is one of {', '.join(LAYOUT_ORDERS)} (or NHD/HND), not {lay!r}")
     if fam == "CPU" and lay != "LBHNC":
         raise GeometryError("vLLM 0.33 CPU_ATTN supports only LBHNC (cpu_attn.py l.82)")
+    if fam == "FLEX_ATTENTION" and lay != "LBNHC":
+        raise GeometryError("vLLM 0.33 FLEX_ATTENTION supports only LBNHC (flex_attention.py l.130)")
     esz = _esz(storage)
     if fam == "MLA":
         heads, c = (

@@ -222,9 +222,19 @@ RULES: tuple[Rule, ...] = (
         backends_label=GPU_FAMILIES,
     ),
     Rule(
+        label="0.33 FlexAttention view [NB, NH, BS, C], LBNHC only",
+        eras=("0.33",),
+        families=("FLEX_ATTENTION",),
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={"LBNHC": _o("NL NB BS NH CS")},
+        sources=(_src("0.33.0", _FLEX + "; supported_kv_cache_layouts() = (LBNHC,) (l.130)"),),
+        backends_label=("FLEX_ATTENTION",),
+    ),
+    Rule(
         label="0.33 KVCacheLayout views [NB, NH, BS, C]",
         eras=("0.33",),
-        families=GPU_FAMILIES,
+        families=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
         rank=4,
         logical=_o("NB NH BS CS"),
         layouts={
@@ -236,7 +246,7 @@ RULES: tuple[Rule, ...] = (
             "BHLNC": _o("NB NH NL BS CS"),
         },
         sources=(_src("0.33.0", _V33 + " (l.418); vllm/v1/worker/utils.py::allocate_kv_cache (l.564)"),),
-        backends_label=GPU_FAMILIES,
+        backends_label=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
     ),
     Rule(
         label="CPU 0.11 paged (2, NB, BS*NH*HS)",

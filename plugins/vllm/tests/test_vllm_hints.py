@@ -129,3 +129,12 @@ def test_pallas_padded_head_needs_head_size():
     assert (p.head, p.token) == (2 * 128 * 2, 4 * 128 * 2)
     assert int(lay.stride_table().ptrs()[0, 1] - lay.stride_table().ptrs()[0, 0]) == 128 * 2  # V: one head slot after K
     assert kvcore.detect(kv, "vllm", {"device_type": "tpu"}).head_size == 128  # without the hint: the padded width
+
+
+def test_flex_attention_033_is_lbnhc_only():
+    kv = allocate("0.33.0", "FLASH_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
+    assert kvcore.detect(kv, "vllm", {"attention_backend": "FLASH_ATTN"}).format.name == "NL_X_NB_NH_BS_CS"
+    with pytest.raises(kvcore.DetectionError):  # FlexAttention 0.33 supports only LBNHC (flex_attention.py l.130)
+        kvcore.detect(kv, "vllm", {"attention_backend": "FLEX_ATTENTION", "vllm_version": "0.33.0"})
+    nhd = allocate("0.33.0", "FLEX_ATTENTION", "LBNHC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
+    assert kvcore.detect(nhd, "vllm", {"attention_backend": "FLEX_ATTENTION"}).format.name == "NL_X_NB_BS_NH_CS"
