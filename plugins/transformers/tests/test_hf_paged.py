@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvcore_transformers import PAGED_FORMAT, detect_paged, paged_groups, request_slots
+from kvcore_transformers import PAGED_FORMAT, detect_paged, kv_caches, paged_groups, request_slots
 
 import kvcore
 
@@ -89,6 +89,12 @@ def test_detect_needs_the_group_when_there_are_two():
     assert lay.layer_ids == tuple(SLIDING_LAYERS)  # the model's layers of the group, not 0..NL-1
     with pytest.raises(kvcore.DetectionError, match="groups"):
         kvcore.detect(cache, engine="transformers", hints={"attention_type": "chunked_attention"})
+    # kv_caches(cache, group) hands out the group's 6-D view; detecting it addresses the same bytes
+    view = kv_caches(cache, "sliding_attention")
+    assert list(view.shape) == [lay.num_blocks, len(SLIDING_LAYERS), 2, PS, NH, HS]
+    assert kvcore.detect(view, engine="transformers").stride_table().signature() == lay.stride_table().signature()
+    with pytest.raises(kvcore.AmbiguousLayoutError):
+        kv_caches(cache)
 
 
 @pytest.mark.parametrize("n", [3, 4, 11])
