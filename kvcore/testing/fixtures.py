@@ -16,6 +16,13 @@ per format (hook ``kvcore_register_fixtures``):
   of kvcore's stride table. Shape ``[NB, BS, NH, *elem]`` (fused NBBS formats:
   ``[PBS, 1, NH, *elem]``) where ``*elem`` flattens, row-major, to the head's HS
   elements; dtype is the element dtype; writing into it writes the cache.
+  When the tensors do not carry their own geometry (a flat pool whose last axis is
+  ``BS*NH*HS``), ``kv_view`` may take a keyword-only ``hints`` argument: the suite passes
+  the hints ``make`` returned (the engine's own config), ``kv_view(kv_caches, layer, kv, *,
+  hints)``. For records whose parts live apart (a block's values, then its scales: no
+  single strided view holds a token's row), ``kv_view`` returns a tuple of segment views
+  ``([NB, BS, NH, *elem_0], [NB, BS, NH, *elem_1], ...)`` whose elements, concatenated in
+  order, are the head's HS elements (the staged row).
 * ``sizes``: the declared geometry for the default case; detection of ``make(sizes)``
   must report exactly these numbers.
 """

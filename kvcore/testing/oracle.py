@@ -14,11 +14,14 @@ exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvcore.errors import GeometryError
 
 __all__ = [
     "INT_OF_SIZE",
@@ -27,6 +30,7 @@ __all__ = [
     "Mismatch",
     "leaves",
     "Snapshot",
+    "Plane",
     "planes",
     "fill_codes",
     "write_rows",
@@ -299,73 +303,122 @@ class Snapshot:
 # -- the engine's view -------------------------------------------------------------------
 
 
-def planes(kv_view: Callable[[Any, int, int], torch.Tensor], kv_caches: Any, num_layers: int, kv_size: int) -> list[list[torch.Tensor]]:
-    """``[layer][kv]`` integer views of the engine's planes ``[A, B, NH, *elem]``;
-    ``kv_view(kv_caches, layer, kv)`` is the engine's view (e.g. a bound ``FixtureCase.view``)."""
-    return [[int_view(kv_view(kv_caches, layer, kv)) for kv in range(kv_size)] for layer in range(num_layers)]
+class Plane:
+    """One (layer, K/V) plane as the engine reads it: one view ``[A, B, NH, *elem]``, or
+    several segment views ``[A, B, NH, *elem_i]`` whose elements, concatenated in order,
+    make each head's row (records whose parts live apart, like a block's values and then
+    its scales). Slot ``s`` is ``(s // B, s % B)``. All access is through integer views of
+    the element bits; writes go to the cache.
+    """
+
+    def __init__(self, parts: Sequence[torch.Tensor]):
+        self.parts = [int_view(p) for p in parts]
+        lead = {tuple(p.shape[:3]) for p in self.parts}
+        if len(lead) != 1 or any(p.dim() < 4 for p in self.parts):
+            raise GeometryError(
+                f"kv_view segments must all be [A, B, NH, *elem] with the same A, B, NH; got {[tuple(p.shape) for p in self.parts]}"
+            )
+        self.widths = [math.prod(int(x) for x in p.shape[3:]) for p in self.parts]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        a, b, nh = (int(x) for x in self.parts[0].shape[:3])
+        return a, b, nh, sum(self.widths)
+
+    @property
+    def element_size(self) -> int:
+        return self.parts[0].element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def unsigned(self) -> torch.Tensor:
+        """int64 ``[A, B, NH, HS]`` element bits, on the CPU."""
+        a, b, nh, _ = self.shape
+        return torch.cat([to_unsigned(p).reshape(a, b, nh, -1).cpu() for p in self.parts], dim=-1)
+
+    def fill(self, bits: torch.Tensor) -> None:
+        """Write int64 ``[A, B, NH, HS]`` bits everywhere."""
+        for p, part in zip(self.parts, bits.split(self.widths, dim=-1)):
+            p.copy_(from_unsigned(part, p.dtype).reshape(p.shape).to(p.device))
+
+    def _ab(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = slots.to(self.device, torch.int64)
+        b = self.parts[0].shape[1]
+        return torch.div(s, b, rounding_mode="floor"), s % b
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T, NH*HS]`` rows of ``slots`` (all >= 0), on the CPU."""
+        a, b = self._ab(slots)
+        t, nh = slots.numel(), self.shape[2]
+        return torch.cat([to_unsigned(p[a, b]).reshape(t, nh, w).cpu() for p, w in zip(self.parts, self.widths)], dim=-1).reshape(t, -1)
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write int64 ``[T, NH*HS]`` rows at ``slots`` (all >= 0)."""
+        a, b = self._ab(slots)
+        t, nh = slots.numel(), self.shape[2]
+        for p, part in zip(self.parts, rows.reshape(t, nh, sum(self.widths)).split(self.widths, dim=-1)):
+            p[a, b] = from_unsigned(part, p.dtype).reshape(t, *p.shape[2:]).to(p.device)
+
+    def clone(self) -> Plane:
+        return Plane([p.clone() for p in self.parts])
 
 
-def fill_codes(pl: list[list[torch.Tensor]], enc: Encoding) -> None:
+def planes(kv_view: Callable[[Any, int, int], Any], kv_caches: Any, num_layers: int, kv_size: int) -> list[list[Plane]]:
+    """``[layer][kv]`` :class:`Plane` s of the engine's views; ``kv_view(kv_caches, layer, kv)``
+    (e.g. a bound ``FixtureCase.view``) returns a tensor or a tuple of segment tensors."""
+    out = []
+    for layer in range(num_layers):
+        row = []
+        for kv in range(kv_size):
+            v = kv_view(kv_caches, layer, kv)
+            row.append(Plane(list(v) if isinstance(v, (tuple, list)) else [v]))
+        out.append(row)
+    return out
+
+
+def fill_codes(pl: list[list[Plane]], enc: Encoding) -> None:
     """Write every plane's codes through the engine's views."""
     for layer, row in enumerate(pl):
         for kv, v in enumerate(row):
-            v.copy_(from_unsigned(enc.plane(layer, kv, v.shape), v.dtype).to(v.device))
+            v.fill(enc.plane(layer, kv, v.shape))
 
 
-def _split(v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = slots.to(v.device, torch.int64)
-    return torch.div(s, v.shape[1], rounding_mode="floor"), s % v.shape[1]
-
-
-def read_rows(pl: list[list[torch.Tensor]], layers: Sequence[int], slots: torch.Tensor) -> torch.Tensor:
+def read_rows(pl: list[list[Plane]], layers: Sequence[int], slots: torch.Tensor) -> torch.Tensor:
     """int64 unsigned ``[kv, L, T, NH*HS]`` read through the engine's views (slots >= 0)."""
-    kvs = len(pl[0])
-    out = []
-    for kv in range(kvs):
-        rows = []
-        for layer in layers:
-            v = pl[layer][kv]
-            a, b = _split(v, slots)
-            rows.append(to_unsigned(v[a, b]).reshape(slots.numel(), -1).cpu())
-        out.append(torch.stack(rows))
-    return torch.stack(out)
+    return torch.stack([torch.stack([pl[layer][kv].read(slots) for layer in layers]) for kv in range(len(pl[0]))])
 
 
-def write_rows(pl: list[list[torch.Tensor]], layers: Sequence[int], slots: torch.Tensor, rows: torch.Tensor) -> None:
+def write_rows(pl: list[list[Plane]], layers: Sequence[int], slots: torch.Tensor, rows: torch.Tensor) -> None:
     """Write staging rows ``[kv, L, T, NH*HS]`` (int64 unsigned bits) through the engine's
     views at ``slots``; negative slots are not written (the engine's own scatter)."""
     keep = torch.nonzero(slots.cpu() >= 0).flatten()
     s = slots.cpu()[keep]
     for kv in range(len(pl[0])):
         for li, layer in enumerate(layers):
-            v = pl[layer][kv]
-            a, b = _split(v, s)
-            vals = from_unsigned(rows[kv, li, keep], v.dtype).reshape(len(keep), *v.shape[2:])
-            v[a, b] = vals.to(v.device)
+            pl[layer][kv].write(s, rows[kv, li, keep])
 
 
-def plane_mismatch(before: list[list[torch.Tensor]], after: list[list[torch.Tensor]], enc: Encoding | None) -> Mismatch | None:
-    """First element where two sets of plane copies differ, with (layer, K/V, slot, head, element)."""
+def plane_mismatch(before: list[list[Plane]], after: list[list[Plane]], enc: Encoding | None) -> Mismatch | None:
+    """First element where two sets of planes differ, with (layer, K/V, slot, head, element)."""
     for layer, (rb, ra) in enumerate(zip(before, after)):
         for kv, (b, a) in enumerate(zip(rb, ra)):
-            d = to_unsigned(a) != to_unsigned(b)
+            ub, ua = b.unsigned(), a.unsigned()
+            d = ua != ub
             if bool(d.any()):
-                idx = [int(x) for x in torch.nonzero(d)[0]]
-                hs_shape = list(b.shape[3:])
-                e = 0
-                for i, n in zip(idx[3:], hs_shape):
-                    e = e * n + i
-                ev, av = int(to_unsigned(b)[tuple(idx)]), int(to_unsigned(a)[tuple(idx)])
+                i0, i1, h, e = (int(x) for x in torch.nonzero(d)[0])
+                ev, av = int(ub[i0, i1, h, e]), int(ua[i0, i1, h, e])
                 return Mismatch(
                     layer=layer,
                     kv=kv,
                     token=None,
-                    slot=idx[0] * b.shape[1] + idx[1],
-                    head=idx[2],
+                    slot=i0 * b.shape[1] + i1,
+                    head=h,
                     element=e,
                     expected=ev,
                     actual=av,
-                    width=b.element_size(),
+                    width=b.element_size,
                     expected_means=enc.decode(ev) if enc else None,
                     actual_means=enc.decode(av) if enc else None,
                 )
@@ -384,6 +437,8 @@ def special_patterns(dtype: torch.dtype) -> list[int]:
             pats |= {nan, nan | 1, nan | sign, (nan | sign) ^ 2}
         except (RuntimeError, TypeError):  # a float type torch cannot fill on this build
             pass
+    if w == 8:  # int64 holds 8-byte patterns as signed numbers
+        pats = {p - (1 << 64) if p >= 1 << 63 else p for p in pats}
     return sorted(pats)
 
 

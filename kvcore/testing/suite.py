@@ -303,18 +303,17 @@ def _encoding(layout: KVLayout) -> oracle.Encoding:
     )
 
 
-def _planes(case: FixtureCase, kv: Any, layout: KVLayout, hints: dict) -> list[list[torch.Tensor]]:
+def _planes(case: FixtureCase, kv: Any, layout: KVLayout, hints: dict) -> list[list[oracle.Plane]]:
     try:
         pl = oracle.planes(lambda c, layer, k: case.view(c, layer, k, hints), kv, layout.num_layers, layout.kv_size)
     except Exception as e:  # noqa: BLE001
         raise CheckFailure(f"fixture {case.name}: kv_view raised {type(e).__name__}: {e}") from None
     for layer, row in enumerate(pl):
         for k, v in enumerate(row):
-            a, b = int(v.shape[0]), int(v.shape[1])
-            hs = math.prod(int(s) for s in v.shape[3:])
-            if v.dim() < 4 or a * b != layout.page_buffer_size or int(v.shape[2]) != layout.num_heads or hs != layout.head_size:
+            a, b, nh, hs = v.shape
+            if a * b != layout.page_buffer_size or nh != layout.num_heads or hs != layout.head_size:
                 raise CheckFailure(
-                    f"fixture {case.name}: kv_view(layer={layer}, kv={k}) has shape {tuple(v.shape)}; the contract is "
+                    f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is [{a}, {b}, {nh}, {hs}]; the contract is "
                     f"[NB, BS, NH, *elem] (or [PBS, 1, NH, *elem]) = {layout.page_buffer_size} slots, {layout.num_heads} heads, "
                     f"{layout.head_size} elements per head for this layout"
                 )
@@ -328,8 +327,7 @@ def _filled(case: FixtureCase, kv: Any, layout: KVLayout, hints: dict) -> tuple[
     oracle.fill_codes(pl, enc)
     for layer, row in enumerate(pl):
         for k, v in enumerate(row):
-            want = enc.plane(layer, k, v.shape)
-            if not torch.equal(oracle.to_unsigned(v).cpu(), want):
+            if not torch.equal(v.unsigned(), enc.plane(layer, k, v.shape)):
                 raise CheckFailure(
                     f"fixture {case.name}: after writing every plane through kv_view, layer {layer} kv {k} does not read back "
                     "its own values: two kv_view planes overlap, so the fixture's oracle is not a layout"
@@ -401,7 +399,7 @@ def _change_where(snap: oracle.Snapshot, pl, enc) -> str:
     return f"byte {off} of storage {i} (outside every (layer, K/V, slot, head) the engine addresses) changed 0x{was:02x} -> 0x{now:02x}"
 
 
-def _copies(pl) -> list[list[torch.Tensor]]:
+def _copies(pl: list[list[oracle.Plane]]) -> list[list[oracle.Plane]]:
     return [[v.clone() for v in row] for row in pl]
 
 
@@ -477,16 +475,21 @@ def check_fixture_contract(case: FixtureCase) -> str | None:
                 v = case.view(kv, layer, k, hints)
             except Exception as e:  # noqa: BLE001
                 raise CheckFailure(f"fixture {case.name}: kv_view(layer={layer}, kv={k}) raised {type(e).__name__}: {e}") from None
-            if not isinstance(v, torch.Tensor) or v.dim() < 4:
-                raise CheckFailure(f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is not a tensor [NB, BS, NH, *elem]: {v!r:.80}")
-            if v.dtype != dtype:
-                raise CheckFailure(f"fixture {case.name}: kv_view is {v.dtype}; it must be the element dtype {dtype}")
-            if int(v.shape[2]) != nh or math.prod(int(s) for s in v.shape[3:]) != hs:
+            parts = list(v) if isinstance(v, (tuple, list)) else [v]
+            if not parts or not all(isinstance(p, torch.Tensor) and p.dim() >= 4 for p in parts):
                 raise CheckFailure(
-                    f"fixture {case.name}: kv_view(layer={layer}, kv={k}) has shape {tuple(v.shape)}; expected NH={nh} heads "
-                    f"of HS={hs} elements at axes 2.."
+                    f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is not a tensor [NB, BS, NH, *elem] "
+                    f"(or a tuple of segment tensors): {v!r:.80}"
                 )
-            if v.untyped_storage().data_ptr() not in storages:
+            if any(p.dtype != dtype for p in parts):
+                raise CheckFailure(f"fixture {case.name}: kv_view is {[p.dtype for p in parts]}; it must be the element dtype {dtype}")
+            width = sum(math.prod(int(s) for s in p.shape[3:]) for p in parts)
+            if any(int(p.shape[2]) != nh for p in parts) or width != hs:
+                raise CheckFailure(
+                    f"fixture {case.name}: kv_view(layer={layer}, kv={k}) has shape(s) {[tuple(p.shape) for p in parts]}; expected "
+                    f"NH={nh} heads of HS={hs} elements at axes 2.."
+                )
+            if any(p.untyped_storage().data_ptr() not in storages for p in parts):
                 raise CheckFailure(f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is a copy, not a view of the cache")
     return "; ".join(notes) or None
 
@@ -780,7 +783,7 @@ def check_roundtrip(case: FixtureCase, device: torch.device, kernel: Any, dtype:
     gen = torch.Generator().manual_seed(_seed(case.name, dtype))
     for row in ctx.pl:  # random bits everywhere the engine addresses
         for v in row:
-            v.copy_(oracle.from_unsigned(oracle.random_bits(v.shape, lay.element_size, gen), v.dtype).to(v.device))
+            v.fill(oracle.random_bits(v.shape, lay.element_size, gen))
     slots = _slots(lay, _seed(case.name, "roundtrip", dtype))
     t = len(slots)
     bits = oracle.random_bits(lay.staging_shape(t), lay.element_size, gen)
