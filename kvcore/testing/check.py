@@ -106,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
         print("kvcore check: nothing to check (no plugin registers a format, fixture or kernel matching the filters)", file=sys.stderr)
         return 1 if (args.plugins or args.formats or args.fixtures or args.kernels or args.checks) else 0
     widths = _widths(tasks)
+    if not args.json:
+        kernels = sorted({t.kernel for t in tasks if t.kernel != "-"})
+        print(
+            f"kvcore check: {len(tasks)} checks; plugins {', '.join(sorted({t.plugin for t in tasks}))}; "
+            f"kernels {', '.join(kernels) or 'none'}\n",
+            flush=True,
+        )
     results = []
     t0 = time.perf_counter()
     for t in tasks:

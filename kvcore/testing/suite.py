@@ -1326,6 +1326,11 @@ def plan(plugins: Sequence[str] | None = None, opts: Options | None = None) -> l
         for case in cases:
             add(fixture_tasks(case, name, opts))
         own = [k for k in registry.kernels() if h.kernel_owner.get(id(k)) == name]
+        present = {d.type for d in _devices(opts)}
+        for k in own:
+            if not present & set(k.device_types):
+                why = f"no {'/'.join(k.device_types)} device here (devices: {', '.join(sorted(present))}); run kvcore check on a machine that has one"
+                add([Task(name, "", "", f"{k.name}@-", "device", lambda why=why: (_ for _ in ()).throw(CheckSkip(why)))])
         if own:
             for owner, others in sorted(by_plugin.items()):
                 for case in others:
