@@ -11,14 +11,14 @@ Example::
         engines=["vllm"],
         attention_backends=["FLASH_ATTN"],
         description="vLLM <= 0.23 FlashAttention, NHD",
-        source=Source(engine="vllm", version="0.11.0",
-                      file="vllm/v1/attention/backends/flash_attn.py"),
+        sources=[Source(engine="vllm", version="0.11.0",
+                        file="vllm/v1/attention/backends/flash_attn.py::FlashAttentionBackend.get_kv_cache_shape")],
     )
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, field_validator
 
 from kvcore.errors import FormatError
 from kvcore.grammar import Syntax, parse, render_concrete, render_symbolic
@@ -29,7 +29,7 @@ __all__ = ["Source", "KVFormat"]
 class Source(BaseModel):
     """Where an engine fact comes from: engine, version and file (``file::function``)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine: str
     version: str = ""
@@ -54,7 +54,7 @@ class KVFormat(BaseModel):
     two_major, symbolic.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
     engines: list[str] = Field(default_factory=list)
@@ -67,7 +67,10 @@ class KVFormat(BaseModel):
         # pydantic's ValidationError; model_validate() still reports it as a ValidationError
         if "name" in data:
             parse(data["name"])
-        super().__init__(**data)
+        try:
+            super().__init__(**data)
+        except ValidationError as e:  # a missing name, a misspelt field, a wrong type
+            raise FormatError(f"invalid KVFormat {data.get('name', '(no name)')!r}: {e}") from e
 
     @field_validator("name")
     @classmethod

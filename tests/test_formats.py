@@ -97,8 +97,18 @@ def test_bad_name_raises_format_error_naming_the_token():
     # model_validate bypasses __init__; pydantic still refuses, with the same message
     with pytest.raises(pydantic.ValidationError, match="'FOO'"):
         KVFormat.model_validate({"name": "NL_X_FOO_NB_BS_HS"})
-    with pytest.raises(pydantic.ValidationError):
+    with pytest.raises(FormatError, match="name"):
         KVFormat()
+
+
+def test_unknown_fields_are_refused_not_dropped():
+    # the old docstring example said source=...; a dropped field would lose the provenance
+    with pytest.raises(FormatError, match="source"):
+        KVFormat(name="NL_X_NB_BS_HS", source=Source(engine="vllm"))
+    with pytest.raises(FormatError, match="engines"):
+        KVFormat(name="NL_X_NB_BS_HS", engines="vllm")
+    with pytest.raises(pydantic.ValidationError, match="versoin"):
+        Source(engine="vllm", versoin="0.11")
 
 
 def test_source_str():
