@@ -434,3 +434,14 @@ def test_a_spec_hook_must_return_a_spec_class_and_its_crashes_are_geometry_error
     with pytest.raises(GeometryError, match="Crashing could not read these tensors: IndexError") as ei:
         build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS)])
     assert isinstance(ei.value.__cause__, IndexError)
+
+
+def test_meta_device_caches_build_and_aliasing_is_still_refused():
+    # `kvcore detect` describes caches from a log on the meta device: no memory, all storage
+    # addresses 0; distinct meta tensors are distinct planes, one tensor twice is not
+    kv = [torch.empty(2, NB, BS, NH, HS, device="meta") for _ in range(NL)]
+    lay = build_layout("NL_X_TWO_NB_BS_NH_HS", kv)
+    assert (lay.num_layers, lay.num_blocks, lay.device.type) == (NL, NB, "meta")
+    assert lay.shape_desc().block_stride_elems == 0
+    with pytest.raises(GeometryError, match="alias"):
+        build_layout("NL_X_TWO_NB_BS_NH_HS", [kv[0], kv[0]])
