@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(session: Any, config: Any, items: list) -> Non
         kernels=config.getoption("kvcore_kernel") or None,
     )
     item_cls = _item_class()
-    items.extend(item_cls.from_parent(session, name=t.id, task=t) for t in tasks)
+    items.extend(item_cls.from_parent(session, name=t.id, nodeid=f"kvcore-check::{t.id}", task=t) for t in tasks)
 
 
 _ITEM: Any = None
