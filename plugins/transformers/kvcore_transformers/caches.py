@@ -211,9 +211,25 @@ def paged_groups(cache: Any) -> dict[str, PagedGroup]:
 
 
 def is_layered_cache(obj: Any) -> bool:
-    """True for a transformers >= 4.54 ``Cache`` (a ``layers`` list of objects with ``keys``/``values``)."""
+    """True for a transformers >= 4.54 ``Cache`` (a ``layers`` list of cache-layer objects)."""
     layers = getattr(obj, "layers", None)
-    return isinstance(layers, (list, tuple)) and (len(layers) == 0 or hasattr(layers[0], "keys"))
+    return isinstance(layers, (list, tuple)) and not isinstance(getattr(obj, "key_cache", None), list)
+
+
+def holds_no_kv(layer: Any) -> str | None:
+    """Why a cache layer holds no per-token KV by design, else None.
+
+    5.24 ``cache_utils.py``: ``DummyLayer`` ("layers that do not need any cache ... or
+    shared-cache layers that consume cache produced by other layers", keys/values None) and
+    ``LinearAttentionLayer`` (a recurrent / conv state, no ``keys``). The hybrid
+    ``LinearAttentionAnd*AttentionLayer`` classes do hold keys/values and are read.
+    """
+    cls = type(layer).__name__
+    if cls == "DummyLayer":
+        return "DummyLayer (no attention cache, or a KV-shared layer reading another layer's cache)"
+    if not hasattr(layer, "keys"):
+        return f"{cls} (recurrent / linear-attention state, no per-token KV)"
+    return None
 
 
 def is_legacy_cache(obj: Any) -> bool:
@@ -225,17 +241,19 @@ def _empty(t: Any) -> bool:
     return not isinstance(t, torch.Tensor) or t.numel() == 0
 
 
-def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per-layer ``(K, V)`` tensors of a DynamicCache / StaticCache (either API generation).
 
     Returns:
         ``[(keys_i, values_i), ...]`` in layer order, each ``[batch, NH, seq, HS]`` (the
-        cache's own tensors, no copies).
+        cache's own tensors, no copies); ``None`` for a layer that holds no per-token KV
+        by design (:func:`holds_no_kv`: ``DummyLayer``, linear-attention state), so that
+        list positions stay the model's layer indices.
     Raises:
         DetectionError: transformers outside the supported range; a quantized cache (its
             tensors are only the full-precision residual); an encoder-decoder cache (pick
             ``self_attention_cache`` or ``cross_attention_cache``); a layer that holds no KV
-            yet (run a forward pass first) or is not 4-D.
+            yet (run a forward pass first) or is not 4-D; no layer with KV at all.
     """
     check_version(type(cache).__name__)
     name = type(cache).__name__
@@ -243,6 +261,7 @@ def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         raise DetectionError(
             f"{name} holds two caches; pass cache.self_attention_cache or cache.cross_attention_cache (each is read on its own)"
         )
+    pairs: list[tuple[Any, Any] | None]
     if is_layered_cache(cache):
         layers = list(cache.layers)
         for i, layer in enumerate(layers):
@@ -251,7 +270,7 @@ def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
                     f"layer {i} of this {name} is a {type(layer).__name__}: its keys/values tensors are only the full-precision "
                     "residual, the rest is quantized; kvcore-transformers reads unquantized caches only"
                 )
-        pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in layers]
+        pairs = [None if holds_no_kv(layer) else (getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in layers]
     elif is_legacy_cache(cache):
         if "Quantized" in name:
             raise DetectionError(f"{name} keeps most tokens quantized; kvcore-transformers reads unquantized caches only")
@@ -265,16 +284,18 @@ def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         )
     if not pairs:
         raise DetectionError(f"this {name} has no layers yet; run a forward pass (or build it with config=) first")
-    empty = [i for i, (k, v) in enumerate(pairs) if _empty(k) or _empty(v)]
+    empty = [i for i, p in enumerate(pairs) if p is not None and (_empty(p[0]) or _empty(p[1]))]
     if empty:
         raise DetectionError(
             f"layers {empty} of this {name} hold no KV yet (keys/values are None or empty): run a forward pass first, "
             "or pass the filled layers only"
         )
-    for i, (k, v) in enumerate(pairs):
-        if k.dim() != 4 or v.dim() != 4:
+    if all(p is None for p in pairs):
+        raise DetectionError(f"no layer of this {name} holds per-token KV ({holds_no_kv(cache.layers[0])}, ...)")
+    for i, p in enumerate(pairs):
+        if p is not None and (p[0].dim() != 4 or p[1].dim() != 4):
             raise DetectionError(
-                f"layer {i} of this {name} has keys {tuple(k.shape)} and values {tuple(v.shape)}; transformers stores [batch, NH, seq, HS]"
+                f"layer {i} of this {name} has keys {tuple(p[0].shape)} and values {tuple(p[1].shape)}; transformers stores [batch, NH, seq, HS]"
             )
     return pairs
 
@@ -290,8 +311,9 @@ def kv_caches(cache: Any, attention_type: str | None = None) -> Any:
             (``"full_attention"`` / ``"sliding_attention"``).
     Returns:
         DynamicCache / StaticCache: ``[(K_0, V_0), (K_1, V_1), ...]``, each ``[batch, NH, seq, HS]``
-        (format ``NL_X_TWO_X_NB_NH_BS_HS``; sliding-window layers are shorter, so pass
-        the list to ``kvcore.detect_per_layer``). Paged: the group's
+        (format ``NL_X_TWO_X_NB_NH_BS_HS``; ``None`` for a layer without per-token KV;
+        sliding-window layers are shorter, so pass the list to ``kvcore.detect_per_layer``,
+        which reports the ``None`` layers as not KV). Paged: the group's
         ``[NB, NL_group, 2, page_size, NH, HS]`` view (format ``NB_NL_TWO_BS_NH_HS``).
     Raises:
         DetectionError: see :func:`layer_pairs` and :func:`paged_groups`; several paged

@@ -103,9 +103,11 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
             pairs = list(kv_caches)
         else:
             raise DetectionError(f"hint container={container!r}: use 'layer_pairs' ([(K, V), ...]) or 'kv_lists' ([K list, V list])")
-        if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(t, torch.Tensor) for t in p) for p in pairs):
-            return None
-        if not all(t.dim() == 4 for p in pairs for t in p):
+        ok = [
+            p is None or (isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in p))
+            for p in pairs
+        ]
+        if not all(ok):
             return None
         return _pairs_detection(pairs, "per-layer (K, V) pairs")
     return None
@@ -136,14 +138,19 @@ def _raw_paged(buf: torch.Tensor, hints: dict[str, Any]) -> Detection:
     return _paged_detection(view, "uint8 paged buffer viewed with the given hints")
 
 
-def _pairs_detection(pairs: list, note: str) -> Detection:
-    k0, v0 = pairs[0]
-    for i, (k, v) in enumerate(pairs):
+def _pairs_detection(entries: list, note: str) -> Detection:
+    """Per-layer (K, V) pairs; ``None`` entries are layers without per-token KV (left out,
+    ``layer_ids`` says which layers the layout covers)."""
+    ids = [i for i, p in enumerate(entries) if p is not None]
+    if not ids:
+        return Detection(format=None, excluded="these layers hold no per-token KV (DummyLayer / linear-attention state)")
+    pairs = [entries[i] for i in ids]
+    for i, (k, v) in zip(ids, pairs):
         if k.shape[-1] != v.shape[-1]:
             raise DetectionError(
                 f"layer {i}: K head size {k.shape[-1]} differs from V head size {v.shape[-1]} (keys {_shape(k)}, values {_shape(v)}); "
                 "kvcore's staging layout [2, NL, T, NH*HS] needs one head size. Describe K and V as two key-only layouts instead: "
-                "kvcore.build_layout('NL_X_NB_NH_BS_HS', [k for k, _ in pairs]) and the same for the values"
+                "kvcore.build_layout('NL_X_NB_NH_BS_HS', [p[0] for p in kvcore_transformers.kv_caches(cache) if p]) and the same for the values"
             )
         if k.shape != v.shape:
             raise DetectionError(
@@ -152,15 +159,19 @@ def _pairs_detection(pairs: list, note: str) -> Detection:
     sig = [(tuple(k.shape), tuple(k.stride()), tuple(v.stride()), k.dtype, str(k.device)) for k, v in pairs]
     if len(set(sig)) > 1:
         groups: dict[tuple, list[int]] = {}
-        for i, s in enumerate(sig):
+        for i, s in zip(ids, sig):
             groups.setdefault(s, []).append(i)
         desc = "; ".join(f"layers {ids}: {list(s[0])} stride {list(s[1])} {str(s[3]).replace('torch.', '')}" for s, ids in groups.items())
         raise DetectionError(
             f"the layers of this transformers cache are not one layout ({desc}): sliding-window layers keep fewer tokens. "
             "Use kvcore.detect_per_layer(kvcore_transformers.kv_caches(cache), engine='transformers') for one layout per group"
         )
+    left_out = [i for i, p in enumerate(entries) if p is None]
+    if left_out:
+        note += f"; layers {left_out} hold no per-token KV and are left out"
     return Detection(
         format=LAYER_PAIRS_FORMAT,
         kv_caches=[tuple(p) for p in pairs],
         note=f"transformers {note}; block = batch row, slot = b * seq + position",
+        layer_ids=tuple(ids) if left_out else None,
     )

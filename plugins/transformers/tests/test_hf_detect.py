@@ -142,3 +142,30 @@ def test_installed_version_outside_the_range_is_refused(monkeypatch):
     monkeypatch.setattr(versions, "installed_version", lambda: "5.30.0")
     with pytest.raises(kvcore.DetectionError, match="transformers 5.30.0 is installed"):
         kvcore.detect(cache, engine="transformers")
+
+
+def test_layers_without_per_token_kv_are_left_out_with_their_model_ids():
+    """5.24 DummyLayer (KV-shared / attention-free layers) and LinearAttentionLayer (recurrent
+    state) hold no per-token KV: the layout covers the other layers, with their model ids."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+
+    cache = DynamicCache()
+    written = []
+    for i in range(4):
+        k, v = _states(1, 2, 5, 4, 2 * i), _states(1, 2, 5, 4, 2 * i + 1)
+        cache.update(k, v, i)
+        written.append((k, v))
+    cache.layers[1] = DummyLayer()
+    cache.layers[3] = LinearAttentionLayer()
+    lay = kvcore.detect(cache, engine="transformers")
+    assert lay.num_layers == 2 and lay.layer_ids == (0, 2)
+    assert "[1, 3]" in lay.note
+    staged = kvcore.gather(lay, torch.arange(5))
+    assert torch.equal(staged[0, 1], written[2][0][0].transpose(0, 1).reshape(5, 8))
+    per = kvcore.detect_per_layer(kv_caches(cache), engine="transformers")
+    assert per[1] is None and per[3] is None and per[0] is per[2] and per[0].layer_ids == (0, 2)
+    cache.layers[0] = DummyLayer()
+    cache.layers[2] = DummyLayer()
+    with pytest.raises(kvcore.DetectionError, match="no layer of this DynamicCache holds per-token KV"):
+        kvcore.detect(cache, engine="transformers")
