@@ -121,7 +121,13 @@ class Syntax:
 
     @property
     def is_mla(self) -> bool:
-        return self.kv_size == 1
+        """One latent row per token: no K/V split and no head axis (a ``ONE`` axis at most):
+        DeepSeek MLA latents, indexer caches, blocked-scale records, MLA plane tuples
+        (LMCache ``FormatFacts::is_mla`` for #3, #5, #14, #17, ``lmcache_kv_format.md`` §1.3).
+        A kv_size-1 format with heads (SGLang's independent components
+        ``NL_X_NB_BS_NH_HS``, §1.2) is not MLA: its NH heads are real (§7.2: ``nh = 1 if
+        is_mla`` is the bug this avoids)."""
+        return self.kv_size == 1 and not self.has("NH")
 
     @property
     def fused_kv(self) -> bool:

@@ -229,6 +229,7 @@ def test_deprecated_two_hs_and_rbln():
 def test_independent_components_kv1_with_heads():
     lay = build_layout("NL_X_NB_BS_NH_HS", [torch.zeros(NB, BS, NH, HS) for _ in range(4)])
     assert _geom(lay) == (4, 5, 4, 2, 8, 16, 1, 20, 20, 320)
+    assert not lay.is_mla and lay.shape_desc().nh == NH
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,8 @@ MEMBERS = {
     # branch-only names (§1.2 "Seen only on branches")
     "NB_NL_NH_BS_CS": ("[NB, NL, NH, BS, CS]", 2, False, C, True, True, False, False),
     "NB_NL_BS_NH_CS": ("[NB, NL, BS, NH, CS]", 2, False, C, False, True, False, False),
-    "NL_X_NB_BS_NH_HS": ("NL x [NB, BS, NH, HS]", 1, True, LL, False, False, False, False),
+    # independent components: kv_size 1 (§1.2) but with real heads, so not MLA
+    "NL_X_NB_BS_NH_HS": ("NL x [NB, BS, NH, HS]", 1, False, LL, False, False, False, False),
     # the name value 17 had in an earlier revision (§1.2 #17 notes)
     "NL_X_TWO_X_NB_BS_HS": ("NL x 2 x [NB, BS, HS]", 2, False, T, False, False, False, False),
 }
