@@ -34,7 +34,6 @@ __all__ = [
     "planes",
     "fill_codes",
     "write_rows",
-    "read_rows",
     "first_mismatch",
     "special_patterns",
 ]
@@ -383,11 +382,6 @@ def fill_codes(pl: list[list[Plane]], enc: Encoding) -> None:
     for layer, row in enumerate(pl):
         for kv, v in enumerate(row):
             v.fill(enc.plane(layer, kv, v.shape))
-
-
-def read_rows(pl: list[list[Plane]], layers: Sequence[int], slots: torch.Tensor) -> torch.Tensor:
-    """int64 unsigned ``[kv, L, T, NH*HS]`` read through the engine's views (slots >= 0)."""
-    return torch.stack([torch.stack([pl[layer][kv].read(slots) for layer in layers]) for kv in range(len(pl[0]))])
 
 
 def write_rows(pl: list[list[Plane]], layers: Sequence[int], slots: torch.Tensor, rows: torch.Tensor) -> None:

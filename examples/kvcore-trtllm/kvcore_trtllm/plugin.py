@@ -165,32 +165,40 @@ def _view(pool: torch.Tensor, layer: int, kv: int, *, hints: dict) -> torch.Tens
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8)
 
 
+def _case(name: str, fmt: str, kv_factor: int, sizes: dict, source: Source, block_sizes: tuple[int, ...]) -> FixtureCase:
+    return FixtureCase(
+        name=name,
+        engine="trtllm",
+        format=fmt,
+        make=lambda sizes, dtype, device: _allocate(sizes, dtype, device, kv_factor),
+        kv_view=_view,
+        sizes=sizes,
+        dtypes=_DTYPES,
+        source=f"{_POOL}; {source}",
+        size_constraints={"block_size_choices": block_sizes},
+    )
+
+
 @hookimpl
 def kvcore_register_fixtures(register):
     register(
-        FixtureCase(
-            name="trtllm-pool-HND",
-            engine="trtllm",
-            format=HND,
-            make=lambda sizes, dtype, device: _allocate(sizes, dtype, device, 2),
-            kv_view=_view,
-            sizes={"num_layers": 3, "num_blocks": 4, "block_size": 8, "num_heads": 2, "head_size": 16},
-            dtypes=_DTYPES,
-            source=f"{_POOL}; {_HND_SRC}",
-            size_constraints={"block_size_choices": (2, 4, 8, 16, 32)},
+        _case(
+            "trtllm-pool-HND",
+            HND,
+            2,
+            {"num_layers": 3, "num_blocks": 4, "block_size": 8, "num_heads": 2, "head_size": 16},
+            _HND_SRC,
+            (2, 4, 8, 16, 32),
         )
     )
     register(
-        FixtureCase(
-            name="trtllm-pool-MLA",
-            engine="trtllm",
-            format=MLA,
-            make=lambda sizes, dtype, device: _allocate(sizes, dtype, device, 1),
-            kv_view=_view,
-            sizes={"num_layers": 2, "num_blocks": 3, "block_size": 4, "num_heads": 1, "head_size": 576},
-            dtypes=_DTYPES,
-            source=f"{_POOL}; {_MLA_SRC}",
-            size_constraints={"block_size_choices": (2, 4, 8, 32)},
+        _case(
+            "trtllm-pool-MLA",
+            MLA,
+            1,
+            {"num_layers": 2, "num_blocks": 3, "block_size": 4, "num_heads": 1, "head_size": 576},
+            _MLA_SRC,
+            (2, 4, 8, 32),
         )
     )
 
