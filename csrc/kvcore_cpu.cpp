@@ -9,6 +9,7 @@
 #include "kvcore_ops.h"
 
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include <cstring>
 
@@ -182,8 +183,32 @@ int64_t scatter_cuda(const at::Tensor& ptrs, const at::Tensor& strides, const at
 }
 #endif  // KVCORE_WITH_CUDA
 
+// The direct entry for kvcore's Python layer: the same implementations as the ops, called
+// without the dispatcher's boxing (about 10 us per call less, which is half the time of a
+// 256-token transfer on an H200), with the GIL released while the bytes move.
+int64_t transfer(bool gather, const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots,
+                 const at::Tensor& staging, int64_t block_size, int64_t num_heads, int64_t head_bytes, int64_t num_slots,
+                 int64_t base_align) {
+  if (slots.is_cuda()) {
+#ifdef KVCORE_WITH_CUDA
+    return gather ? gather_cuda(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align)
+                  : scatter_cuda(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+#else
+    return fail("kvcore.transfer: this build of the op library has no CUDA implementation");
+#endif
+  }
+  return gather ? gather_cpu(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align)
+                : scatter_cpu(ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align);
+}
+
 }  // namespace
 }  // namespace kvcore
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("transfer", &kvcore::transfer, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "transfer(gather, ptrs, strides, slots, staging, block_size, num_heads, head_bytes, num_slots, base_align) -> int");
+  m.def("last_error", []() { return kvcore::g_last_error; });
+}
 
 TORCH_LIBRARY(kvcore, m) {
   m.def(
@@ -193,7 +218,7 @@ TORCH_LIBRARY(kvcore, m) {
       "scatter(Tensor ptrs, Tensor strides, Tensor slots, Tensor staging, int block_size, int num_heads, int head_bytes, "
       "int num_slots, int base_align) -> int");
   // the op-library version: bumped whenever the op schemas or semantics change
-  m.def("abi_version() -> int", []() -> int64_t { return 2; });
+  m.def("abi_version() -> int", []() -> int64_t { return 3; });
   // gather/scatter return 0, or non-zero with the reason here (the ops never throw)
   m.def("last_error() -> str", []() -> std::string { return kvcore::g_last_error; });
   // CUDA tuning: loads in flight per thread for device / pinned-host staging (4 or 8)

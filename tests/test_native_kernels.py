@@ -469,3 +469,24 @@ def test_cuda_host_staging_both_directions(name, pinned, force):
     kvcore.scatter(lb, slots, src.cuda())
     torch.cuda.synchronize()
     assert _same_storage(_storage_bytes(caches), _storage_bytes(cb))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_registered_ops_match_the_direct_entry(device):
+    """torch.ops.kvcore.gather/scatter (the dispatcher path) move the same bytes as the
+    direct entry the kernels use."""
+    k = _native(device)
+    from kvcore.kernels.native import prepare
+
+    name = "NL_X_TWO_NB_NH_BS_HS"
+    logical = _logical(name, 2, 5, 4, 2, 8, torch.float16, device, seed=41)
+    layout, caches = _build_layout(name, logical)
+    slots = _slots(20, 9, seed=11, device=device)
+    a, b = _poison(layout, 9, device), _poison(layout, 9, device)
+    k.gather(TransferPlan(layout.stride_table(), slots, a, 7))
+    pr = prepare(layout.stride_table())
+    assert torch.ops.kvcore.gather(pr.ptrs, pr.strides, slots, b, *pr.args) == 0
+    assert torch.equal(_bits(a), _bits(b))
+    bad = torch.zeros((2, 2, 9, 15), dtype=torch.float16, device=device)
+    assert torch.ops.kvcore.scatter(pr.ptrs, pr.strides, slots, bad, *pr.args) != 0
+    assert "staging row" in torch.ops.kvcore.last_error()

@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger("kvcore.native")
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _CPU_SOURCES = ("kvcore_cpu.cpp",)
 _CUDA_SOURCES = ("kvcore_cuda.cu",)
 _HEADERS = ("kvcore_ops.h",)
@@ -47,6 +47,7 @@ class BuildStatus:
 
 
 _STATUS = BuildStatus()
+MODULE = None  # the built Python module: ``transfer(gather, ...)`` without the dispatcher
 _LOCK = threading.Lock()
 
 
@@ -106,7 +107,7 @@ def load() -> BuildStatus:
             _STATUS.reason = "disabled by KVCORE_NATIVE=0"
             return _STATUS
         if hasattr(torch.ops, "kvcore") and _has_ops():
-            _STATUS.loaded, _STATUS.reason = True, "already loaded in this process"
+            _STATUS.loaded, _STATUS.reason = True, "already loaded in this process (ops only)"
             _STATUS.cuda = torch._C._dispatch_has_kernel_for_dispatch_key("kvcore::gather", "CUDA")
             return _STATUS
         if not (CSRC / _CPU_SOURCES[0]).exists():
@@ -174,14 +175,15 @@ def _build(with_cuda: bool) -> Path:
             "--expt-relaxed-constexpr",
         ]
     log.info("kvcore: building the native kernels into %s (first use; about a minute)", d)
-    cpp_extension.load(
+    global MODULE
+    MODULE = cpp_extension.load(
         name=name,
         sources=sources,
         extra_cflags=["-O3", "-fopenmp"] + (["-DKVCORE_WITH_CUDA"] if with_cuda else []),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(CSRC)],
         build_directory=str(d),
-        is_python_module=False,
+        is_python_module=True,
         verbose=os.environ.get("KVCORE_BUILD_VERBOSE", "") not in ("", "0"),
         **kw,
     )
