@@ -771,7 +771,10 @@ def check_semantic_scatter(ctx: _Ctx) -> str:
         one = lay.num_layers - 1
         src1, rows1 = ctx.src_rows(slots, [one])
         _run_scatter(ctx, f"scatter(layers={one})", slots, src1[:, 0], rows1, layers=one)
-        notes.append("one layer")
+        sub = [lay.num_layers - 1, 0]
+        src2, rows2 = ctx.src_rows(slots, sub)
+        _run_scatter(ctx, f"scatter(layers={sub})", slots, src2, rows2, layers=sub)
+        notes.append("layer subsets")
     return ", ".join(notes)
 
 
@@ -962,9 +965,9 @@ def check_invalid(ctx: _Ctx, kind: str) -> str:
 
 
 def check_staging_views(ctx: _Ctx) -> str:
-    """Valid but unusual staging buffers: rows strided inside a wider buffer, and a buffer
-    whose start is only element-aligned. The kernel must move them exactly, or refuse with
-    TransferError and change nothing."""
+    """Valid but unusual staging buffers: rows strided inside a wider buffer, a buffer whose
+    start is only element-aligned, and (CUDA caches) host and pinned host buffers. The kernel
+    must move them exactly, or refuse with TransferError and change nothing."""
     lay = ctx.layout
     slots = _slots(lay, _seed(ctx.case.name, "views"), count=8, negatives=1)
     t = len(slots)
@@ -972,6 +975,9 @@ def check_staging_views(ctx: _Ctx) -> str:
     wide = torch.empty((*shp[:-1], 2 * shp[-1]), dtype=lay.dtype, device=lay.device)
     flat = torch.empty(math.prod(shp) + 1, dtype=lay.dtype, device=lay.device)
     views = {"row-strided": lambda: wide[..., : shp[-1]], "offset by one element": lambda: flat[1:].view(shp)}
+    if lay.device.type == "cuda":  # offloading moves to and from host memory
+        views["host memory"] = lambda: torch.empty(shp, dtype=lay.dtype)
+        views["pinned host memory"] = lambda: torch.empty(shp, dtype=lay.dtype, pin_memory=True)
     notes = []
     base = ctx.snapshot()
     for label, mk in views.items():
