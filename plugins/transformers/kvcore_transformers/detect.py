@@ -7,9 +7,10 @@ Accepted inputs (the plugin answers only for ``engine == "transformers"``):
 * what :func:`kvcore_transformers.kv_caches` returns: a list of per-layer ``(K, V)``
   pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS``; or one 6-D
   ``[NB, NL, 2, page_size, NH, HS]`` paged view → ``NB_NL_TWO_BS_NH_HS``;
-* ``[K list, V list]`` with ``hints={"container": "kv_lists"}`` (the 4.53
-  ``key_cache``/``value_cache`` lists as they are); without the hint a list is read as
-  per-layer pairs (two lists of two tensors look the same either way, so the hint decides);
+* ``[K list, V list]`` (the 4.53 ``key_cache``/``value_cache`` lists as they are): two
+  lists of n != 2 tensors can only be that; two lists of two tensors also read as two
+  ``[K, V]`` layers, so they need ``hints={"container": "kv_lists"}`` (or ``"layer_pairs"``)
+  and raise :class:`~kvcore.AmbiguousLayoutError` without it. Tuples are always pairs;
 * the paged cache's raw 1-D ``torch.uint8`` tensor with hints ``num_layers`` (layers of
   the group), ``num_kv_heads``, ``head_size``, ``page_size`` (alias ``block_size``) and
   ``dtype`` — the bytes alone do not say their geometry.
@@ -92,7 +93,9 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
             return _raw_paged(kv_caches, hints)
         return None
     if isinstance(kv_caches, (list, tuple)):
-        container = hints.get("container", "layer_pairs")
+        container = hints.get("container") or _container_of(kv_caches)
+        if container is None:
+            return None
         if container == "kv_lists":
             if len(kv_caches) != 2 or not all(isinstance(x, (list, tuple)) for x in kv_caches):
                 raise DetectionError("container='kv_lists' expects [K list, V list] (cache.key_cache, cache.value_cache)")
@@ -111,6 +114,36 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
             return None
         return _pairs_detection(pairs, "per-layer (K, V) pairs")
     return None
+
+
+def _container_of(x: list | tuple) -> str | None:
+    """``layer_pairs`` or ``kv_lists`` when the nesting says which, else raise.
+
+    Tuples are (K, V) pairs (what :func:`kvcore_transformers.kv_caches` returns). Two lists
+    of n != 2 tensors can only be [K list, V list]. Two lists of two tensors read both ways
+    (2 layers as [K list, V list], or 2 layers of [K, V]), and the bytes cannot tell.
+    """
+    seqs = [e for e in x if isinstance(e, (list, tuple))]
+    if (
+        len(x) == 2
+        and len(seqs) == 2
+        and all(isinstance(e, list) for e in seqs)
+        and all(isinstance(t, torch.Tensor) for e in seqs for t in e)
+    ):
+        n = {len(e) for e in seqs}
+        if len(n) == 1 and n != {2}:
+            return "kv_lists"
+        if n == {2}:
+            from kvcore import AmbiguousLayoutError
+
+            raise AmbiguousLayoutError(
+                "two lists of two tensors are either 2 layers given as [K list, V list] or 2 layers given as [K, V] pairs; "
+                "pass hints={'container': 'kv_lists'} or {'container': 'layer_pairs'} (kvcore_transformers.kv_caches(cache) "
+                "returns (K, V) tuples, which need no hint)",
+                candidates=[f"{LAYER_PAIRS_FORMAT} [kv_lists]", f"{LAYER_PAIRS_FORMAT} [layer_pairs]"],
+                hints=["container"],
+            )
+    return "layer_pairs"
 
 
 def _paged_detection(view: torch.Tensor, note: str) -> Detection:

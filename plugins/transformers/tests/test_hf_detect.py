@@ -102,6 +102,25 @@ def test_refusals():
     assert kvcore_detect(kv_caches=cache, engine="vllm", hints={}) is None
 
 
+def test_two_lists_of_two_tensors_need_the_container_hint():
+    """[K list, V list] of 2 layers and 2 [K, V] lists have the same shapes: never guess."""
+    ks = [_states(1, 2, 3, 4, 0), _states(1, 2, 3, 4, 1)]
+    vs = [_states(1, 2, 3, 4, 2), _states(1, 2, 3, 4, 3)]
+    with pytest.raises(kvcore.AmbiguousLayoutError) as e:
+        kvcore.detect([ks, vs], engine="transformers")
+    assert e.value.hints == ["container"]
+    lay = kvcore.detect([ks, vs], engine="transformers", hints={"container": "kv_lists"})
+    assert torch.equal(kvcore.gather(lay, torch.arange(3))[1, 0], vs[0][0].transpose(0, 1).reshape(3, 8))
+    # three layers as [K list, V list] cannot be pairs; tuples are pairs
+    ks.append(_states(1, 2, 3, 4, 4))
+    vs.append(_states(1, 2, 3, 4, 5))
+    lay3 = kvcore.detect([ks, vs], engine="transformers")
+    assert lay3.num_layers == 3
+    assert torch.equal(kvcore.gather(lay3, torch.arange(3))[1, 2], vs[2][0].transpose(0, 1).reshape(3, 8))
+    pairs = kvcore.detect([(ks[0], vs[0]), (ks[1], vs[1])], engine="transformers")
+    assert torch.equal(kvcore.gather(pairs, torch.arange(3))[1, 1], vs[1][0].transpose(0, 1).reshape(3, 8))
+
+
 def test_kv_lists_container_hint():
     cache = Legacy453DynamicCache()
     for i in range(2):
