@@ -7,7 +7,7 @@ Detect any transformers cache with ``kvcore.detect(cache, engine="transformers")
   ``num_blocks`` = batch, ``block_size`` = sequence length, slot = ``b * seq + position``.
   Sliding-window layers are shorter: ``kvcore.detect_per_layer(kv_caches(cache),
   engine="transformers")`` gives one layout per group.
-* the continuous-batching ``PagedAttentionCache`` (5.20 - 5.24): format
+* the continuous-batching ``PagedAttentionCache`` (5.18 - 5.24): format
   ``NB_NL_TWO_BS_NH_HS`` per attention-type group over the cache's one uint8 tensor;
   :func:`detect_paged` returns every group with its model layer ids.
 

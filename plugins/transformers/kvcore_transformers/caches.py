@@ -2,7 +2,7 @@
 
 Three kinds of cache, each read the way transformers itself lays it out:
 
-* **Continuous-batching paged cache** (``PagedAttentionCache``; transformers 5.20 - 5.24,
+* **Continuous-batching paged cache** (``PagedAttentionCache``; transformers 5.18 - 5.24,
   ``generation/continuous_batching/cache.py`` and ``cache_allocators/full_attention.py``).
   ``PagedAttentionCache.__init__`` allocates **one** ``torch.uint8`` tensor,
   ``torch.zeros(non_trash_bytes + 2 * bytes_per_sector)``: two never-allocated trash
@@ -185,7 +185,7 @@ def paged_groups(cache: Any) -> dict[str, PagedGroup]:
             bpp = int(alloc.bytes_per_page)
         except AttributeError as e:
             raise DetectionError(
-                f"transformers allocator {name!r} ({type(alloc).__name__}) lacks {e.name!r}: not the cache_allocators layout of transformers 5.20-5.24"
+                f"transformers allocator {name!r} ({type(alloc).__name__}) lacks {e.name!r}: not the cache_allocators layout of transformers 5.18-5.24"
             ) from None
         itemsize = torch.empty(0, dtype=dt).element_size()
         if bpp != 2 * nh * hs * itemsize * ps:

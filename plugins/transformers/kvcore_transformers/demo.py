@@ -1,6 +1,6 @@
 """``kvcore demo --engine transformers``: kvcore on KV that a real engine computed and laid out.
 
-Part 1, the continuous-batching paged cache (transformers 5.20 - 5.24):
+Part 1, the continuous-batching paged cache (transformers 5.18 - 5.24):
 
 1. build a small Llama from a config (random weights, fixed seed, nothing downloaded) and
    run transformers' continuous batching on prompts of mixed lengths;

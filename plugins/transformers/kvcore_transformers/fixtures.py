@@ -169,7 +169,7 @@ def _make_legacy_static_object(sizes, dtype, device):
     return cache
 
 
-# -- the continuous-batching paged cache (5.20 - 5.24) --------------------------------------
+# -- the continuous-batching paged cache (5.18 - 5.24) --------------------------------------
 
 
 def make_paged_cache(

@@ -20,10 +20,11 @@ __all__ = ["SUPPORTED_RANGE", "PAGED_RANGE", "installed_version", "check_version
 #: through 5.24 (``cache.layers[i].keys / .values``; 5.24.0 ``cache_utils.py::DynamicLayer``).
 SUPPORTED_RANGE = (">=4.53", "<5.25")
 #: versions whose continuous-batching cache is the one ``uint8`` tensor carved by
-#: ``cache_allocators/`` (identical ``full_attention.py::register_cache_tensor`` in
-#: 5.20.2, 5.23.0 and 5.24.0). Earlier 5.x kept per-layer ``key_cache``/``value_cache``
-#: lists of ``[(num_blocks + 2) * block_size, NH, HS]`` (5.10.4 ``continuous_batching/cache.py``).
-PAGED_RANGE = (">=5.20", "<5.25")
+#: ``cache_allocators/`` (first in 5.18.0; ``full_attention.py::register_cache_tensor`` is the
+#: same in 5.18.0, 5.19.0, 5.20.2, 5.23.0 and 5.24.0; the demo ran on 5.18.0, 5.20.2 and
+#: 5.24.0). 5.17 and earlier kept per-layer ``key_cache``/``value_cache`` lists of
+#: ``[(num_blocks + 2) * block_size, NH, HS]`` (5.10.4, 5.17.0 ``continuous_batching/cache.py``).
+PAGED_RANGE = (">=5.18", "<5.25")
 
 
 def parse_version(v: str) -> tuple[int, int, int]:

@@ -8,8 +8,8 @@ Used to verify the supported range (README "Supported transformers versions")::
 It runs a tiny random Llama (batch 2) through a DynamicCache and a StaticCache forward pass,
 checks that kvcore's gather equals the caches' own tensors (slot = b * seq + position), then
 runs the demo's DynamicCache path (offload after prefill, rebuild by scatter, identical greedy
-continuation). Exit code 0 when every check passes. For 5.20+ run the whole demo too:
-``PYTHONPATH=... python -m kvcore_transformers.demo`` (5.20 needs psutil on CPU).
+continuation). Exit code 0 when every check passes. For 5.18+ run the whole demo too:
+``PYTHONPATH=... python -m kvcore_transformers.demo`` (5.18 - 5.20 need psutil on CPU).
 """
 
 import inspect

@@ -144,8 +144,8 @@ def test_supported_range(version, ok):
 
 def test_paged_range_and_version_hint():
     with pytest.raises(kvcore.DetectionError, match=f"transformers{PAGED_RANGE[0]},{PAGED_RANGE[1]}"):
-        check_version("paged cache", paged=True, version="5.10.4")
-    assert check_version(paged=True, version="5.20.2") == "5.20.2"
+        check_version("paged cache", paged=True, version="5.17.0")
+    assert check_version(paged=True, version="5.18.0") == "5.18.0"
     cache = Legacy453DynamicCache()
     cache.update(_states(1, 2, 3, 4, 0), _states(1, 2, 3, 4, 1), 0)
     with pytest.raises(kvcore.DetectionError, match="4.40.0"):

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from kvcore_transformers import PAGED_FORMAT, detect_paged, kv_caches, paged_groups, request_slots
+from kvcore_transformers.versions import installed_version, parse_version
 
 import kvcore
 
@@ -45,6 +46,13 @@ def _hybrid_cache(dtype=torch.float32, num_sectors=6):
     return SimpleNamespace(cache_tensor=tensor, cache_allocators=allocs, pool=pool)
 
 
+def _states_arg(k, v):
+    """``allocator.update`` takes ``[seqlen, NH, HS]`` states from 5.19 on, ``[1, NH, seqlen, HS]`` in 5.18."""
+    if parse_version(installed_version()) < (5, 19, 0):
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    return k, v
+
+
 def _write_request(cache, rid, n, seed):
     """Allocate and write ``n`` tokens of request ``rid`` with transformers' own code;
     returns {model_layer: (K [n, NH, HS], V [n, NH, HS])}."""
@@ -58,7 +66,7 @@ def _write_request(cache, rid, n, seed):
         for layer in a.layer_indices:
             k = torch.randn(n, NH, HS, generator=g).to(a.cache_dtype)
             v = torch.randn(n, NH, HS, generator=g).to(a.cache_dtype)
-            a.update(k, v, layer, torch.empty(0, dtype=torch.long), write)
+            a.update(*_states_arg(k, v), layer, torch.empty(0, dtype=torch.long), write)
             written[layer] = (k, v)
     return written
 
@@ -136,7 +144,7 @@ def test_sliding_ring_positions():
     write = torch.tensor(alloc.get_write_indices("r", n, 5), dtype=torch.long)
     new = {layer: (torch.randn(5, NH, HS, generator=g), torch.randn(5, NH, HS, generator=g)) for layer in alloc.layer_indices}
     for layer, (k, v) in new.items():
-        alloc.update(k, v, layer, torch.empty(0, dtype=torch.long), write)
+        alloc.update(*_states_arg(k, v), layer, torch.empty(0, dtype=torch.long), write)
     slots = request_slots(group, num_tokens=9, request_id="r")
     assert slots[:3].tolist() == [-1, -1, -1]  # 9 tokens, window 6: positions 0..2 slid out
     lay = detect_paged(cache)["sliding_attention"]
