@@ -149,3 +149,31 @@ def test_kvcore_check_passes_and_lists(registered, capsys):
 def test_kvcore_check_unknown_plugin_is_a_usage_error(capsys):
     assert check.main(["no-such-plugin"]) == 2
     assert "no kvcore plugin named 'no-such-plugin'" in capsys.readouterr().err
+
+
+def test_a_plugin_that_failed_to_load_is_a_failure_line():
+    h = kvcore.registry.host()
+    h.info["ghost"] = kvcore.registry.PluginInfo(
+        name="ghost", distribution="kvcore-ghost", version="0.1", error="import failed: ImportError: no module named ghost_engine"
+    )
+    try:
+        [r] = suite.run_checks(["ghost"])
+    finally:
+        del h.info["ghost"]
+    assert (r.status, r.check) == (suite.FAIL, "load")
+    assert "import failed: ImportError: no module named ghost_engine" in r.message
+
+
+class _FixtureHookRaises(broken.ToyPlugin):
+    @kvcore.hookimpl
+    def kvcore_register_fixtures(self, register):
+        raise RuntimeError("fixture module missing")
+
+
+@pytest.mark.parametrize("registered", [_FixtureHookRaises], indirect=True)
+def test_a_fixture_hook_that_raises_fails_its_plugin_and_leaves_its_format_unproven(registered):
+    results = suite.run_checks([registered])
+    by_check = {r.check: r for r in results}
+    assert by_check["fixtures"].status == suite.FAIL and "RuntimeError: fixture module missing" in by_check["fixtures"].message
+    assert by_check["fixtures_exist"].status == suite.FAIL
+    assert by_check["grammar"].status == suite.PASS
