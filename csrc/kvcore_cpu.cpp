@@ -4,8 +4,8 @@
 // scatter: staging -> paged cache
 // Parallel over rows (kv, layer, token) with at::parallel_for; each contiguous run
 // (a whole NH*HS row where the layout keeps it contiguous, else one head's row or one
-// chunk) is one memcpy. Bytes move unchanged, so every dtype (fp8, NaN payloads, -0)
-// is bit-exact.
+// chunk) is one copy (copy_run: a 16-byte vector loop). Bytes move unchanged, so every
+// dtype (fp8, NaN payloads, -0) is bit-exact.
 #include "kvcore_ops.h"
 
 #include <ATen/Parallel.h>

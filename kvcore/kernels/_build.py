@@ -163,7 +163,13 @@ def _build(with_cuda: bool) -> Path:
     from torch.utils import cpp_extension
 
     d = build_dir(with_cuda)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: build under the temp dir instead
+        import tempfile
+
+        d = Path(tempfile.gettempdir()) / "kvcore-native" / d.name
+        d.mkdir(parents=True, exist_ok=True)
     sources = [str(CSRC / s) for s in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
     name = "kvcore_native_cuda" if with_cuda else "kvcore_native_cpu"
     kw = {}

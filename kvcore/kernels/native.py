@@ -5,14 +5,18 @@ per-plane byte strides ``[kv_size, 6]`` (block, token, head, chunk, chunk_bytes,
 n_chunks) — plus the slot mapping and the staging buffer, and never see a format name:
 
 - ``native-cpu``: parallel over (layer, K/V, token) rows with ``at::parallel_for``, one
-  ``memcpy`` per contiguous run (a whole ``NH*HS`` row where the layout keeps it
-  contiguous, e.g. NHD; one head's row for HND; one chunk for chunked heads).
+  16-byte vector copy loop per contiguous run (a whole ``NH*HS`` row where the layout
+  keeps it contiguous, e.g. NHD; one head's row for HND; one chunk for chunked heads).
 - ``native-cuda``: every layer and both K/V planes in one launch, 16-byte vectorised
   coalesced loads and stores where every address allows (else 8/4/2/1), 64-bit
   offsets; the staging buffer may be device memory or pinned host memory, read or
   written in place (zero-copy).
 
-Negative slots are skipped (the row stays untouched). Tables with ``extra`` row
+Both are reached through the op library's direct entry (``transfer``: the same C++
+functions without the dispatcher's boxing, GIL released); ``torch.ops.kvcore.gather`` /
+``scatter`` are the registered ops for other callers. Neither throws: a refused call
+returns non-zero and ``torch.ops.kvcore.last_error()`` says why (raised here as
+:class:`~kvcore.TransferError`). Negative slots are skipped (the row stays untouched). Tables with ``extra`` row
 segments (blocked-scale records) are left to the reference kernel (``supports``).
 The library is built on first use (see :mod:`kvcore.kernels._build`); ``KVCORE_NATIVE=0``
 disables both kernels.
