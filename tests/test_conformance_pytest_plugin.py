@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 import kvcore
+import kvcore.testing.pytest_plugin  # noqa: F401 - imported before pytester snapshots sys.modules,
+import kvcore.testing.suite  # noqa: F401 - so the in-process runs do not re-import them (and what they load)
 
 pytest_plugins = ["pytester"]
 
