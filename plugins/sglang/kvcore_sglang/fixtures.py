@@ -268,8 +268,11 @@ def _case(name: str, fmt: str, make: Callable, kv_view: Callable, over: dict, sr
         caches, hints = make(sz, dtype, device)
         return _tag(caches, int(sz["block_size"]), dtype), hints
 
-    def view_typed(kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
-        return _as(kv_view(kv_caches, layer, kv), kv_caches.dtype_)
+    def view_typed(kv_caches: Any, layer: int, kv: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        v = kv_view(kv_caches, layer, kv)
+        if isinstance(v, tuple):  # segment views (indexer records): each in the element dtype
+            return tuple(_as(p, kv_caches.dtype_) for p in v)
+        return _as(v, kv_caches.dtype_)
 
     return FixtureCase(name=name, engine="sglang", format=fmt, make=make_tagged, kv_view=view_typed, sizes=sizes, source=src, **kw)
 
@@ -342,10 +345,10 @@ def _indexer_case() -> FixtureCase:
         nl, nb, bs, _, _ = _geom(sizes)
         return alloc_indexer(nl, (nb - 1) * bs, bs, device), {"page_size": bs}
 
-    def kv_view(kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
-        # a COPY: a token's 128 key bytes and 4 scale bytes are in two regions of the page,
-        # which no single strided view expresses; read-only oracle
-        return indexer_token_records(kv_caches[layer], _page_of(kv_caches)).unsqueeze(2)
+    def kv_view(kv_caches: Any, layer: int, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # a token's 128 key bytes and 4 scale bytes live in two regions of the page: the oracle
+        # is the pair of segment views (keys [NP, BS, 1, 128], scales [NP, BS, 1, 4])
+        return indexer_segment_views(kv_caches[layer], _page_of(kv_caches))
 
     return _case(
         "sglang-0.5.3-dsa-indexer",
@@ -353,7 +356,7 @@ def _indexer_case() -> FixtureCase:
         make,
         kv_view,
         {"num_layers": 2, "num_blocks": 3, "block_size": 64, "num_heads": 1, "head_size": 132},
-        "sglang 0.5.3 memory_pool.py::NSATokenToKVPool.__init__ (read-only oracle: kv_view returns a copy)",
+        "sglang 0.5.3 memory_pool.py::NSATokenToKVPool.__init__",
         dtypes=(torch.uint8,),
         # one head of 132 bytes (index_head_dim 128 fp8 + one fp32 scale); SGLang's page count
         # (size + page_size + 1) // page_size is num_blocks only for page_size >= 2

@@ -524,4 +524,39 @@ def fixture_cases() -> list[FixtureCase]:
                 size_constraints=cons,
             )
         )
+    out.append(_indexer_case())
     return out
+
+
+def _indexer_case() -> FixtureCase:
+    """The DeepSeek-V3.2 lightning-indexer K cache: ``(NB, BS, 132)`` uint8 per layer, each
+    block holding all BS tokens' 128 fp8 key bytes, then their BS fp32 scales (vLLM 0.11
+    ``mla/indexer.py``, ``models/deepseek_v2.py::DeepseekV32IndexerCache``). The oracle is the
+    pair of segment views from :func:`blocked_views`: a token's staged row is its 128 value
+    bytes followed by its 4 scale bytes."""
+
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        kv = allocate(
+            "0.11.0", "INDEXER", "NHD",
+            num_layers=sizes["num_layers"], num_blocks=sizes["num_blocks"], block_size=sizes["block_size"],
+            num_kv_heads=1, head_size=INDEXER_BYTES, dtype=torch.uint8, device=device, cache_dtype="auto",
+        )  # fmt: skip
+        return kv, {"vllm_version": "0.11.0", "attention_backend": "FLASHMLA_SPARSE", "block_size": sizes["block_size"]}
+
+    def view(kv_caches: Any, layer: int, kv: int, hints: dict | None = None):
+        if kv != 0:
+            raise GeometryError("the indexer cache is key-only: kv must be 0")
+        values, scales = blocked_views(kv_caches, layer)
+        return values.unsqueeze(2), scales.unsqueeze(2)
+
+    return FixtureCase(
+        name="vllm-0.11-INDEXER",
+        engine="vllm",
+        format="NL_X_NB_BSV_BSS",
+        make=make,
+        kv_view=view,
+        sizes=dict(num_layers=2, num_blocks=4, block_size=16, num_heads=1, head_size=INDEXER_BYTES),
+        dtypes=(torch.uint8,),
+        source="vllm 0.11.0 vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache",
+        size_constraints={"fixed": ("num_heads", "head_size")},
+    )
