@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <vector>
 
 namespace kvcore {
 namespace {
@@ -72,17 +73,42 @@ int64_t cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at
   const int64_t s0 = staging.stride(0) * esz, s1 = staging.stride(1) * esz, s2 = staging.stride(2) * esz;
   const int64_t row_bytes = num_heads * head_bytes;
   const int64_t rows = kv * nl * T;
+  // each slot's block/offset split once (not once per layer and K/V): byte offset of the
+  // token in its plane, per K/V plane; -1 = skip
+  const bool same_planes = kv == 1 || (pl[0].block == pl[1].block && pl[0].token == pl[1].token);
+  std::vector<int64_t> tok_off(static_cast<size_t>(same_planes ? T : 2 * T));
+  for (int64_t k = 0; k < (same_planes ? 1 : 2); ++k)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t sv = slot[t];
+      tok_off[k * T + t] = (sv < 0 || sv >= num_slots) ? -1 : (sv / block_size) * pl[k].block + (sv % block_size) * pl[k].token;
+    }
+  const int64_t* offs = tok_off.data();
+  constexpr int64_t kAhead = 4;  // rows prefetched ahead (the next block's address is known here, not to the hardware)
   // at least ~64 KiB of rows per thread: below that a thread costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / row_bytes);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t t = r % T;
-      const int64_t s = slot[t];
-      if (s < 0 || s >= num_slots) continue;
-      const int64_t kl = r / T;
-      const int64_t k = kl / nl, l = kl % nl;
+    int64_t kl = begin / T, t = begin % T;
+    for (int64_t r = begin; r < end; ++r, ++t) {
+      if (t == T) {
+        t = 0;
+        ++kl;
+      }
+      const int64_t k = kl / nl, l = kl - k * nl;
+      const int64_t* ko = offs + (same_planes ? 0 : k * T);
+      const int64_t off = ko[t];
+      char* const pbase = reinterpret_cast<char*>(base[l * kv + k]);
       const PlaneStrides& p = pl[k];
-      char* cache = reinterpret_cast<char*>(base[l * kv + k]) + (s / block_size) * p.block + (s % block_size) * p.token;
+      if (t + kAhead < T && ko[t + kAhead] >= 0) {
+        const char* nx = pbase + ko[t + kAhead];
+        if (contig[k]) {
+          for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(nx + i, kGather ? 0 : 1);
+        } else if (p.n_chunks == 1) {
+          for (int64_t h = 0; h < num_heads; ++h)
+            for (int64_t i = 0; i < head_bytes; i += 64) __builtin_prefetch(nx + h * p.head + i, kGather ? 0 : 1);
+        }
+      }
+      if (off < 0) continue;
+      char* cache = pbase + off;
       char* row = st + k * s0 + l * s1 + t * s2;
       if (contig[k]) {
         if (kGather) copy_run(row, cache, row_bytes);
