@@ -16,7 +16,10 @@ FP_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8
 
 
 def test_matrix_has_one_case_per_row():
-    assert len(CASES) == len(MATRIX)
+    # one case per matrix row, plus the blocked-scale indexer (its oracle is a pair of segment views)
+    assert set(IDS) | {"vllm-0.11-INDEXER"} == set(CASES)
+    assert len(CASES) == len(MATRIX) + 1
+    assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
     assert {c.name for c in registered_fixtures("vllm")} == set(CASES)
 
 
