@@ -88,15 +88,22 @@ int64_t cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / row_bytes);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     int64_t kl = begin / T, t = begin % T;
+    // per-plane values change only every T rows
+    int64_t k = kl / nl, l = kl - k * nl;
+    const int64_t* ko = offs + (same_planes ? 0 : k * T);
+    char* pbase = reinterpret_cast<char*>(base[l * kv + k]);
+    char* srow = st + k * s0 + l * s1;
     for (int64_t r = begin; r < end; ++r, ++t) {
       if (t == T) {
         t = 0;
         ++kl;
+        k = kl / nl;
+        l = kl - k * nl;
+        ko = offs + (same_planes ? 0 : k * T);
+        pbase = reinterpret_cast<char*>(base[l * kv + k]);
+        srow = st + k * s0 + l * s1;
       }
-      const int64_t k = kl / nl, l = kl - k * nl;
-      const int64_t* ko = offs + (same_planes ? 0 : k * T);
       const int64_t off = ko[t];
-      char* const pbase = reinterpret_cast<char*>(base[l * kv + k]);
       const PlaneStrides& p = pl[k];
       if (t + kAhead < T && ko[t + kAhead] >= 0) {
         const char* nx = pbase + ko[t + kAhead];
@@ -109,7 +116,7 @@ int64_t cpu_transfer(const at::Tensor& ptrs, const at::Tensor& strides, const at
       }
       if (off < 0) continue;
       char* cache = pbase + off;
-      char* row = st + k * s0 + l * s1 + t * s2;
+      char* row = srow + t * s2;
       if (contig[k]) {
         if (kGather) copy_run(row, cache, row_bytes);
         else copy_run(cache, row, row_bytes);
