@@ -490,3 +490,26 @@ def test_registered_ops_match_the_direct_entry(device):
     bad = torch.zeros((2, 2, 9, 15), dtype=torch.float16, device=device)
     assert torch.ops.kvcore.scatter(pr.ptrs, pr.strides, slots, bad, *pr.args) != 0
     assert "staging row" in torch.ops.kvcore.last_error()
+
+
+def test_no_compiler_means_reference_with_one_warning(monkeypatch, caplog):
+    """Without a compiler the build is not attempted: one warning, the reference serves."""
+    monkeypatch.setenv("CXX", "no-such-compiler-kvcore")
+    assert "no C++ compiler" in _build._missing_tools()
+    fresh = _build.BuildStatus()
+    monkeypatch.setattr(_build, "_STATUS", fresh)
+    monkeypatch.setattr(_build, "_WARNED", False)
+    monkeypatch.setattr(_build, "_has_ops", lambda: False)
+    with caplog.at_level("WARNING", logger="kvcore.native"):
+        st = _build.load()
+        _build.load()
+    assert not st.loaded and "no C++ compiler" in st.reason
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "reference kernel serves" in warnings[0].getMessage()
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("KVCORE_NATIVE", "0")
+    monkeypatch.setattr(_build, "_STATUS", _build.BuildStatus())
+    st = _build.load()
+    assert not st.loaded and "KVCORE_NATIVE=0" in st.reason
