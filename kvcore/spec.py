@@ -234,9 +234,12 @@ class Spec:
     # -- the generic construction ----------------------------------------------------
     def _build(self) -> None:
         syn, fmt = self.syntax, self.format
-        if syn.blocked_scale or syn.has("NP"):
+        if syn.blocked_scale:
+            self._build_blocked_scale()
+            return
+        if syn.has("NP"):
             raise GeometryError(
-                f"format {fmt.name} has blocked-scale records or plane tuples; it needs a spec of its own "
+                f"format {fmt.name} has plane tuples of different widths; it needs a spec of its own "
                 "from the plugin that registers it (kvcore_spec hook), and none answered"
             )
         sizes: dict[str, int] = {}
@@ -369,6 +372,80 @@ class Spec:
         if syn.axis("NL") is not None:
             extents.append(("layer", self.num_layers_, layer_delta))
         _check_no_alias(fmt.name, extents, chunk_bytes, ref)
+
+    def _build_blocked_scale(self) -> None:
+        """``..._NB_BSV_BSS``: per-layer byte tensors ``[NB, BS, W]`` whose block holds the
+        ``BS`` records' value bytes first (``BS * (W - S)``), then their scale bytes
+        (``BS * S``) -- the DeepSeek-V3.2 indexer K cache and the quantised DeepSeek MLA pages.
+
+        A token's staged row is its value bytes followed by its scale bytes (``W`` bytes,
+        uint8, one head, kv_size 1): a main run (token stride ``W - S``) plus one
+        :class:`Segment` (offset ``BS * (W - S)``, token stride ``S``). The scale width ``S``
+        is an engine fact, so detection passes it: ``params={"scale_bytes": S}``. The block
+        stride is the tensor's own (a dim-0 padded pool keeps its padding).
+
+        Raises:
+            GeometryError: a nesting other than a layer list, tensors that are not 3-D byte
+                tensors of one shape and stride, no (or an impossible) ``scale_bytes``, or a
+                block whose bytes are not contiguous.
+        """
+        fmt = self.format
+        if self.syntax.list_levels != ("NL",) or self.syntax.axes != ("NB", "BSV", "BSS"):
+            raise GeometryError(f"format {fmt.name}: blocked-scale records are a layer list of [NB, BS, W] byte tensors (NL_X_NB_BSV_BSS)")
+        ref_path, ref = self.leaves[0]
+        for path, t in self.leaves:
+            if t.dim() != 3:
+                raise GeometryError(f"format {fmt.name}: kv_caches{list(path)} should be [NB, BS, W] bytes, got {_describe_tensor(t)}")
+            if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
+                raise GeometryError(
+                    f"format {fmt.name}: kv_caches{list(path)} ({_describe_tensor(t)}) differs from kv_caches{list(ref_path)} "
+                    f"({_describe_tensor(ref)}); a layout is uniform across its layers (use detect_per_layer for hybrid models)"
+                )
+        if ref.element_size() != 1 or torch.empty(0, dtype=self.dtype).element_size() != 1:
+            raise GeometryError(
+                f"format {fmt.name}: blocked-scale records are opaque bytes (uint8/int8), got tensors of {ref.dtype} read as {self.dtype}"
+            )
+        nb, bs, w = (int(x) for x in ref.shape)
+        if min(nb, bs, w) <= 0:
+            raise GeometryError(f"format {fmt.name}: zero-size axis in {_describe_tensor(ref)}")
+        scale = self.params.get("scale_bytes")
+        if not isinstance(scale, int) or isinstance(scale, bool) or not (0 < scale < w):
+            raise GeometryError(
+                f"format {fmt.name}: records of {w} bytes need params={{'scale_bytes': S}} with 0 < S < {w} "
+                f"(the engine's record table says how many of a record's bytes are scales), got {scale!r}"
+            )
+        if ref.stride(2) != 1 or (bs > 1 and ref.stride(1) != w):
+            raise GeometryError(
+                f"format {fmt.name}: a block's {bs}x{w} bytes must be contiguous (strides (*, {w}, 1)), got {_describe_tensor(ref)}: "
+                "values and scales are laid out block-wise, not per token"
+            )
+        vals, block = w - scale, int(ref.stride(0))
+        plane = PlaneStrides(
+            block=block,
+            token=vals,
+            head=0,
+            chunk=0,
+            chunk_bytes=vals,
+            n_chunks=1,
+            extra=(Segment(offset=bs * vals, token=scale, head=0, nbytes=scale),),
+        )
+        nl = len(self.leaves)
+        self.num_layers_, self.kv_size_, self.num_heads_, self.head_size_ = nl, 1, 1, w
+        self.num_blocks_, self.block_size_, self.num_slots_ = nb, bs, nb * bs
+        self.axis_sizes = {"NL": nl, "NB": nb, "BS": bs, "VALS": vals, "SCALES": scale}
+        self.table = StrideTable(
+            num_layers=nl,
+            kv_size=1,
+            block_size=bs,
+            num_slots=nb * bs,
+            num_heads=1,
+            head_bytes=w,
+            dtype=self.dtype,
+            device=self.device,
+            planes=(plane,),
+            bases=tuple(((t, t.storage_offset() * t.element_size()),) for _, t in self.leaves),
+        )
+        _check_no_alias(fmt.name, [("block", nb, block)], bs * w, ref)
 
     def _leaf_for(self, layer: int, kv: int) -> torch.Tensor:
         lv = self.syntax.list_levels

@@ -242,7 +242,7 @@ def test_independent_components_kv1_with_heads():
         ("NL_X_TWO_NB_BS_NH_HS", [torch.zeros(2, NB, BS, NH, HS), "x"], "torch.Tensor"),
         ("NL_X_TWO_NB_BS_NH_HS", [torch.zeros(2, NB, BS, NH, HS), torch.zeros(2, NB + 1, BS, NH, HS)], "uniform"),
         ("NL_X_TWO_NB_BS_NH_HS", [torch.zeros(2, NB, BS, NH, HS), torch.zeros(2, NB, BS, NH, HS, dtype=torch.float16)], "dtype"),
-        ("NL_X_NB_BSV_BSS", [torch.zeros(NB, BS, 132, dtype=torch.uint8)], "spec of its own"),
+        ("NL_X_NB_BSV_BSS", [torch.zeros(NB, BS, 132, dtype=torch.uint8)], "scale_bytes"),  # the engine must say the scale width
         ("NL_X_NP_X_NB_BS_ONE_HS", [(torch.zeros(NB, BS, 1, HS),)], "spec of its own"),
         ("NL_X_TWO_NB_BS_NH_HS", [torch.zeros(2, NB, BS, NH, HS * 2)[..., ::2]], None),  # strided HS: allowed
     ],
@@ -446,3 +446,19 @@ def test_meta_device_caches_build_and_aliasing_is_still_refused():
     assert lay.shape_desc().block_stride_elems == 0
     with pytest.raises(GeometryError, match="alias"):
         build_layout("NL_X_TWO_NB_BS_NH_HS", [kv[0], kv[0]])
+
+
+def test_blocked_scale_records_are_read_from_the_grammar_given_the_scale_width():
+    # [NB, BS, W] bytes; per block: BS records' value bytes, then their scale bytes
+    nb, bs, w, s = 3, 4, 12, 4
+    pool = torch.arange(nb * bs * w, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(nb, bs, w)
+    lay = kvcore.build_layout("NL_X_NB_BSV_BSS", [pool], params={"scale_bytes": s})
+    assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (nb, bs, 1, w, 1)
+    assert lay.describe() == f"1 x [{nb}, {bs}x{w - s}, {bs}x{s}]"
+    slots = torch.tensor([5, 0, 11])
+    out = kvcore.gather(lay, slots)
+    flat = pool.reshape(nb, bs * w)
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, bs)
+        want = torch.cat([flat[b, t * (w - s) : (t + 1) * (w - s)], flat[b, bs * (w - s) + t * s : bs * (w - s) + (t + 1) * s]])
+        assert torch.equal(out[0, 0, i], want)

@@ -381,7 +381,8 @@ def _indexer(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
         ps = width // fits[0]
     views = [index_page_view(t, ps) for t in ts]
     note = f"SGLang DSA/NSA indexer pool: pages of {ps} tokens, fp8 keys then fp32 scales"
-    return _decide([Candidate(INDEXER_FORMAT, views, None, note=note, label="indexer")], "indexer pool", ["page_size"])
+    params = {"scale_bytes": RECORD_SCALE_BYTES[width // ps]}
+    return _decide([Candidate(INDEXER_FORMAT, views, None, params=params, note=note, label="indexer")], "indexer pool", ["page_size"])
 
 
 # -- host pools -------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcore import hookimpl
-from kvcore_sglang.formats import FORMATS, INDEXER_FORMAT
+from kvcore_sglang.formats import FORMATS
 
 
 @hookimpl
@@ -19,15 +19,6 @@ def kvcore_detect(kv_caches, engine, hints):
     from kvcore_sglang.detect import detect_sglang
 
     return detect_sglang(kv_caches, hints)
-
-
-@hookimpl
-def kvcore_spec(format):
-    if format.name == INDEXER_FORMAT:
-        from kvcore_sglang.indexer import IndexerSpec
-
-        return IndexerSpec
-    return None
 
 
 @hookimpl

@@ -198,23 +198,17 @@ def test_mla_pool_offloads_into_mla_host_pool(mem):
             assert torch.equal(view[h // bs, h % bs].reshape(-1), kv[layer][lc].reshape(-1))
 
 
-def test_this_plugins_indexer_spec_matches_the_answering_spec():
-    # kvcore_spec is first-result by format: with kvcore-vllm installed its spec for
-    # NL_X_NB_BSV_BSS may answer first; both must describe SGLang's pages identically
-    from kvcore_sglang.indexer import IndexerSpec
-
+def test_indexer_pages_are_described_by_the_scale_width_detection_passes():
+    # the core reads NL_X_NB_BSV_BSS from the grammar; the plugin supplies the engine fact,
+    # 4 scale bytes per 132-byte record: keys at token stride 128, scales after the page's keys
     bufs = fx.alloc_indexer(num_layers=2, size=8 * 3, page_size=8)
     lay = kvcore.detect(bufs, "sglang")
-    mine = IndexerSpec(lay.format, lay.kv_caches)
-    t0, t1 = mine.stride_table(), lay.stride_table()
-    assert t0.signature() == t1.signature()
-    assert (mine.num_blocks, mine.block_size, mine.head_size, mine.num_heads) == (
-        lay.num_blocks,
-        lay.block_size,
-        lay.head_size,
-        lay.num_heads,
-    )
-    with pytest.raises(kvcore.GeometryError, match="record width 130"):
-        IndexerSpec(lay.format, [b[:, :, :130] for b in lay.kv_caches])
+    assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (bufs[0].shape[0], 8, 1, 132, 1)
+    (plane,) = lay.stride_table().planes
+    assert (plane.block, plane.token, plane.chunk_bytes) == (8 * 132, 128, 128)
+    assert [(x.offset, x.token, x.nbytes) for x in plane.extra] == [(8 * 128, 4, 4)]
+    assert lay.describe() == f"2 x [{bufs[0].shape[0]}, 8x128, 8x4]"
+    with pytest.raises(kvcore.GeometryError, match="scale_bytes"):
+        kvcore.build_layout("NL_X_NB_BSV_BSS", lay.kv_caches)
     with pytest.raises(kvcore.GeometryError, match="bytes"):
-        IndexerSpec(lay.format, [b.view(torch.int8) for b in lay.kv_caches])
+        kvcore.build_layout("NL_X_NB_BSV_BSS", [b.view(torch.float16) for b in lay.kv_caches], params={"scale_bytes": 4})

@@ -10,11 +10,12 @@ format is served by kvcore's generic spec, which reads the tensors' own strides.
   chunks interleaved across the block's tokens. Source: vLLM 0.11.0
   ``vllm/v1/attention/backends/cpu_attn.py::_PagedAttention.get_kv_cache_shape`` and
   ``::_PagedAttention.split_kv_cache`` (engine_layouts.md §1.9).
-* :class:`BlockedScaleSpec` -- ``NL_X_NB_BSV_BSS``: blocked-scale records (DeepSeek-V3.2
-  lightning indexer ``(NB, BS, 132)`` uint8, DeepSeek-V4 fp8_ds_mla MLA pages): per block all
-  BS tokens' value bytes, then all BS tokens' scale bytes. A token's staged row is
-  ``[values | scales]`` (``W = V + S`` bytes). Sources: vLLM 0.11.0
-  ``vllm/v1/attention/backends/mla/indexer.py`` and
+* ``NL_X_NB_BSV_BSS`` -- blocked-scale records (DeepSeek-V3.2 lightning indexer
+  ``(NB, BS, 132)`` uint8, DeepSeek-V4 fp8_ds_mla MLA pages): per block all BS tokens'
+  value bytes, then all BS tokens' scale bytes. kvcore's core spec reads them from the
+  grammar; this plugin supplies the engine fact it needs, the scale width per record width
+  (:data:`BLOCKED_SCALE_RECORDS`, passed as ``params={"scale_bytes": S}``). Sources: vLLM
+  0.11.0 ``vllm/v1/attention/backends/mla/indexer.py`` and
   ``vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache`` (head_size
   ``128 + 128 // 128 * 4 = 132``, dtype uint8); record/scale widths from LMCache
   ``specs/nl_x_nb_bsv_bss.py::BLOCKED_SCALE_RECORDS`` (lmcache_kv_format.md §6.4).
@@ -25,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from kvcore import GeometryError, Spec
-from kvcore.spec import PlaneStrides, Segment, StrideTable
+from kvcore.spec import PlaneStrides, StrideTable
 
-__all__ = ["PagedAttentionSpec", "BlockedScaleSpec", "BLOCKED_SCALE_RECORDS", "PAGED_ATTENTION_FORMAT", "BLOCKED_SCALE_FORMAT"]
+__all__ = ["PagedAttentionSpec", "BLOCKED_SCALE_RECORDS", "PAGED_ATTENTION_FORMAT", "BLOCKED_SCALE_FORMAT"]
 
 PAGED_ATTENTION_FORMAT = "NL_X_TWO_NB_NH_HS_BS"
 BLOCKED_SCALE_FORMAT = "NL_X_NB_BSV_BSS"
@@ -101,80 +102,4 @@ class PagedAttentionSpec(Spec):
         )
 
 
-class BlockedScaleSpec(Spec):
-    """``NL_X_NB_BSV_BSS``: a list of ``[NB, BS, W]`` byte tensors (uint8/int8), each block's
-    ``BS * W`` bytes being ``BS * V`` value bytes then ``BS * S`` scale bytes
-    (``W = V + S``; S from :data:`BLOCKED_SCALE_RECORDS`, or ``params={"scale_bytes": S}``).
-
-    Geometry: num_heads 1, head_size W (bytes, dtype uint8), kv_size 1. The block stride
-    is the tensor's own (a dim-0 padded pool keeps its padding).
-
-    Raises:
-        GeometryError: not 3-D byte tensors, an unknown record width without
-            ``scale_bytes``, or a block whose bytes are not contiguous.
-    """
-
-    def _build(self) -> None:
-        fmt = self.format
-        ts = [t for _, t in self.leaves]
-        ref = ts[0]
-        for t in ts:
-            if t.dim() != 3:
-                raise GeometryError(f"format {fmt.name} expects 3-D [NB, BS, W] byte tensors, got shape {tuple(t.shape)}")
-            if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
-                raise GeometryError(
-                    f"format {fmt.name}: layers differ (shape {tuple(t.shape)} stride {tuple(t.stride())} vs "
-                    f"{tuple(ref.shape)} {tuple(ref.stride())}); use detect_per_layer for mixed caches"
-                )
-        if ref.element_size() != 1:
-            raise GeometryError(f"format {fmt.name}: blocked-scale records are bytes (uint8/int8), got {ref.dtype}")
-        if torch.empty(0, dtype=self.dtype).element_size() != 1:
-            raise GeometryError(f"format {fmt.name}: blocked-scale records are opaque bytes; dtype {self.dtype} is not a byte type")
-        nb, bs, w = (int(x) for x in ref.shape)
-        s = int(self.params.get("scale_bytes") or BLOCKED_SCALE_RECORDS.get(w, 0))
-        if s <= 0 or s >= w:
-            raise GeometryError(
-                f"format {fmt.name}: record width {w} B is not a known blocked-scale record "
-                f"({', '.join(f'{k} B ({v} B scales)' for k, v in BLOCKED_SCALE_RECORDS.items())}); pass params scale_bytes"
-            )
-        if ref.stride(2) != 1 or (bs > 1 and ref.stride(1) != w):
-            raise GeometryError(
-                f"format {fmt.name}: a block's {bs}x{w} bytes must be contiguous (strides {tuple(ref.stride())}), "
-                "because its values and scales are laid out block-wise, not per token"
-            )
-        blk = int(ref.stride(0))
-        if nb > 1 and blk < bs * w:
-            raise GeometryError(f"format {fmt.name}: block stride {blk} B is smaller than a block's {bs * w} B; blocks would alias")
-        v = w - s
-        plane = PlaneStrides(
-            block=blk,
-            token=v,
-            head=0,
-            chunk=0,
-            chunk_bytes=v,
-            n_chunks=1,
-            extra=(Segment(offset=bs * v, token=s, head=0, nbytes=s),),
-        )
-        self.num_layers_ = len(ts)
-        self.num_blocks_ = nb
-        self.block_size_ = bs
-        self.num_slots_ = nb * bs
-        self.num_heads_ = 1
-        self.head_size_ = w
-        self.kv_size_ = 1
-        self.axis_sizes = {"NL": len(ts), "NB": nb, "BS": bs, "VALS": v, "SCALES": s}
-        self.table = StrideTable(
-            num_layers=len(ts),
-            kv_size=1,
-            block_size=bs,
-            num_slots=nb * bs,
-            num_heads=1,
-            head_bytes=w,
-            dtype=self.dtype,
-            device=self.device,
-            planes=(plane,),
-            bases=tuple(((t, t.storage_offset()),) for t in ts),
-        )
-
-
-SPECS = {PAGED_ATTENTION_FORMAT: PagedAttentionSpec, BLOCKED_SCALE_FORMAT: BlockedScaleSpec}
+SPECS = {PAGED_ATTENTION_FORMAT: PagedAttentionSpec}
