@@ -697,6 +697,15 @@ _DISPATCH = {
 }
 
 
+_DISPATCH_EXAMPLES = {
+    "bench": (
+        "kvcore bench --device cpu --quick",
+        "kvcore bench --device cuda --json --output bench.json",
+    ),
+    "check": ("kvcore check", "kvcore check vllm -q", "kvcore check trtllm --json"),
+}
+
+
 # -- the parser --------------------------------------------------------------------------
 
 DEMO_HELP = """\
@@ -861,7 +870,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             help=f"{what} ({module})",
             formatter_class=_Formatter,
             description=f"Dispatches to {module}; `kvcore {name} --help` lists its options when it is installed.",
-            epilog=f"examples:\n  kvcore {name} --help",
+            epilog="examples:\n" + "\n".join(f"  {e}" for e in _DISPATCH_EXAMPLES[name]),
         )
         p.set_defaults(func=None, module=module)
         if command == name:

@@ -173,7 +173,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     if det is None:
         asked = ", ".join(_detectors()) or "none (no engine plugin is installed)"
         raise DetectionError(
-            f"no kvcore plugin recognises this KV cache for engine {engine!r} (hints {h or 'none'}).\n"
+            f"{_unknown_engine(engine)}no kvcore plugin recognises this KV cache for engine {engine!r} (hints {h or 'none'}).\n"
             f"tensors:\n{describe_input(container)}\n"
             f"plugins asked: {asked}. Check the engine name, add hints (kv_cache_layout, attention_backend, "
             "block_size, num_kv_heads...), or install the engine's plugin."
@@ -193,6 +193,14 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         layout.layer_names = tuple(n_layer_names)
     log.debug("detected %s %s for engine %s (%s)", layout.format.name, layout.describe(), engine, det.note)
     return layout
+
+
+def _unknown_engine(engine: str) -> str:
+    """A first line for the error when no installed plugin declares ``engine`` at all."""
+    known = sorted({e for f in registry.formats() for e in f.engines} | set(registry.demos()))
+    if engine in known:
+        return ""
+    return f"no installed plugin declares engine {engine!r} (engines they declare: {', '.join(known) or 'none'}); "
 
 
 def _signature(x: Any) -> Any:
@@ -255,7 +263,7 @@ def detect_per_layer(
             if det is None:
                 asked = ", ".join(_detectors()) or "none"
                 raise DetectionError(
-                    f"no kvcore plugin recognises layers {idxs} for engine {engine!r}.\n"
+                    f"{_unknown_engine(engine)}no kvcore plugin recognises layers {idxs} for engine {engine!r}.\n"
                     f"tensors:\n{describe_input(sub)}\nplugins asked: {asked}"
                 )
             if det.format is None:

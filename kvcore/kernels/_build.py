@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +181,8 @@ def _build(with_cuda: bool) -> Path:
             "-gencode=arch=compute_90,code=compute_90",
             "--expt-relaxed-constexpr",
         ]
-    log.info("kvcore: building the native kernels into %s (first use; about a minute)", d)
+    # a first build takes about a minute: say so where a person sees it (logging is usually unconfigured)
+    print(f"kvcore: compiling the native transfer kernels into {d} (first use only; about a minute)...", file=sys.stderr, flush=True)
     global MODULE
     MODULE = cpp_extension.load(
         name=name,

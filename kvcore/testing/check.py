@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         kernels = sorted({t.kernel for t in tasks if t.kernel != "-"})
         print(
             f"kvcore check: {len(tasks)} checks; plugins {', '.join(sorted({t.plugin for t in tasks}))}; "
-            f"kernels {', '.join(kernels) or 'none'}\n",
+            f"kernels {', '.join(kernels) or 'none'}" + ("" if args.quiet else "\n"),
             flush=True,
         )
     results = []
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         plugins = sorted({r.plugin for r in results})
         formats = sorted({r.format for r in results if r.format})
         print(
-            f"\n{counts[suite.PASS]} passed, {counts[suite.FAIL]} failed, {counts[suite.SKIP]} skipped: "
+            f"{'' if args.quiet and not counts[suite.FAIL] else chr(10)}{counts[suite.PASS]} passed, {counts[suite.FAIL]} failed, {counts[suite.SKIP]} skipped: "
             f"{len(plugins)} plugin(s), {len(formats)} format(s), in {took:.1f} s"
         )
         if counts[suite.FAIL]:
