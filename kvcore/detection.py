@@ -82,6 +82,24 @@ def normalize_container(kv_caches: Any) -> tuple[Any, list[str] | None]:
     return kv_caches, names
 
 
+def tensors_in(container: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested dict/list/tuple container, in container order."""
+    out: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(container)
+    return out
+
+
 def _has_tensor(x: Any) -> bool:
     if isinstance(x, torch.Tensor):
         return True

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kvcore.detection import detect, detect_per_layer, normalize_container
+from kvcore.detection import detect, detect_per_layer, normalize_container, tensors_in
 from kvcore.errors import DetectionError, FormatError, GeometryError
 from kvcore.formats import KVFormat
 from kvcore.grammar import TOKENS, parse, render_concrete, render_symbolic
@@ -298,20 +298,7 @@ detect_format = normalize_kv_and_discover_format
 
 def extract_kv_cache_shapes(kv_caches: Any) -> set[torch.Size]:
     """Every leaf tensor's shape (LMCache ``kv_format.extract_kv_cache_shapes``)."""
-    out: set[torch.Size] = set()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            out.add(x.shape)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(kv_caches)
-    return out
+    return {t.shape for t in tensors_in(kv_caches)}
 
 
 def normalize_and_discover_per_layer_formats(

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvcore.detection import tensors_in
 from kvcore.errors import GeometryError
 
 __all__ = [
@@ -240,20 +241,7 @@ def first_mismatch(
 
 def leaves(container: Any) -> list[torch.Tensor]:
     """Every tensor in a nested dict/list/tuple container."""
-    out: list[torch.Tensor] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(container)
-    return out
+    return tensors_in(container)
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
