@@ -257,7 +257,12 @@ def detect_per_layer(
     if layer_groups is None:
         groups = [list(range(n))]
     else:
-        groups = [list(g) for g in layer_groups]
+        try:
+            groups = [list(g) for g in layer_groups]
+        except TypeError:
+            raise DetectionError(
+                f"layer_groups must be a list of lists of layer indices (the engine's KV cache groups), got {layer_groups!r}"
+            ) from None
         seen = [i for g in groups for i in g]
         bad = [i for i in seen if isinstance(i, bool) or not isinstance(i, int) or not (0 <= i < n)]
         if bad:

@@ -30,10 +30,40 @@ __all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_bl
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
+def _index_tensor(x, what: str) -> torch.Tensor:
+    """An integer index tensor from a tensor, list or numpy array, without casting: float,
+    bool or unsigned-64 input is refused rather than truncated or wrapped.
+
+    Raises:
+        TransferError: not integers, or on the meta device.
+    """
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TransferError(f"{what} must be a 1-D integer tensor (int64), got {type(x).__name__}: {e}") from None
+        if x.numel() == 0 and x.dtype == torch.float32:  # an empty list
+            x = x.to(torch.int64)
+    if x.dtype not in _INT_DTYPES:
+        raise TransferError(
+            f"{what} must be a 1-D integer tensor (it must hold integers, int64), got {x.dtype}; convert deliberately instead of letting values be truncated"
+        )
+    if x.device.type == "meta":
+        raise TransferError(f"{what} is on the meta device (no values); pass it on the CPU or the cache's device")
+    return x
+
+
 def _layers(layout: KVLayout, layers: Sequence[int] | int | None) -> list[int]:
     n = layout.num_layers
     if layers is None:
         return list(range(n))
+    if hasattr(layers, "ndim") and hasattr(layers, "tolist"):  # a torch or numpy array of layer indices
+        if layers.ndim == 0:
+            layers = layers.tolist()
+        elif layers.ndim == 1:
+            layers = list(layers.tolist())
+        else:
+            raise TransferError(f"layers must be a layer index or a 1-D list of layer indices, got an array of shape {tuple(layers.shape)}")
     try:
         seq = [layers] if isinstance(layers, int) else list(layers)
     except TypeError:
@@ -54,13 +84,12 @@ def _layers(layout: KVLayout, layers: Sequence[int] | int | None) -> list[int]:
 
 
 def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: bool) -> tuple[torch.Tensor, int]:
-    if not isinstance(slot_mapping, torch.Tensor):
-        try:
-            slot_mapping = torch.as_tensor(slot_mapping, dtype=torch.int64)
-        except (TypeError, ValueError) as e:
-            raise TransferError(f"slot_mapping must be an integer tensor [T], got {type(slot_mapping).__name__}: {e}") from None
-    if slot_mapping.dtype not in _INT_DTYPES:
-        raise TransferError(f"slot_mapping must hold integers (int64), got {slot_mapping.dtype}")
+    slot_mapping = _index_tensor(slot_mapping, "slot_mapping")
+    if layout.device.type == "meta":
+        raise TransferError(
+            "this layout describes tensors on the meta device (shapes without memory, e.g. from `kvcore detect`): "
+            "it can be described but not moved; detect the real cache to transfer"
+        )
     if slot_mapping.dim() != 1:
         raise TransferError(f"slot_mapping must be 1-D [T], got shape {tuple(slot_mapping.shape)}")
     t = slot_mapping.numel()
@@ -118,12 +147,21 @@ def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], s
         )
     if staging.numel() and staging.stride(-1) != 1:
         raise TransferError(f"{what}'s last dimension must be contiguous (stride 1), got strides {tuple(staging.stride())}")
+    if what == "out":
+        overlap = [i for i, (n, st) in enumerate(zip(staging.shape, staging.stride())) if n > 1 and st == 0]
+        if overlap:
+            raise TransferError(
+                f"out has stride 0 on axis {overlap[0]} (an expanded view): its rows overlap, so gathered rows would "
+                "overwrite each other; pass a buffer whose rows are distinct memory"
+            )
     return staging.unsqueeze(1) if single else staging
 
 
 def _scalar_layer(layers):
     """A numpy / 0-d torch integer scalar means one layer, like an int."""
     if layers is None or isinstance(layers, (int, list, tuple, range)) or not hasattr(layers, "__index__"):
+        return layers
+    if getattr(layers, "ndim", 0) != 0:  # a 1-element array is a list of one layer, not a scalar
         return layers
     try:
         return operator.index(layers)
@@ -206,9 +244,8 @@ def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = No
         bs, nb = layout.block_size, layout.num_blocks
     except GeometryError as e:
         raise TransferError(f"block transfers need blocks: {e}") from None
-    if not isinstance(block_ids, torch.Tensor):
-        block_ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    if block_ids.dtype not in _INT_DTYPES or block_ids.dim() != 1:
+    block_ids = _index_tensor(block_ids, "block_ids")
+    if block_ids.dim() != 1:
         raise TransferError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
     b = block_ids.to(device=layout.device, dtype=torch.int64)
     if b.numel() and int(b.max()) >= nb:

@@ -44,9 +44,12 @@ _MAX_CACHED = 64
 class _Prepared:
     """Per-table arguments of the native ops, computed once per stride table."""
 
-    __slots__ = ("ptrs", "strides", "base_align", "supported", "args", "__weakref__")
+    __slots__ = ("ptrs", "strides", "base_align", "supported", "args", "probe", "__weakref__")
 
     def __init__(self, table: StrideTable, device: torch.device):
+        # the first plane's storage: if the engine reallocated its cache since, re-prepare
+        t0 = table.bases[0][0][0]
+        self.probe = (t0, t0.untyped_storage().data_ptr(), t0.untyped_storage().nbytes())
         self.supported = table.kv_size in (1, 2) and all(not p.extra for p in table.planes)
         host = table.ptrs()
         self.ptrs = host.to(device) if device.type != "cpu" else host
@@ -64,12 +67,28 @@ class _Prepared:
 _CACHE: OrderedDict[int, tuple[weakref.ref, _Prepared]] = OrderedDict()
 
 
+def _fresh(prep: _Prepared) -> bool:
+    t, ptr, nbytes = prep.probe
+    st = t.untyped_storage()
+    return st.data_ptr() == ptr and st.nbytes() == nbytes
+
+
 def prepare(table: StrideTable) -> _Prepared:
-    """The op arguments for ``table`` (cached while the table lives)."""
+    """The op arguments for ``table`` (cached while the table lives, and while its first
+    plane's storage is the one it was prepared against).
+
+    Raises:
+        TransferError: the cache's storage shrank below what the layout addresses (the
+            engine reallocated it: detect again).
+    """
     key = id(table)
     hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is table:
+    if hit is not None and hit[0]() is table and _fresh(hit[1]):
         return hit[1]
+    for layer in table.bases:
+        for t, _ in layer:
+            if t.untyped_storage().nbytes() == 0:
+                raise TransferError("the cache's storage was freed or resized since detection; detect the cache again")
     prep = _Prepared(table, table.device)
     _CACHE[key] = (weakref.ref(table), prep)
     while len(_CACHE) > _MAX_CACHED:
@@ -118,7 +137,7 @@ class _NativeKernel:
     def _call(self, plan: TransferPlan, gather: bool) -> None:
         table = plan.table
         hit = _CACHE.get(id(table))
-        prep = hit[1] if hit is not None and hit[0]() is table else prepare(table)
+        prep = hit[1] if hit is not None and hit[0]() is table and _fresh(hit[1]) else prepare(table)
         ops = _OPS[0] if _OPS else _ops()
         if ops is None or not prep.supported:
             # select_kernel skips this kernel when it is given the table (or when the op

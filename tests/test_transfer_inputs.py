@@ -1,0 +1,87 @@
+"""Index inputs that must be refused rather than coerced, and borrowed storage that changes
+under a layout (failures seen in offloading systems: truncated float slots, wrapped
+unsigned ids, meta tensors from a log, a cache reallocated after detection)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvcore
+
+NB, BS, NH, HS = 4, 4, 2, 8
+
+
+@pytest.fixture()
+def layout():
+    caches = [torch.arange(2 * NB * BS * NH * HS, dtype=torch.float32).reshape(2, NB, BS, NH, HS) + 1000 * i for i in range(2)]
+    return kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches)
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [[1.7, 2.2], np.array([np.inf]), np.array([2**64 - 1], dtype=np.uint64), [True, False], np.array([-0.5]), torch.tensor([1.0])],
+    ids=["float-list", "inf", "uint64-wrap", "bools", "negative-float", "float-tensor"],
+)
+def test_non_integer_slot_mappings_are_refused_not_truncated(layout, slots):
+    before = [t.clone() for t in layout.kv_caches]
+    with pytest.raises(kvcore.TransferError, match="integer tensor"):
+        kvcore.gather(layout, slots)
+    with pytest.raises(kvcore.TransferError, match="integer tensor"):
+        kvcore.scatter(layout, slots, torch.zeros(2, 2, len(slots), NH * HS))
+    assert all(torch.equal(a, b) for a, b in zip(before, layout.kv_caches))
+
+
+def test_integer_lists_and_arrays_are_slots(layout):
+    want = kvcore.gather(layout, torch.tensor([1, 6]))
+    assert torch.equal(kvcore.gather(layout, [1, 6]), want)
+    assert torch.equal(kvcore.gather(layout, np.array([1, 6], dtype=np.int32)), want)
+    assert kvcore.gather(layout, []).shape == (2, 2, 0, NH * HS)
+    assert torch.equal(want[1, 0, 1].view(NH, HS), layout.kv_caches[0][1, 1, 2])  # slot 6 = block 1, offset 2
+
+
+def test_block_ids_must_be_integers(layout):
+    with pytest.raises(kvcore.TransferError, match="block_ids must be a 1-D integer"):
+        kvcore.gather_blocks(layout, [1.9])
+
+
+def test_a_one_element_array_of_layers_is_a_list_not_a_scalar(layout):
+    assert kvcore.gather(layout, [1], layers=torch.tensor([1])).shape == (2, 1, 1, NH * HS)
+    assert kvcore.gather(layout, [1], layers=np.array([1])).shape == (2, 1, 1, NH * HS)
+    assert kvcore.gather(layout, [1], layers=torch.tensor(1)).shape == (2, 1, NH * HS)
+    with pytest.raises(kvcore.TransferError, match="1-D"):
+        kvcore.gather(layout, [1], layers=torch.tensor([[1]]))
+
+
+def test_an_expanded_out_buffer_is_refused(layout):
+    out = torch.zeros(1, 1, 1, NH * HS).expand(2, 2, 3, NH * HS)
+    with pytest.raises(kvcore.TransferError, match="stride 0"):
+        kvcore.gather(layout, [1, 2, 3], out)
+
+
+def test_meta_layouts_describe_but_do_not_move():
+    lay = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", [torch.empty(2, NB, BS, NH, HS, device="meta") for _ in range(2)])
+    assert lay.describe() == f"2 x [2, {NB}, {BS}, {NH}, {HS}]"
+    with pytest.raises(kvcore.TransferError, match="meta"):
+        kvcore.gather(lay, [1])
+
+
+def test_meta_slot_mapping_is_refused(layout):
+    with pytest.raises(kvcore.TransferError, match="meta"):
+        kvcore.gather(layout, torch.tensor([1], device="meta"))
+
+
+def test_layer_groups_that_are_not_lists_are_a_detection_error():
+    with pytest.raises(kvcore.DetectionError, match="layer_groups"):
+        kvcore.detect_per_layer([torch.zeros(2, NB, BS, NH, HS)], "vllm", layer_groups=[0, 1])
+
+
+def test_a_reallocated_cache_is_written_where_it_now_lives(layout):
+    staged = kvcore.gather(layout, [5])  # primes any per-table kernel state
+    st = layout.kv_caches[0].untyped_storage()
+    n = st.nbytes()
+    st.resize_(0)
+    st.resize_(n)  # same size, new memory
+    kvcore.scatter(layout, [5], staged + 1)
+    assert torch.equal(kvcore.gather(layout, [5]), staged + 1)
