@@ -73,7 +73,7 @@ def normalize_container(kv_caches: Any) -> tuple[Any, list[str] | None]:
         kv_caches = [v for _, v in items]
     if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 0:
         raise DetectionError("kv_caches is empty; pass the engine's KV cache tensors (a list, tuple or dict of layers)")
-    if not _has_tensor(kv_caches):
+    if not tensors_in(kv_caches):
         if names is None and not isinstance(kv_caches, (list, tuple, str, bytes, int, float, bool, type(None))):
             # an engine's own cache object (a transformers DynamicCache, ...): passed untouched to the plugins,
             # whose kvcore_detect unwraps the objects of its engine; if none does, detect() says so
@@ -98,14 +98,6 @@ def tensors_in(container: Any) -> list[torch.Tensor]:
 
     walk(container)
     return out
-
-
-def _has_tensor(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, (list, tuple)):
-        return any(_has_tensor(y) for y in x)
-    return False
 
 
 def describe_input(kv_caches: Any, limit: int = 6) -> str:

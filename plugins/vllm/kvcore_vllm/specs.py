@@ -28,10 +28,9 @@ import torch
 from kvcore import GeometryError, Spec
 from kvcore.spec import PlaneStrides, StrideTable
 
-__all__ = ["PagedAttentionSpec", "BLOCKED_SCALE_RECORDS", "PAGED_ATTENTION_FORMAT", "BLOCKED_SCALE_FORMAT"]
+__all__ = ["PagedAttentionSpec", "BLOCKED_SCALE_RECORDS", "PAGED_ATTENTION_FORMAT"]
 
 PAGED_ATTENTION_FORMAT = "NL_X_TWO_NB_NH_HS_BS"
-BLOCKED_SCALE_FORMAT = "NL_X_NB_BSV_BSS"
 
 #: record bytes per token -> scale bytes per token (lmcache_kv_format.md §6.4).
 BLOCKED_SCALE_RECORDS = {584: 8, 528: 16, 352: 32, 132: 4, 68: 4}
