@@ -28,6 +28,7 @@ from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
+from kvcore.plan import LayoutPlan, plan, synchronize
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -53,6 +54,7 @@ __all__ = [
     "KVCorePluginWarning",
     "KVFormat",
     "KVLayout",
+    "LayoutPlan",
     "PageBufferShapeDesc",
     "PlaneStrides",
     "PluginError",
@@ -70,11 +72,13 @@ __all__ = [
     "get_format",
     "hookimpl",
     "parse_format",
+    "plan",
     "plugins",
     "register_plugin",
     "resolve",
     "scatter",
     "scatter_blocks",
     "slots_for_blocks",
+    "synchronize",
     "unregister_plugin",
 ]

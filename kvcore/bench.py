@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case"]
+__all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case", "quantised_table"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,63 @@ def random_fill(t: torch.Tensor, gen: torch.Generator | None = None) -> torch.Te
     else:
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device, generator=gen))
     return t
+
+
+def quantised_table(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    device,
+    gen: torch.Generator | None = None,
+):
+    """A quantised KV cache as a hand-built multi-plane stride table: int8 K and V values
+    ``[NB, BS, NH, HS]`` per layer with bf16 per-(token, head) scales ``[NB, BS, NH]`` in
+    sibling tensors (the int8 KV layout of LMDeploy's PyTorch engine, 0.6-0.11, without its
+    zeros), four planes ``K, V, KS, VS`` each staged into its own buffer
+    ``{role: [NL, T, NH * width]}`` in its dtype. Contents are random bytes.
+
+    Returns:
+        ``(table, {role: [tensor per layer]})``.
+    """
+    from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable
+
+    dev = torch.device(device)
+    planes, buffers, tensors = [], [], {}
+    for role, dt, width in (
+        ("K", torch.int8, head_size),
+        ("V", torch.int8, head_size),
+        ("KS", torch.bfloat16, 1),
+        ("VS", torch.bfloat16, 1),
+    ):
+        esz = torch.empty(0, dtype=dt).element_size()
+        shape = (num_blocks, block_size, num_heads, head_size) if width > 1 else (num_blocks, block_size, num_heads)
+        layers = [random_fill(torch.empty(shape, dtype=dt, device=dev), gen) for _ in range(num_layers)]
+        tensors[role] = layers
+        hb = width * esz
+        planes.append(
+            Plane(
+                role=role,
+                strides=PlaneStrides(block=block_size * num_heads * hb, token=num_heads * hb, head=hb, chunk=0, chunk_bytes=hb, n_chunks=1),
+                num_heads=num_heads,
+                head_bytes=hb,
+                dtype=dt,
+                bases=tuple((t, 0) for t in layers),
+                staging=StagingTarget(buffer=role, index=None, offset=0, head_stride=hb),
+            )
+        )
+        buffers.append(StagingBuffer(key=role, kv_size=None, row_bytes=num_heads * hb, dtype=dt))
+    table = StrideTable(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_slots=num_blocks * block_size,
+        device=dev,
+        planes=tuple(planes),
+        buffers=tuple(buffers),
+    )
+    return table, tensors
 
 
 def block_slots(num_tokens: int, block_size: int, block_ids: torch.Tensor) -> torch.Tensor:

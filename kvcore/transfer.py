@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore.errors import GeometryError, TransferError
-from kvcore.kernels import TransferPlan, select_kernel
+from kvcore.kernels import TransferPlan, select_kernel, staging_conflict
 from kvcore.layout import KVLayout
 
 __all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_blocks"]
@@ -157,6 +157,26 @@ def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], s
     return staging.unsqueeze(1) if single else staging
 
 
+def _resolve_neg_conj(staging, gather: bool):
+    """Staging carrying torch's negative/conjugate bit (``_neg_view()``): the kernels move raw
+    bytes, so a scatter reads a resolved copy and a gather writes into one that is then
+    copied back through the view. Returns ``(staging for the kernel, copy-back pairs)``."""
+    if isinstance(staging, torch.Tensor):
+        if staging.is_neg() or staging.is_conj():
+            fixed = staging.resolve_neg().resolve_conj()
+            return fixed, ([(staging, fixed)] if gather else [])
+        return staging, []
+    out, back = {}, []
+    for k, b in staging.items():
+        if isinstance(b, torch.Tensor) and (b.is_neg() or b.is_conj()):
+            out[k] = b.resolve_neg().resolve_conj()
+            if gather:
+                back.append((b, out[k]))
+        else:
+            out[k] = b
+    return out, back
+
+
 def _scalar_layer(layers):
     """A numpy / 0-d torch integer scalar means one layer, like an int."""
     if layers is None or isinstance(layers, (int, list, tuple, range)) or not hasattr(layers, "__index__"):
@@ -179,10 +199,16 @@ def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gath
         staging = torch.zeros(layout.staging_shape(t, layers if single else sel), dtype=layout.dtype, device=layout.device)
     st4 = _check_staging(layout, staging, sel, single, t, "out" if gather else "src")
     table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
+    why = staging_conflict(table, {"kv": st4}, "out" if gather else "src")
+    if why:
+        raise TransferError(why)
+    st4, back = _resolve_neg_conj(st4, gather)
     plan = TransferPlan(table=table, slots=slots, staging=st4, num_valid=nv)
     if nv:
         kernel = select_kernel(layout.device.type, layout.format.name, st4.device.type, table=table)
         (kernel.gather if gather else kernel.scatter)(plan)
+        for view, fixed in back:
+            view.copy_(fixed)
     return staging
 
 
@@ -193,6 +219,7 @@ def gather(
     *,
     layers: Sequence[int] | int | None = None,
     skip_prefix: int = 0,
+    validate: str | None = None,
 ) -> torch.Tensor:
     """Copy the tokens at ``slot_mapping`` from the paged cache into a staging buffer.
 
@@ -204,13 +231,21 @@ def gather(
             CUDA cache). Allocated when None.
         layers: a layer subset (staging order follows it), or one layer index.
         skip_prefix: leave the first n rows untouched.
+        validate: ``"device"`` (default), ``"sync"`` or ``"none"``: where slot values are
+            checked and when their error surfaces on a CUDA cache (:mod:`kvcore.plan`).
     Returns:
         the staging buffer.
     Raises:
         TransferError: before anything is written, for a slot >= page_buffer_size, a
-            bad shape, dtype or device, or a bad layer index.
+            bad shape, dtype or device, or a bad layer index; a staging buffer that shares
+            memory with the cache or whose rows share memory; a cache storage freed,
+            reallocated or replaced since detection. On CUDA with ``validate="device"``
+            a bad slot value is found on the GPU: nothing is written and the error is raised
+            by the next kvcore CUDA transfer or :func:`kvcore.synchronize`.
     """
-    return _run(layout, slot_mapping, out, layers, skip_prefix, True)
+    from kvcore.plan import _plan_for
+
+    return _plan_for(layout, layers).gather(slot_mapping, out, skip_prefix=skip_prefix, validate=validate)
 
 
 def scatter(
@@ -220,17 +255,26 @@ def scatter(
     *,
     layers: Sequence[int] | int | None = None,
     skip_prefix: int = 0,
+    validate: str | None = None,
 ) -> None:
     """Copy staged tokens into the paged cache at ``slot_mapping`` (the inverse of
     :func:`gather`). Negative slots and the first ``skip_prefix`` rows are not written.
+    A ``src`` carrying torch's negative/conjugate bit is read as its values.
 
     Raises:
         TransferError: before anything is written, for a slot out of range, a slot that
-            appears twice, or a bad shape, dtype, device or layer index.
+            appears twice, or a bad shape, dtype, device or layer index; a ``src`` that
+            shares memory with the cache (a view of the rows being written); a cache storage
+            freed, reallocated or replaced since detection. On CUDA with
+            ``validate="device"`` (default) slot values are checked on the GPU: a refused
+            call writes nothing and its error is raised by the next kvcore CUDA transfer or
+            :func:`kvcore.synchronize`.
     """
     if src is None:
         raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
-    _run(layout, slot_mapping, src, layers, skip_prefix, False)
+    from kvcore.plan import _plan_for
+
+    _plan_for(layout, layers).scatter(slot_mapping, src, skip_prefix=skip_prefix, validate=validate)
 
 
 def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = None) -> torch.Tensor:
@@ -260,12 +304,24 @@ def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = No
     return slots
 
 
-def gather_blocks(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, layers=None, skip_prefix: int = 0) -> torch.Tensor:
+def gather_blocks(
+    layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, layers=None, skip_prefix: int = 0, validate: str | None = None
+) -> torch.Tensor:
     """Gather whole blocks: staging ``[kv_size, NL, len(block_ids)*BS, NH*HS]``, block
-    ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`."""
-    return gather(layout, slots_for_blocks(layout, block_ids), out, layers=layers, skip_prefix=skip_prefix)
+    ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`
+    (on CUDA with ``validate="device"`` a block id past the cache is refused on the device,
+    as its slots)."""
+    from kvcore.plan import _plan_for
+
+    return _plan_for(layout, layers).gather_blocks(block_ids, out, skip_prefix=skip_prefix, validate=validate)
 
 
-def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, layers=None, skip_prefix: int = 0) -> None:
+def scatter_blocks(
+    layout: KVLayout, block_ids, src: torch.Tensor, *, layers=None, skip_prefix: int = 0, validate: str | None = None
+) -> None:
     """Scatter whole blocks (the inverse of :func:`gather_blocks`)."""
-    scatter(layout, slots_for_blocks(layout, block_ids), src, layers=layers, skip_prefix=skip_prefix)
+    if src is None:
+        raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
+    from kvcore.plan import _plan_for
+
+    _plan_for(layout, layers).scatter_blocks(block_ids, src, skip_prefix=skip_prefix, validate=validate)

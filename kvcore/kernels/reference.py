@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvcore.kernels import TransferPlan
+from kvcore.kernels import TransferPlan, check_storages
 from kvcore.spec import Plane, StrideTable
 
 _UNIT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -108,6 +108,7 @@ class ReferenceKernel:
 
     def _run(self, plan: TransferPlan, gather: bool) -> None:
         table = plan.table
+        check_storages(table)  # a freed or re-created cache storage is a TransferError, never a raw error
         if plan.num_valid == 0:
             return
         buffers = plan.buffers
