@@ -116,6 +116,7 @@ def test_native_op_refuses_overlapping_and_aliasing_plane_buffers():
     shapes = {b.key: b.shape(2, 3) for b in table.buffers}
     good = {b.key: torch.zeros(shapes[b.key], dtype=b.dtype) for b in table.buffers}
     slots = torch.tensor([1, 5, 9])
+
     def raw():  # bytes (random bf16 scales hold NaNs)
         return [t.view(torch.uint8).clone() for ts in tensors.values() for t in ts]
 
