@@ -43,8 +43,11 @@ int64_t fail(std::string msg, int64_t code = kRefused) {
   return code;
 }
 
-// Bytes of a CPU transfer below which one thread moves everything (set_cpu_grain).
-std::atomic<int64_t> g_cpu_grain{int64_t{4} << 20};
+// Bytes per thread of a CPU transfer (set_cpu_grain): below twice this one thread moves
+// everything, on the calling thread. Measured on a 2-core VM with its cores busy (load
+// average 6): waking the pool's second thread cost 1-20 ms per call, so at 8 MB two
+// threads took 35x one thread's time and even at 268 MB 1.2x (scripts/cpu_grain.py).
+std::atomic<int64_t> g_cpu_grain{int64_t{16} << 20};
 
 std::string hex(uintptr_t v) {
   char b[32];
@@ -438,7 +441,8 @@ std::string take_device_error() {
 
 int64_t to_cuda_transfer_and_run(bool gather, const std::vector<PlaneDesc>& pl, const at::Tensor& ptrs, const at::Tensor& slots,
                                  int64_t NL, int64_t block_size, int64_t num_slots, int64_t skip, int validate, int* flag,
-                                 uint32_t* bitmap, int64_t call, const std::vector<char>& host_plane, const char* op) {
+                                 uint32_t* bitmap, int64_t call, DeviceErrorRecord* dev_rec, const std::vector<char>& host_plane,
+                                 const char* op) {
   bool any_host = false;
   for (char h : host_plane) any_host = any_host || h;
 #ifdef KVCORE_WITH_CUDA
@@ -474,9 +478,7 @@ int64_t to_cuda_transfer_and_run(bool gather, const std::vector<PlaneDesc>& pl, 
   a.call = call;
   a.pdl = g_pdl.load(std::memory_order_relaxed);
   if (validate) {
-    DeviceErrorRecord* dev_rec = nullptr;
-    if (cuda_error_record(a.device, &dev_rec) == nullptr || dev_rec == nullptr)
-      return fail(cat("kvcore.", op, " (CUDA): could not allocate the pinned error record for device validation"));
+    if (dev_rec == nullptr) return fail(cat("kvcore.", op, " (CUDA): no pinned error record for device validation"));
     a.record = dev_rec;
   }
   const char* err = cuda_transfer(gather, a);
@@ -484,7 +486,7 @@ int64_t to_cuda_transfer_and_run(bool gather, const std::vector<PlaneDesc>& pl, 
   return kOk;
 #else
   (void)gather, (void)pl, (void)ptrs, (void)slots, (void)NL, (void)block_size, (void)num_slots, (void)skip, (void)validate, (void)flag,
-      (void)bitmap, (void)call, (void)any_host;
+      (void)bitmap, (void)call, (void)any_host, (void)dev_rec;
   return fail(cat("kvcore.", op, ": this build of the op library has no CUDA implementation"));
 #endif
 }
@@ -519,7 +521,7 @@ int64_t raw_transfer(bool gather, const at::Tensor& ptrs, const at::Tensor& plan
     else cpu_move<false>(pl, ptrs.data_ptr<int64_t>(), NL, slots.data_ptr<int64_t>(), T, 0, block_size, num_slots);
     return kOk;
   }
-  return to_cuda_transfer_and_run(gather, pl, ptrs, slots, NL, block_size, num_slots, 0, 0, nullptr, nullptr, 0, host_plane, op);
+  return to_cuda_transfer_and_run(gather, pl, ptrs, slots, NL, block_size, num_slots, 0, 0, nullptr, nullptr, 0, nullptr, host_plane, op);
 }
 
 int64_t raw_gather(const at::Tensor& ptrs, const at::Tensor& planes, const at::Tensor& slots, at::TensorList staging, int64_t block_size,
@@ -638,6 +640,9 @@ class NativePlan {
     if (!device_.is_cuda()) return cat("kvcore.plan: the native op serves CPU and CUDA caches, not ", device_);
     if (NL_ > 65535) return cat("kvcore.plan (CUDA): at most 65535 layers per launch, got ", NL_);
     ptrs_ = host_ptrs_.to(device_);
+    // the pinned error record is allocated here, not in a call that may be captured in a graph
+    if (cuda_error_record(device_.index(), &dev_rec_) == nullptr || dev_rec_ == nullptr)
+      return "kvcore.plan (CUDA): could not allocate the pinned error record for device validation";
     flags_ = at::zeros({128}, at::TensorOptions().dtype(at::kInt).device(device_));
     bitmap_ = at::zeros({std::max<int64_t>(1, (num_slots_ + 31) / 32)}, at::TensorOptions().dtype(at::kInt).device(device_));
     return std::string();
@@ -701,7 +706,7 @@ class NativePlan {
       flag = flags_.data_ptr<int>() + idx;
     }
     rc = to_cuda_transfer_and_run(gather, pl, ptrs_, slots, NL_, block_size_, num_slots_, skip, validate ? 1 : 0, flag,
-                                  gather ? nullptr : reinterpret_cast<uint32_t*>(bitmap_.data_ptr<int>()), call, host_plane, op);
+                                  gather ? nullptr : reinterpret_cast<uint32_t*>(bitmap_.data_ptr<int>()), call, dev_rec_, host_plane, op);
     if (rc != kOk) return rc;
     if (validate == 2) {
       const char* err = cuda_stream_sync(stream);
@@ -737,6 +742,7 @@ class NativePlan {
   std::vector<std::string> labels_;
   std::vector<std::pair<uintptr_t, uintptr_t>> extents_;
   at::Tensor flags_, bitmap_;
+  DeviceErrorRecord* dev_rec_ = nullptr;  // the pinned error record's device address
   std::atomic<int64_t> calls_{0}, captures_{0};
 };
 

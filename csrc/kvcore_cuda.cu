@@ -286,6 +286,7 @@ int64_t gcd64(int64_t a, int64_t b) {
 }
 
 thread_local std::string g_error;
+bool g_pdl_failed = false;  // set once a launch with programmatic dependent launch was refused
 
 const char* fail(const std::string& msg) {
   g_error = msg;
@@ -368,7 +369,7 @@ const char* run_transfer(const CudaTransfer& a) {
     const unsigned threads = static_cast<unsigned>(std::min<int64_t>(1024, std::max<int64_t>(32, (n + 31) / 32 * 32)));
     check_kernel<<<1, threads, 0, stream>>>(a.slots, static_cast<uint32_t>(a.T), static_cast<uint32_t>(std::min(a.skip, a.T)),
                                             a.num_slots, kGather ? nullptr : a.bitmap, a.flag, a.record, a.call, kGather ? 1 : 0,
-                                            a.pdl ? 1 : 0);
+                                            a.pdl && !g_pdl_failed ? 1 : 0);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return fail(std::string("check kernel launch failed: ") + cudaGetErrorString(err));
   }
@@ -405,7 +406,15 @@ const char* run_transfer(const CudaTransfer& a) {
       dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(a.NL));
       const void* fn = a.unroll == 8 ? kernel_fn<kGather, 8>(uniform, dp[g0].width, dp[g0].mode)
                                      : kernel_fn<kGather, 4>(uniform, dp[g0].width, dp[g0].mode);
-      cudaError_t err = launch(fn, grid, stream, a.validate && a.pdl && first_launch, q);
+      const bool pdl = a.validate && a.pdl && !g_pdl_failed && first_launch;
+      cudaError_t err = launch(fn, grid, stream, pdl, q);
+      if (err != cudaSuccess && pdl) {
+        // no programmatic dependent launch here: launch in plain stream order (still correct:
+        // the check kernel has finished before the transfer starts)
+        (void)cudaGetLastError();
+        g_pdl_failed = true;
+        err = launch(fn, grid, stream, false, q);
+      }
       first_launch = false;
       if (err != cudaSuccess) {
         (void)cudaGetLastError();

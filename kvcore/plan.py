@@ -103,9 +103,13 @@ class LayoutPlan:
     def allocate(self, num_tokens: int, *, device=None, pin_memory: bool = False):
         """Zeroed staging for ``num_tokens`` tokens: a tensor (classic staging) or a dict
         ``{role: tensor}``, on ``device`` (default: the cache's), pinned when asked."""
+        from kvcore.kernels import single_threaded
+
         dev = torch.device(device) if device is not None else self.device
         shapes = self.staging_shapes(num_tokens)
-        out = {b.key: torch.zeros(shapes[b.key], dtype=b.dtype, device=dev, pin_memory=pin_memory) for b in self.table.buffers}
+        nbytes = num_tokens * self.table.num_layers * sum(b.row_bytes * (b.kv_size or 1) for b in self.table.buffers)
+        with single_threaded(dev, nbytes):  # a small zero fill on the calling thread
+            out = {b.key: torch.zeros(shapes[b.key], dtype=b.dtype, device=dev, pin_memory=pin_memory) for b in self.table.buffers}
         return out["kv"] if self.classic_staging else out
 
     # -- transfers --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ answers what no other claims. ``KVCORE_KERNEL=name`` forces one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +24,17 @@ import torch
 from kvcore.errors import TransferError
 from kvcore.spec import StrideTable
 
-__all__ = ["TransferKernel", "TransferPlan", "select_kernel", "kernel_report", "check_storages", "plane_span", "staging_conflict"]
+__all__ = [
+    "TransferKernel",
+    "TransferPlan",
+    "select_kernel",
+    "kernel_report",
+    "check_storages",
+    "plane_span",
+    "staging_conflict",
+    "single_threaded",
+    "cpu_grain",
+]
 
 
 @dataclass(frozen=True)
@@ -232,3 +243,31 @@ def staging_conflict(table: StrideTable, buffers: Mapping[str, torch.Tensor], wh
             if l1 != h1 and l2 != h2 and l1 < h2 and l2 < h1:
                 return f"staging buffers {b!r} and {a!r} share memory; each plane's buffer needs its own memory"
     return None
+
+
+def cpu_grain() -> int:
+    """Bytes per CPU thread of a transfer: below twice this, CPU work stays on the calling
+    thread (the native op library's setting, ``KVCORE_CPU_GRAIN_BYTES``; 16 MiB without it)."""
+    from kvcore.kernels import _build
+
+    mod = _build.MODULE
+    if mod is not None and hasattr(mod, "cpu_grain"):
+        return int(mod.cpu_grain())
+    env = os.environ.get("KVCORE_CPU_GRAIN_BYTES", "").strip()
+    return int(env) if env.isdigit() else 16 << 20
+
+
+@contextlib.contextmanager
+def single_threaded(device: torch.device, nbytes: int):
+    """Run the block's torch CPU ops on the calling thread when ``nbytes`` is below two
+    grains (:func:`cpu_grain`): on a busy host, waking the intra-op pool costs milliseconds
+    per op, far more than moving a few MB. No effect for other devices or large sizes."""
+    if device.type != "cpu" or nbytes >= 2 * cpu_grain() or torch.get_num_threads() <= 1:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
