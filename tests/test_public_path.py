@@ -176,11 +176,11 @@ def test_cuda_graph_capture_and_replay_with_new_slot_values(validate):
         assert torch.equal(out[:, :, ok], want[:, :, ok])
         assert _same(_raw(lay), _raw(ref))
     if validate == "device":
-        snap, keep = _raw(lay), out.clone()
-        slots.copy_(torch.tensor([3, 3, 4, 5], device="cuda"))  # a repeated scatter slot
+        snap = _raw(lay)
+        slots.copy_(torch.tensor([3, 3, 4, 5], device="cuda"))  # a repeated scatter slot (the gather may read it twice)
         g.replay()
         torch.cuda.synchronize()
-        assert _same(_raw(lay), snap) and torch.equal(out, keep)
+        assert _same(_raw(lay), snap)
         with pytest.raises(TransferError, match="slot 3 appears more than once"):
             kvcore.synchronize()
 
