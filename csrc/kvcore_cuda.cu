@@ -215,22 +215,52 @@ __global__ void __launch_bounds__(1024) check_kernel(const int64_t* __restrict__
     min_dup = ULLONG_MAX;
   }
   __syncthreads();
-  for (uint32_t t = skip + threadIdx.x; t < T; t += blockDim.x) {
+  // each thread checks a run of consecutive tokens: an engine's slots come in runs of a
+  // block's tokens, so bits of one bitmap word are combined before one atomicOr
+  const uint32_t n = T - skip;
+  const uint32_t per = (n + blockDim.x - 1) / blockDim.x;
+  const uint32_t t0 = skip + threadIdx.x * per;
+  const uint32_t t1 = min(T, t0 + per);
+  uint64_t word = ~uint64_t{0};
+  uint32_t mask = 0;
+  auto flush = [&]() {
+    if (mask == 0) return;
+    const uint32_t old = atomicOr(bitmap + word, mask);
+    if (old & mask) atomicMin(&min_dup, static_cast<unsigned long long>(word * 32 + __ffs(old & mask) - 1));
+  };
+  for (uint32_t t = t0; t < t1; ++t) {
     const int64_t s = slots[t];
     if (s >= num_slots) {
       atomicMin(&first_bad, t);
     } else if (bitmap != nullptr && s >= 0) {
+      const uint64_t w = static_cast<uint64_t>(s) >> 5;
       const uint32_t bit = 1u << (static_cast<uint64_t>(s) & 31);
-      const uint32_t old = atomicOr(bitmap + (static_cast<uint64_t>(s) >> 5), bit);
-      if (old & bit) atomicMin(&min_dup, static_cast<unsigned long long>(s));
+      if (w != word) {
+        flush();
+        word = w;
+        mask = 0;
+      }
+      if (mask & bit) atomicMin(&min_dup, static_cast<unsigned long long>(s));  // twice in this run
+      mask |= bit;
     }
   }
+  if (bitmap != nullptr) flush();
   __syncthreads();
   if (bitmap != nullptr) {  // leave the bitmap all zero for the next call
-    for (uint32_t t = skip + threadIdx.x; t < T; t += blockDim.x) {
+    word = ~uint64_t{0};
+    mask = 0;
+    for (uint32_t t = t0; t < t1; ++t) {
       const int64_t s = slots[t];
-      if (s >= 0 && s < num_slots) atomicAnd(bitmap + (static_cast<uint64_t>(s) >> 5), ~(1u << (static_cast<uint64_t>(s) & 31)));
+      if (s < 0 || s >= num_slots) continue;
+      const uint64_t w = static_cast<uint64_t>(s) >> 5;
+      if (w != word) {
+        if (mask) atomicAnd(bitmap + word, ~mask);
+        word = w;
+        mask = 0;
+      }
+      mask |= 1u << (static_cast<uint64_t>(s) & 31);
     }
+    if (mask) atomicAnd(bitmap + word, ~mask);
   }
   if (threadIdx.x == 0) {
     const int verdict = first_bad != UINT_MAX ? 1 : (min_dup != ULLONG_MAX ? 2 : 0);
@@ -332,13 +362,21 @@ const char* run_transfer(const CudaTransfer& a) {
   for (int64_t k = 0; k < P; ++k) {
     const PlaneDesc& s = a.plane[k];
     char* st = s.st_base;
+    const uint32_t mode = s.row_contiguous() ? kRowContig : (s.n_chunks == 1 ? kHeadRuns : kChunks);
+    // the widest unit every address this plane's mode forms allows: a contiguous row is
+    // one run (its heads' own sizes do not matter: 8 heads of 2-byte scales move as one
+    // 16-byte unit), head runs add the head strides, chunks the chunk strides
     int64_t g = s.base_align >= 1 ? std::min<int64_t>(16, s.base_align) : 1;
-    for (int64_t v : {reinterpret_cast<int64_t>(st), s.st_layer, s.st_tok, s.st_head, s.block, s.token, s.token_group_stride, s.head,
-                      s.chunk, s.chunk_bytes, s.head_bytes})
-      g = gcd64(g, v);
+    for (int64_t v : {reinterpret_cast<int64_t>(st), s.st_layer, s.st_tok, s.block, s.token, s.token_group_stride}) g = gcd64(g, v);
+    if (mode == kRowContig) {
+      g = gcd64(g, s.num_heads * s.head_bytes);
+    } else {
+      for (int64_t v : {s.head, s.head_bytes, s.st_head}) g = gcd64(g, v);
+      if (mode == kChunks)
+        for (int64_t v : {s.chunk, s.chunk_bytes}) g = gcd64(g, v);
+    }
     int width = static_cast<int>(g == 0 ? 16 : g);
     if (width != 16 && width != 8 && width != 4 && width != 2) width = (width % 8 == 0) ? 8 : (width % 4 == 0) ? 4 : (width % 2 == 0) ? 2 : 1;
-    const uint32_t mode = s.row_contiguous() ? kRowContig : (s.n_chunks == 1 ? kHeadRuns : kChunks);
     const int64_t upr = s.num_heads * s.head_bytes / width;
     if (upr > std::numeric_limits<int32_t>::max() || upr <= 0) return fail("a token row is too large (more than 2^31 units)");
     max_tokens = std::min<int64_t>(max_tokens, std::max<int64_t>(1, std::numeric_limits<int32_t>::max() / upr));

@@ -46,6 +46,18 @@ from kvcore.errors import GeometryError, TransferError
 __all__ = ["LayoutPlan", "plan", "synchronize"]
 
 _VALIDATE = {"device": 1, "sync": 2, "none": 0}
+_Tensor = torch.Tensor
+_INT64 = torch.int64
+# os.environ.get costs ~1-2 us per call; the POSIX bytes mapping behind it ~0.1 us
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def _forced_kernel():
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(b"KVCORE_KERNEL")
+    return os.environ.get("KVCORE_KERNEL")
+
+
 _MAX_PLANS_PER_LAYOUT = 256
 
 
@@ -126,7 +138,7 @@ class LayoutPlan:
         if prep is None:
             return self._generic(True, slot_mapping, out, skip_prefix)
         s = slot_mapping
-        if s.__class__ is not torch.Tensor or s.dtype is not torch.int64 or s.is_cuda is not self._cuda or not s.is_contiguous():
+        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not s.is_contiguous():
             s = self._slots_in(s)
         v = 1 if validate is None else self._validate(validate)
         if skip_prefix.__class__ is not int:
@@ -135,7 +147,12 @@ class LayoutPlan:
             if s.dim() != 1:
                 self._slots_in(s)
             out = self.allocate(s.shape[0])
-        self._launch(prep, True, s, out, skip_prefix, v, slot_mapping)
+        if out.__class__ is _Tensor:
+            rc = prep.plan.run1(True, s, out, skip_prefix, v)
+        else:
+            rc = prep.plan.run(True, s, prep.staging_list(out), skip_prefix, v)
+        if rc:
+            self._failed(prep, rc, True, s, out, skip_prefix, v, slot_mapping)
         return out
 
     def scatter(self, slot_mapping, src, *, skip_prefix: int = 0, validate: str | None = None) -> None:
@@ -154,12 +171,17 @@ class LayoutPlan:
             self._generic(False, slot_mapping, src, skip_prefix)
             return
         s = slot_mapping
-        if s.__class__ is not torch.Tensor or s.dtype is not torch.int64 or s.is_cuda is not self._cuda or not s.is_contiguous():
+        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not s.is_contiguous():
             s = self._slots_in(s)
         v = 1 if validate is None else self._validate(validate)
         if skip_prefix.__class__ is not int:
             skip_prefix = self._skip_in(skip_prefix, s)
-        self._launch(prep, False, s, src, skip_prefix, v, slot_mapping)
+        if src.__class__ is _Tensor:
+            rc = prep.plan.run1(False, s, src, skip_prefix, v)
+        else:
+            rc = prep.plan.run(False, s, prep.staging_list(src), skip_prefix, v)
+        if rc:
+            self._failed(prep, rc, False, s, src, skip_prefix, v, slot_mapping)
 
     def gather_blocks(self, block_ids, out=None, *, skip_prefix: int = 0, validate: str | None = None):
         """Gather whole blocks (see :func:`kvcore.gather_blocks`). On CUDA with
@@ -176,17 +198,24 @@ class LayoutPlan:
         synchronize(self.device)
 
     # -- internals --------------------------------------------------------------------------
-    def _launch(self, prep, gather: bool, s: torch.Tensor, staging, skip: int, v: int, original) -> None:
-        from kvcore.kernels.native import RC_REFUSED, NativeRefusal, _Pageable, run_prepared
+    def _failed(self, prep, rc: int, gather: bool, s: torch.Tensor, staging, skip: int, v: int, original) -> None:
+        """The op declined a call before moving a byte (return code ``rc``): call it again
+        the way the code says (staging with torch's negative/conjugate bit resolved;
+        pageable host staging through the generic path), or raise the refusal (a stale
+        storage, an earlier call's device refusal, anything else the op checks)."""
+        from kvcore.kernels import _build
+        from kvcore.kernels.native import RC_NEG_CONJ, RC_PAGEABLE, RC_REFUSED, run_prepared
 
-        try:
+        msg = _build.MODULE.last_error()
+        if rc == RC_NEG_CONJ:
             run_prepared(prep, gather, s, staging, skip, v, "")
-        except _Pageable:
+            return
+        if rc == RC_PAGEABLE:
             self._generic(gather, original, staging, skip)
-        except NativeRefusal as e:
-            if e.code == RC_REFUSED:
-                self._explain(gather, original, staging, skip)
-            raise TransferError(str(e)) from None
+            return
+        if rc == RC_REFUSED:
+            self._explain(gather, original, staging, skip)
+        raise TransferError(msg)
 
     def _explain(self, gather: bool, slot_mapping, staging, skip: int) -> None:
         """Raise the Python layer's message for a call the op refused (the same checks,
@@ -266,16 +295,16 @@ def plan(layout, layers: Sequence[int] | int | None = None) -> LayoutPlan:
 
 def _plan_for(layout, layers) -> LayoutPlan:
     """The plan ``kvcore.gather`` / ``scatter`` use: one per (layout, layers, forced kernel)."""
-    cache = layout.__dict__.get("_kvcore_plans")
-    if cache is None:
-        cache = layout.__dict__["_kvcore_plans"] = {}
+    try:
+        cache = layout._kvcore_plans
+    except AttributeError:
+        cache = layout._kvcore_plans = {}
     if layers is None or layers.__class__ is int:
-        key = layers
+        key = (layers, _forced_kernel())
     elif isinstance(layers, (list, tuple, range)):
-        key = ("L", *layers)
+        key = (("L", *layers), _forced_kernel())
     else:
         return LayoutPlan(layout, layers)
-    key = (key, os.environ.get("KVCORE_KERNEL"))
     p = cache.get(key)
     if p is None:
         p = LayoutPlan(layout, layers)

@@ -24,6 +24,7 @@ import torch
 from kvcore.errors import GeometryError, TransferError
 from kvcore.kernels import TransferPlan, select_kernel, staging_conflict
 from kvcore.layout import KVLayout
+from kvcore.plan import _plan_for
 
 __all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_blocks"]
 
@@ -243,8 +244,6 @@ def gather(
             a bad slot value is found on the GPU: nothing is written and the error is raised
             by the next kvcore CUDA transfer or :func:`kvcore.synchronize`.
     """
-    from kvcore.plan import _plan_for
-
     return _plan_for(layout, layers).gather(slot_mapping, out, skip_prefix=skip_prefix, validate=validate)
 
 
@@ -272,8 +271,6 @@ def scatter(
     """
     if src is None:
         raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
-    from kvcore.plan import _plan_for
-
     _plan_for(layout, layers).scatter(slot_mapping, src, skip_prefix=skip_prefix, validate=validate)
 
 
@@ -311,8 +308,6 @@ def gather_blocks(
     ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`
     (on CUDA with ``validate="device"`` a block id past the cache is refused on the device,
     as its slots)."""
-    from kvcore.plan import _plan_for
-
     return _plan_for(layout, layers).gather_blocks(block_ids, out, skip_prefix=skip_prefix, validate=validate)
 
 
@@ -322,6 +317,4 @@ def scatter_blocks(
     """Scatter whole blocks (the inverse of :func:`gather_blocks`)."""
     if src is None:
         raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
-    from kvcore.plan import _plan_for
-
     _plan_for(layout, layers).scatter_blocks(block_ids, src, skip_prefix=skip_prefix, validate=validate)

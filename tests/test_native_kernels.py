@@ -317,6 +317,9 @@ def test_edge_geometries(device, geom, force):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_calls_write_nothing(device, force):
+    """Refused before anything moves (``validate="sync"``: on CUDA the slot values are
+    checked on the device and the call raises before returning; the deferred default is
+    tested in test_public_path.py)."""
     k = _native(device)
     name = "NL_X_TWO_NB_BS_NH_HS"
     logical = _logical(name, 2, 4, 4, 2, 8, torch.bfloat16, device, seed=23)
@@ -325,12 +328,12 @@ def test_bad_calls_write_nothing(device, force):
     before = _storage_bytes(caches)
     out = _poison(layout, 4, device)
     with pytest.raises(TransferError, match="out of range"):
-        kvcore.gather(layout, torch.tensor([0, 1, 16, 2], device=device), out)
+        kvcore.gather(layout, torch.tensor([0, 1, 16, 2], device=device), out, validate="sync")
     assert torch.equal(_bits(out), _bits(_poison(layout, 4, device)))
     with pytest.raises(TransferError, match="more than once"):
-        kvcore.scatter(layout, torch.tensor([3, 5, 3, 1], device=device), out)
+        kvcore.scatter(layout, torch.tensor([3, 5, 3, 1], device=device), out, validate="sync")
     with pytest.raises(TransferError, match="out of range"):
-        kvcore.scatter(layout, torch.tensor([3, 5, 99, 1], device=device), out)
+        kvcore.scatter(layout, torch.tensor([3, 5, 99, 1], device=device), out, validate="sync")
     with pytest.raises(TransferError):
         kvcore.scatter(layout, torch.tensor([3, 5, 6, 1], device=device), out.float())
     with pytest.raises(TransferError):
