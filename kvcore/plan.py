@@ -150,7 +150,7 @@ class LayoutPlan:
         if out.__class__ is _Tensor:
             rc = prep.plan.run1(True, s, out, skip_prefix, v)
         else:
-            rc = prep.plan.run(True, s, prep.staging_list(out), skip_prefix, v)
+            rc = prep.plan.run(True, s, self._staging_list(prep, True, out, skip_prefix, slot_mapping), skip_prefix, v)
         if rc:
             self._failed(prep, rc, True, s, out, skip_prefix, v, slot_mapping)
         return out
@@ -179,7 +179,7 @@ class LayoutPlan:
         if src.__class__ is _Tensor:
             rc = prep.plan.run1(False, s, src, skip_prefix, v)
         else:
-            rc = prep.plan.run(False, s, prep.staging_list(src), skip_prefix, v)
+            rc = prep.plan.run(False, s, self._staging_list(prep, False, src, skip_prefix, slot_mapping), skip_prefix, v)
         if rc:
             self._failed(prep, rc, False, s, src, skip_prefix, v, slot_mapping)
 
@@ -198,6 +198,13 @@ class LayoutPlan:
         synchronize(self.device)
 
     # -- internals --------------------------------------------------------------------------
+    def _staging_list(self, prep, gather: bool, staging, skip: int, original) -> list[torch.Tensor]:
+        try:
+            return prep.staging_list(staging, public=True)
+        except TransferError:
+            self._explain(gather, original, staging, skip)
+            raise
+
     def _failed(self, prep, rc: int, gather: bool, s: torch.Tensor, staging, skip: int, v: int, original) -> None:
         """The op declined a call before moving a byte (return code ``rc``): call it again
         the way the code says (staging with torch's negative/conjugate bit resolved;

@@ -126,7 +126,7 @@ class _Prepared:
     """A table's native plan (``plan``: the C++ ``NativePlan``), with what the Python side
     needs per call: the staging buffer keys in order."""
 
-    __slots__ = ("plan", "keys", "single", "table", "__weakref__")
+    __slots__ = ("plan", "keys", "classic", "single", "table", "__weakref__")
 
     def __init__(self, table: StrideTable, single: bool):
         mod = _build.MODULE
@@ -134,6 +134,8 @@ class _Prepared:
         self.table = table
         self.single = single
         self.keys = tuple(b.key for b in table.buffers)
+        b0 = table.buffers[0]
+        self.classic = len(table.buffers) == 1 and b0.key == "kv" and b0.kv_size is not None
         host = table.ptrs()
         buffers = torch.tensor([[-1 if b.kv_size is None else b.kv_size, b.row_bytes] for b in table.buffers], dtype=torch.int64).reshape(
             len(table.buffers), 2
@@ -172,14 +174,30 @@ class _Prepared:
         if not self.plan.ok():
             raise TransferError(self.plan.error())
 
-    def staging_list(self, staging) -> list[torch.Tensor]:
-        """The staging buffers in the table's buffer order (a tensor is the ``"kv"`` buffer)."""
+    def staging_list(self, staging, public: bool = False) -> list[torch.Tensor]:
+        """The staging buffers in the table's buffer order: a tensor is the classic ``"kv"``
+        buffer; otherwise a mapping holding exactly the table's buffer keys (the public API
+        takes classic staging only as a tensor, ``public``).
+
+        Raises:
+            TransferError: a mapping where one tensor is staged (public), a tensor where a
+                mapping is needed, or a mapping whose keys are not exactly the buffers.
+        """
+        classic = self.classic
         if isinstance(staging, torch.Tensor):
-            return [staging]
+            if classic:
+                return [staging]
+            raise TransferError(f"staging must be a dict with the buffers {list(self.keys)}, got one tensor")
+        if classic and public:
+            raise TransferError(f"staging must be one tensor (the classic [kv_size, NL, T, row] buffer), got {type(staging).__name__}")
         try:
+            if len(staging) != len(self.keys):
+                raise KeyError(sorted(set(staging) ^ set(self.keys)))
             return [staging[k] for k in self.keys]
         except (KeyError, TypeError) as e:
-            raise TransferError(f"staging must be a dict with the buffers {list(self.keys)}, got {type(staging).__name__}: {e}") from None
+            raise TransferError(
+                f"staging must be a dict with exactly the buffers {list(self.keys)}, got {type(staging).__name__}: {e}"
+            ) from None
 
 
 _CACHE: OrderedDict[tuple[int, bool], tuple[weakref.ref, _Prepared]] = OrderedDict()
