@@ -193,11 +193,15 @@ class _Prepared:
         try:
             if len(staging) != len(self.keys):
                 raise KeyError(sorted(set(staging) ^ set(self.keys)))
-            return [staging[k] for k in self.keys]
+            out = [staging[k] for k in self.keys]
         except (KeyError, TypeError) as e:
             raise TransferError(
                 f"staging must be a dict with exactly the buffers {list(self.keys)}, got {type(staging).__name__}: {e}"
             ) from None
+        for k, t in zip(self.keys, out):
+            if not isinstance(t, torch.Tensor):
+                raise TransferError(f"staging[{k!r}] must be a torch.Tensor, got {type(t).__name__}")
+        return out
 
 
 _CACHE: OrderedDict[tuple[int, bool], tuple[weakref.ref, _Prepared]] = OrderedDict()
