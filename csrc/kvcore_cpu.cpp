@@ -44,10 +44,12 @@ int64_t fail(std::string msg, int64_t code = kRefused) {
 }
 
 // Bytes per thread of a CPU transfer (set_cpu_grain): below twice this one thread moves
-// everything, on the calling thread. Measured on a 2-core VM with its cores busy (load
-// average 6): waking the pool's second thread cost 1-20 ms per call, so at 8 MB two
-// threads took 35x one thread's time and even at 268 MB 1.2x (scripts/cpu_grain.py).
-std::atomic<int64_t> g_cpu_grain{int64_t{16} << 20};
+// everything, on the calling thread. Measured on a 2-core VM (scripts/cpu_grain.py): with
+// its cores busy (load average 6) waking the pool's second thread cost 1-20 ms per call
+// (at 8 MB two threads took 35x one thread's time); idle, a second thread paid from tens
+// of MB on. 8 MiB keeps an offload step's few tokens on one thread and splits a 256-token
+// chunk of every layer (18-34 MB).
+std::atomic<int64_t> g_cpu_grain{int64_t{8} << 20};
 
 std::string hex(uintptr_t v) {
   char b[32];
@@ -348,6 +350,7 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
     char* srow = p->st_base + l * p->st_layer;
     bool contig = p->row_contiguous();
     int64_t row_bytes = p->row_bytes();
+    bool merge = contig && p->st_tok == row_bytes;
     for (int64_t r = begin; r < end; ++r, ++t) {
       if (t == T) {
         t = 0;
@@ -360,6 +363,7 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
         srow = p->st_base + l * p->st_layer;
         contig = p->row_contiguous();
         row_bytes = p->row_bytes();
+        merge = contig && p->st_tok == row_bytes;
       }
       const int64_t off = ko[t];
       if (t + kAhead < T && ko[t + kAhead] >= 0) {
@@ -375,8 +379,17 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
       char* cache = pbase + off;
       char* row = srow + t * p->st_tok;
       if (contig) {
-        if (kGather) copy_run(row, cache, row_bytes);
-        else copy_run(cache, row, row_bytes);
+        // consecutive tokens whose rows are adjacent on both sides (a block's tokens when
+        // rows are packed: NHD, MLA, a plane of scales) move as one run
+        int64_t n = 1;
+        if (merge) {
+          const int64_t lim = std::min(T - t, end - r);
+          while (n < lim && ko[t + n] == off + n * row_bytes) ++n;
+        }
+        if (kGather) copy_run(row, cache, n * row_bytes);
+        else copy_run(cache, row, n * row_bytes);
+        r += n - 1;
+        t += n - 1;
       } else if (p->n_chunks == 1) {
         for (int64_t h = 0; h < p->num_heads; ++h) {
           if (kGather) copy_run(row + h * p->st_head, cache + h * p->head, p->head_bytes);
@@ -398,9 +411,32 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
   const int64_t want = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, bytes / grain));
   if (want <= 1 || rows < 2) {
     body(0, rows);
-  } else {
-    at::parallel_for(0, rows, (rows + want - 1) / want, body);
+    return;
   }
+  // split the rows so that every thread moves about the same number of bytes (planes of
+  // 16-byte scales beside 1 KiB value rows would otherwise leave one thread the scales)
+  const int64_t seg_rows = NL * T;
+  int64_t total = 0;
+  for (const PlaneDesc& p : pl) total += seg_rows * p.row_bytes();
+  std::vector<int64_t> cut(static_cast<size_t>(want + 1), rows);
+  cut[0] = 0;
+  for (int64_t i = 1; i < want; ++i) {
+    const int64_t target = static_cast<int64_t>(static_cast<double>(total) * static_cast<double>(i) / static_cast<double>(want));
+    int64_t acc = 0;
+    for (int64_t k = 0; k < P; ++k) {
+      const int64_t rb = pl[k].row_bytes(), seg = seg_rows * rb;
+      if (acc + seg >= target) {
+        cut[i] = std::min(rows, k * seg_rows + (target - acc + rb - 1) / rb);
+        break;
+      }
+      acc += seg;
+    }
+    cut[i] = std::max(cut[i], cut[i - 1]);
+  }
+  at::parallel_for(0, want, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      if (cut[i] < cut[i + 1]) body(cut[i], cut[i + 1]);
+  });
 }
 
 // -- the CUDA path --------------------------------------------------------------------------

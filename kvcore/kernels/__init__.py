@@ -247,14 +247,14 @@ def staging_conflict(table: StrideTable, buffers: Mapping[str, torch.Tensor], wh
 
 def cpu_grain() -> int:
     """Bytes per CPU thread of a transfer: below twice this, CPU work stays on the calling
-    thread (the native op library's setting, ``KVCORE_CPU_GRAIN_BYTES``; 16 MiB without it)."""
+    thread (the native op library's setting, ``KVCORE_CPU_GRAIN_BYTES``; 8 MiB without it)."""
     from kvcore.kernels import _build
 
     mod = _build.MODULE
     if mod is not None and hasattr(mod, "cpu_grain"):
         return int(mod.cpu_grain())
     env = os.environ.get("KVCORE_CPU_GRAIN_BYTES", "").strip()
-    return int(env) if env.isdigit() else 16 << 20
+    return int(env) if env.isdigit() else 8 << 20
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ buffers. Any table of the stride table v2 moves: classic K/V, MLA, blocked-scale
 dtypes and staging buffers.
 
 - ``native-cpu``: walks (plane, layer, token) rows, one 16-byte vector copy loop per
-  contiguous run; a transfer smaller than the per-thread grain (default 4 MiB,
+  contiguous run; a transfer smaller than the per-thread grain (default 8 MiB,
   ``KVCORE_CPU_GRAIN_BYTES``) stays on the calling thread, larger ones use
   ``at::parallel_for`` with one thread per grain.
 - ``native-cuda``: every layer and every plane in one launch (up to 8 planes per launch),
