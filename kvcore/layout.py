@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from kvcore.errors import FormatError, GeometryError, KVCoreError, PluginError
 from kvcore.formats import KVFormat
 from kvcore.grammar import parse
-from kvcore.spec import Spec, StrideTable
+from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable
 
 __all__ = ["PageBufferShapeDesc", "KVLayout", "Detection", "build_layout"]
 
@@ -51,8 +51,11 @@ class Detection:
     Attributes:
         format: the format name.
         kv_caches: the container normalised to the format's nesting (views of the
-            caller's tensors, never copies).
-        dtype: the element dtype when the tensors are a byte view of it, else None.
+            caller's tensors, never copies); for a multi-plane format a dict
+            ``{role: container}``, each nested as that plane's template.
+        dtype: the element dtype when the tensors are a byte view of it, else None; for
+            a multi-plane format one dtype for every plane or a dict ``{role: dtype}``
+            (roles left out keep their tensors' dtype).
         params: facts the name cannot carry (``head_size`` of a packed CS axis, ...).
         note: one line on how it was decided (shown by ``kvcore detect``).
         excluded: set (with the reason) for tensors that are not KV (Mamba state);
@@ -64,7 +67,7 @@ class Detection:
 
     format: str | None
     kv_caches: Any = None
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     excluded: str | None = None
@@ -125,8 +128,21 @@ class KVLayout:
 
     @property
     def head_size(self) -> int:
-        """Elements per head, per K or V (576 for DeepSeek MLA latents)."""
-        return self.spec.head_size
+        """Elements per head, per K or V (576 for DeepSeek MLA latents); for a multi-plane
+        layout the value planes' (K, V, or KV) head size.
+
+        Raises:
+            GeometryError: a multi-plane layout whose K and V head sizes differ (each
+                plane's is in :attr:`planes`).
+        """
+        hs = self.spec.head_size
+        if hs is None:
+            raise GeometryError(
+                f"format {self.format.name}: its value planes have different head sizes ("
+                + ", ".join(f"{p.role} {p.head_size}" for p in self.planes)
+                + "); read each plane's from layout.planes"
+            )
+        return hs
 
     @property
     def hidden_dim(self) -> int:
@@ -139,15 +155,60 @@ class KVLayout:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Element dtype (may differ from the tensors' storage dtype, e.g. int8 views)."""
-        return self.spec.dtype
+        """Element dtype (may differ from the tensors' storage dtype, e.g. int8 views); for
+        a multi-plane layout its value planes' (K, V, or KV) dtype.
+
+        Raises:
+            GeometryError: a multi-plane layout whose value planes differ in dtype (each
+                plane's is in :attr:`planes`).
+        """
+        dt = self.spec.dtype
+        if dt is None:
+            raise GeometryError(
+                f"format {self.format.name}: its value planes have different dtypes ("
+                + ", ".join(f"{p.role} {p.dtype}" for p in self.planes)
+                + "); read each plane's from layout.planes"
+            )
+        return dt
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        return self.spec.storage_dtype
+        """The dtype of the tensors holding the values (see :attr:`dtype`)."""
+        dt = self.spec.storage_dtype
+        if dt is None:
+            raise GeometryError(
+                f"format {self.format.name}: its value planes are stored in different dtypes ("
+                + ", ".join(f"{p.role} {p.storage_dtype}" for p in self.planes)
+                + "); read each plane's from layout.planes"
+            )
+        return dt
+
+    @property
+    def planes(self) -> tuple[PlaneInfo, ...]:
+        """Every plane of the record, as :class:`~kvcore.spec.PlaneInfo` (role, template,
+        dtype, num_heads, head_size, head_bytes, staging buffer): a multi-plane layout's
+        planes in its name's order; a single-plane layout's K and V (``KV`` for an MLA
+        latent; ``VALS``/``SCALES`` for a blocked-scale record)."""
+        return self.spec.plane_info
+
+    @property
+    def staging_buffers(self) -> tuple[StagingBuffer, ...]:
+        """The staging buffers a transfer of this layout fills: one ``"kv"`` buffer
+        ``[kv_size, NL, T, NH*HS]`` (:attr:`classic_staging`), or one per plane, keyed by
+        role, ``[NL, T, NH_p * HS_p]`` in the plane's dtype."""
+        return self.spec.stride_table().buffers
+
+    @property
+    def classic_staging(self) -> bool:
+        """True when a transfer stages one tensor ``[kv_size, NL, T, NH*HS]`` (every
+        single-plane layout, and multi-plane layouts whose planes are exactly K (and V) of
+        one dtype and width); False when it stages a dict ``{role: [NL, T, NH_p*HS_p]}``."""
+        b = self.spec.stride_table().buffers
+        return len(b) == 1 and b[0].key == "kv" and b[0].kv_size is not None
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
         return torch.empty(0, dtype=self.dtype).element_size()
 
     @property
@@ -165,7 +226,11 @@ class KVLayout:
 
     @property
     def elements_per_layer(self) -> int:
-        """Elements one layer holds, K and V together: ``kv_size * slots * NH * HS``."""
+        """Elements one layer holds, K and V together: ``kv_size * slots * NH * HS``; for a
+        multi-plane layout the sum over its planes of ``slots * NH_p * HS_p`` (each in its
+        plane's dtype)."""
+        if self.format.syntax.multi_plane:
+            return sum(self.page_buffer_size * p.hidden_dim for p in self.planes)
         return self.kv_size * self.page_buffer_size * self.hidden_dim
 
     @property
@@ -174,11 +239,56 @@ class KVLayout:
 
     def staging_shape(self, num_tokens: int, layers: Sequence[int] | int | None = None) -> tuple[int, ...]:
         """Staging buffer shape: ``[kv_size, NL, T, NH*HS]``; for one layer (an int)
-        ``[kv_size, T, NH*HS]``. MLA: kv_size 1, NH*HS = HS."""
+        ``[kv_size, T, NH*HS]``. MLA: kv_size 1, NH*HS = HS.
+
+        Raises:
+            GeometryError: the layout stages one buffer per plane (not
+                :attr:`classic_staging`): use :meth:`staging_shapes`.
+        """
+        if not self.classic_staging:
+            raise GeometryError(
+                f"format {self.format.name} stages one buffer per plane ({', '.join(b.key for b in self.staging_buffers)}), "
+                "not one [kv_size, NL, T, NH*HS] tensor: use layout.staging_shapes(num_tokens) or layout.allocate_staging(num_tokens)"
+            )
+        b = self.spec.stride_table().buffers[0]
+        row = b.row_elems
         if isinstance(layers, int):
-            return (self.kv_size, num_tokens, self.hidden_dim)
+            return (b.kv_size, num_tokens, row)
         nl = self.num_layers if layers is None else len(layers)
-        return (self.kv_size, nl, num_tokens, self.hidden_dim)
+        return (b.kv_size, nl, num_tokens, row)
+
+    def staging_shapes(self, num_tokens: int, layers: Sequence[int] | int | None = None) -> dict[str, tuple[int, ...]]:
+        """Every staging buffer's shape, by key: ``{"kv": [kv_size, NL, T, NH*HS]}`` for
+        classic staging, else ``{role: [NL, T, NH_p * HS_p]}`` per plane (``NH_p`` 1 for a
+        plane without heads, ``HS_p`` 1 for a plane without elements). For one layer (an
+        int) the NL axis is left out. Dtypes: :attr:`staging_buffers`."""
+        nl = None if isinstance(layers, int) else (self.num_layers if layers is None else len(layers))
+        out = {}
+        for b in self.spec.stride_table().buffers:
+            shp = b.shape(1 if nl is None else nl, num_tokens)
+            if nl is None:
+                shp = shp[:-3] + shp[-2:]
+            out[b.key] = tuple(shp)
+        return out
+
+    def allocate_staging(
+        self,
+        num_tokens: int,
+        layers: Sequence[int] | int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        pin_memory: bool = False,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Zeroed staging for ``num_tokens`` tokens: one tensor (:attr:`classic_staging`,
+        shape :meth:`staging_shape`) or a dict ``{role: tensor}`` (shapes
+        :meth:`staging_shapes`), each in its buffer's dtype, on ``device`` (default: the
+        cache's), pinned when ``pin_memory`` (host memory for a CUDA cache)."""
+        dev = torch.device(device) if device is not None else self.device
+        out = {}
+        for b in self.spec.stride_table().buffers:
+            shp = self.staging_shapes(num_tokens, layers)[b.key]
+            out[b.key] = torch.zeros(shp, dtype=b.dtype, device=dev, pin_memory=pin_memory)
+        return out["kv"] if self.classic_staging else out
 
     # -- kernels ---------------------------------------------------------------------
     def stride_table(self, layers: Sequence[int] | None = None) -> StrideTable:
@@ -214,12 +324,16 @@ class KVLayout:
         the order given (default: all layers): one per layer for layer lists; all K then
         all V for K/V lists (``TWO_X_NL_X_...``); K0, V0, K1, V1, ... for per-layer tuples;
         a single base for one cross-layer tensor. Order as LMCache's
-        ``KVFormatSpec.data_ptrs`` (``lmcache_kv_format.md`` §2.2).
+        ``KVFormatSpec.data_ptrs`` (``lmcache_kv_format.md`` §2.2). Multi-plane layouts:
+        each plane's pointers in the name's plane order (a layer-list plane: one per
+        selected layer; a cross-layer plane: its one tensor).
 
         Raises:
             GeometryError: a layer index out of range or repeated.
         """
         sel = self._layer_selection(layer_indices)
+        if self.format.syntax.multi_plane:
+            return self._plane_data_ptrs(sel)
         by_layer: dict[int, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         out = []
         for path, t in self.spec.leaves:
@@ -237,6 +351,16 @@ class KVLayout:
             leaves.sort(key=lambda pt: pt[0][0])  # stable: K of the selected layers, then V
         return [int(t.data_ptr()) for _, t in leaves]
 
+    def _plane_data_ptrs(self, sel: list[int]) -> list[int]:
+        out = []
+        for pi, p in enumerate(self.format.syntax.planes):
+            leaves = [(path[1:], t) for path, t in self.spec.leaves if path[0] == pi]
+            if "NL" in p.syntax.list_levels:
+                out += [int(leaves[li][1].data_ptr()) for li in sel]
+            else:
+                out += [int(t.data_ptr()) for _, t in leaves]
+        return out
+
     def shape_desc(self, layer_indices: Sequence[int] | None = None) -> PageBufferShapeDesc:
         """A :class:`PageBufferShapeDesc` for ``layer_indices`` (default: all).
 
@@ -251,6 +375,17 @@ class KVLayout:
                 :meth:`stride_table` describes those, and kvcore's kernels use it.
         """
         nl = len(self._layer_selection(layer_indices))
+        syn0 = self.format.syntax
+        if syn0.multi_plane or syn0.chunked_heads or syn0.token_groups or not self.classic_staging:
+            why = (
+                "a multi-plane record (each plane its own tensors)"
+                if syn0.multi_plane
+                else ("chunked heads (HSC/HSE)" if syn0.chunked_heads else "token groups (BSC/BSE)")
+            )
+            raise GeometryError(
+                f"format {self.format.name} has {why}; a PageBufferShapeDesc describes one [kv_size, NB, BS, NH, HS] page "
+                "buffer per layer and cannot say it. Use stride_table() and layout.planes, which describe any layout"
+            )
         fused = self.format.fused_nbbs
         nb = self.page_buffer_size if fused else self.num_blocks
         bs = 1 if fused else self.block_size
@@ -301,7 +436,19 @@ class KVLayout:
         return self.format.concrete(self.spec.axis_sizes)
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-able summary (``kvcore detect`` prints it)."""
+        """A JSON-able summary (``kvcore detect`` prints it): the geometry, every plane
+        (``planes``: role, template, dtype, heads, head size and bytes, staging buffer) and
+        the staging buffers' shapes (``staging``: ``{key: [..., "T", row]}``). A value a
+        multi-plane layout does not have as one number (the head size of K and V of
+        different widths) is None."""
+
+        def value(get: Any) -> Any:
+            try:
+                return get()
+            except GeometryError:
+                return None
+
+        dt, sdt = value(lambda: self.dtype), value(lambda: self.storage_dtype)
         d: dict[str, Any] = {
             "format": self.format.name,
             "symbolic": self.format.symbolic,
@@ -309,13 +456,26 @@ class KVLayout:
             "num_layers": self.num_layers,
             "kv_size": self.kv_size,
             "num_heads": self.num_heads,
-            "head_size": self.head_size,
-            "hidden_dim": self.hidden_dim,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "storage_dtype": str(self.storage_dtype).replace("torch.", ""),
+            "head_size": value(lambda: self.head_size),
+            "hidden_dim": value(lambda: self.hidden_dim),
+            "dtype": str(dt).replace("torch.", "") if dt is not None else None,
+            "storage_dtype": str(sdt).replace("torch.", "") if sdt is not None else None,
             "device": str(self.device),
             "page_buffer_size": self.page_buffer_size,
             "is_hnd": self.format.is_hnd,
+            "planes": [
+                {
+                    "role": p.role,
+                    "template": p.template,
+                    "dtype": str(p.dtype).replace("torch.", ""),
+                    "num_heads": p.num_heads,
+                    "head_size": p.head_size,
+                    "head_bytes": p.head_bytes,
+                    "staging": p.staging,
+                }
+                for p in self.planes
+            ],
+            "staging": {b.key: list(b.shape(self.num_layers, 0)[:-2]) + ["T", b.row_elems] for b in self.staging_buffers},
             "layer_ids": list(self.layer_ids),
             "note": self.note,
         }
@@ -326,14 +486,15 @@ class KVLayout:
         return d
 
     def __repr__(self) -> str:
-        return f"KVLayout({self.format.name}, {self.describe()}, dtype={self.dtype}, device={self.device})"
+        dt = self.spec.dtype if self.spec.dtype is not None else {p.role: p.dtype for p in self.planes}
+        return f"KVLayout({self.format.name}, {self.describe()}, dtype={dt}, device={self.device})"
 
 
 def build_layout(
     format: KVFormat | str,
     kv_caches: Any,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None,
     params: dict[str, Any] | None = None,
     layer_ids: Sequence[int] | None = None,
     layer_names: Sequence[str] | None = None,
@@ -343,13 +504,17 @@ def build_layout(
     """Describe ``kv_caches`` as ``format`` without asking any detector.
 
     The spec comes from the ``kvcore_spec`` hook (a plugin's, for exotic formats) or
-    the core's generic :class:`~kvcore.spec.Spec`.
+    the core's generic :class:`~kvcore.spec.Spec`. For a multi-plane format
+    (``K=...+V=...``) ``kv_caches`` is a dict ``{role: container}`` and ``dtype`` may be a
+    dict ``{role: dtype}``.
 
     Raises:
         FormatError: a malformed format name (naming the bad token).
         GeometryError: the tensors do not fit the format (wrong nesting, rank, literal
-            axis size, zero-size axis, aliasing strides, geometry past the storage), or
-            a plugin's spec failed on them.
+            axis size, zero-size axis, aliasing strides, two (layer, plane) regions sharing
+            a byte, geometry past the storage, a torch quantized dtype; planes missing,
+            extra or disagreeing on layers, blocks or heads), or a plugin's spec failed on
+            them.
         PluginError: a ``kvcore_spec`` hook returned something that is not a Spec subclass.
     """
     from kvcore import registry
