@@ -9,6 +9,12 @@ Quick start::
     staged = kvcore.gather(layout, slot_mapping)          # [2, NL, T, NH*HS]
     kvcore.scatter(layout, other_slot_mapping, staged)
 
+A record may have several planes, each its own tensors, strides, width and dtype: a
+multi-plane name ``ROLE=TEMPLATE(+ROLE=TEMPLATE)*`` (``K=NL_X_NB_BS_NH_HS+KS=NL_X_NB_BS_NH``:
+int8 K values beside bf16 per-token-head scales). ``layout.planes`` lists them; when they
+are not exactly K (and V) of one dtype and width, transfers stage a dict
+``{role: [NL, T, NH_p*HS_p]}`` (``layout.staging_shapes``, ``layout.allocate_staging``).
+
 Layouts are declared by plugins (entry-point group ``kvcore``); the core knows no engine.
 """
 
@@ -37,7 +43,7 @@ from kvcore.registry import (
     register_plugin,
     unregister_plugin,
 )
-from kvcore.spec import PlaneStrides, Spec, StrideTable
+from kvcore.spec import Plane, PlaneInfo, PlaneStrides, Spec, StagingBuffer, StagingTarget, StrideTable, classic_table
 from kvcore.transfer import gather, gather_blocks, scatter, scatter_blocks, slots_for_blocks
 
 __version__ = "0.1.0"
@@ -54,13 +60,18 @@ __all__ = [
     "KVFormat",
     "KVLayout",
     "PageBufferShapeDesc",
+    "Plane",
+    "PlaneInfo",
     "PlaneStrides",
     "PluginError",
     "Source",
     "Spec",
+    "StagingBuffer",
+    "StagingTarget",
     "StrideTable",
     "TransferError",
     "build_layout",
+    "classic_table",
     "detect",
     "detect_per_layer",
     "disable_plugins",

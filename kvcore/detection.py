@@ -309,8 +309,8 @@ class Candidate:
     value selects it (for the ambiguity message)."""
 
     format: str
-    kv_caches: Any
-    dtype: torch.dtype | None = None
+    kv_caches: Any  # multi-plane formats: {role: container}
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None  # multi-plane formats: one dtype or {role: dtype}
     params: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     decided_by: dict[str, Any] = field(default_factory=dict)

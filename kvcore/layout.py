@@ -146,8 +146,9 @@ class KVLayout:
 
     @property
     def hidden_dim(self) -> int:
-        """``num_heads * head_size``: one token's K (or V) row in elements."""
-        return self.spec.num_heads * self.spec.head_size
+        """``num_heads * head_size``: one token's K (or V) row in elements (raises
+        GeometryError like :attr:`head_size` when K and V widths differ)."""
+        return self.spec.num_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
