@@ -10,8 +10,9 @@
 """
 
 from kvcore.testing.fixtures import FixtureCase, fixtures
+from kvcore.testing.oracle import TokenGroups
 
-__all__ = ["FixtureCase", "fixtures"]
+__all__ = ["FixtureCase", "TokenGroups", "fixtures"]
 
 
 def pytest_addoption(parser):

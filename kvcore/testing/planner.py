@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvcore import registry
+from kvcore.testing.checks import planes as plane_checks
 from kvcore.testing.checks.common import (
     _dname,
     _kname,
@@ -92,6 +93,8 @@ def kernel_tasks(plugin: str, case: FixtureCase, kernel: Any, device: torch.devi
         return Task(plugin, case.format, case.name, kn, check, guarded)
 
     key = (id(case), case.name, str(device), kernel.name)
+    if plane_checks.is_multi_plane(case):
+        return _plane_kernel_tasks(T, case, kernel, device, opts, key)
 
     def ctx() -> _Ctx:
         # the checks of one (fixture, kernel, device) share one cache, reset between checks
@@ -125,6 +128,39 @@ def kernel_tasks(plugin: str, case: FixtureCase, kernel: Any, device: torch.devi
     return tasks
 
 
+def _plane_kernel_tasks(T, case: FixtureCase, kernel: Any, device: torch.device, opts: Options, key: tuple) -> list[Task]:
+    """The data checks of a multi-plane fixture: the same names, per plane buffer
+    (:mod:`kvcore.testing.checks.planes`)."""
+    pc = plane_checks
+
+    def ctx() -> pc.PCtx:
+        if _SHARED.get("key") != key:
+            _SHARED.clear()
+            _SHARED["ctx"] = pc.PCtx(case, device, kernel)
+            _SHARED["key"] = key
+            return _SHARED["ctx"]
+        return _SHARED["ctx"].reset()
+
+    def with_ctx(fn):
+        return lambda: fn(ctx())
+
+    tasks = [T("semantic_gather", with_ctx(pc.check_semantic_gather)), T("semantic_scatter", with_ctx(pc.check_semantic_scatter))]
+    for dt in case.dtypes:
+        tasks.append(T(f"roundtrip[{_dname(dt)}]", lambda dt=dt: pc.check_roundtrip(case, device, kernel, dt)))
+    tasks += [
+        T("negative_slots", with_ctx(pc.check_negative_slots)),
+        T("empty_slots", with_ctx(pc.check_empty_slots)),
+        T("padded_pool", lambda: pc.check_padded_pool(case, device, kernel)),
+    ]
+    for kind in pc.PLANE_INVALID:
+        tasks.append(T(f"invalid[{kind}]", lambda kind=kind: pc.check_invalid(ctx(), kind)))
+    tasks += [
+        T("staging_views", with_ctx(pc.check_staging_views)),
+        T("agrees_with_reference", lambda: pc.check_agrees_with_reference(case, device, kernel, opts.examples)),
+    ]
+    return tasks
+
+
 def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = None, kernels: Sequence[Any] | None = None) -> list[Task]:
     """Every check of one fixture: detection, geometry, ambiguity probes, then the data
     checks for each kernel that serves its format on each device present."""
@@ -134,14 +170,17 @@ def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = No
     def T(check: str, fn: Callable[[], str | None]) -> Task:
         return Task(plugin, case.format, case.name, "-", check, fn)
 
+    multi = plane_checks.is_multi_plane(case)
+    pc = plane_checks
     tasks = [
-        T("fixture_contract", lambda: check_fixture_contract(case)),
+        T("fixture_contract", lambda: (pc.check_fixture_contract if multi else check_fixture_contract)(case)),
         T("detect", lambda: check_detect(case, cpu)),
-        T("render", lambda: check_render(case)),
-        T("geometry", lambda: check_geometry(case)),
+        T("render", lambda: (pc.check_render if multi else check_render)(case)),
+        T("geometry", lambda: (pc.check_geometry if multi else check_geometry)(case)),
     ]
     for probe in PROBES:
-        tasks.append(T(f"ambiguity[{probe}]", lambda probe=probe: check_ambiguity(case, probe, cpu)))
+        amb = pc.check_ambiguity if multi else check_ambiguity
+        tasks.append(T(f"ambiguity[{probe}]", lambda probe=probe, amb=amb: amb(case, probe, cpu)))
     for dev in _devices(opts):
         ks = kernels if kernels is not None else _kernels_for(case.format, dev)
         for k in ks:

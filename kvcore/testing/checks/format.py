@@ -18,11 +18,16 @@ def check_grammar(fmt) -> str:
     if syn.name != fmt.name:
         raise CheckFailure(f"parse({fmt.name!r}).name is {syn.name!r}")
     sym = render_symbolic(syn)
-    n_axes = sym.split("[", 1)[1].rstrip("]").count(",") + 1
-    if n_axes != len(syn.axes) or sym.count(" x ") != len(syn.list_levels):
-        raise CheckFailure(
-            f"{fmt.name} renders as {sym!r}, which does not show its {len(syn.axes)} axes and {len(syn.list_levels)} list levels"
-        )
+    for role, ps in [(p.role, p.syntax) for p in syn.planes] or [(None, syn)]:
+        psym = render_symbolic(ps)
+        n_axes = psym.split("[", 1)[1].rstrip("]").count(",") + 1
+        if n_axes != len(ps.axes) or psym.count(" x ") != len(ps.list_levels):
+            raise CheckFailure(
+                f"{fmt.name} renders as {sym!r}, which does not show its {len(ps.axes)} axes and {len(ps.list_levels)} list levels"
+                + (f" (plane {role})" if role else "")
+            )
+        if role is not None and f"{role}: {psym}" not in sym:
+            raise CheckFailure(f"{fmt.name} renders as {sym!r}, which does not show plane {role} as {role}: {psym}")
     facts = {
         "kv_size": (fmt.kv_size, syn.kv_size),
         "is_mla": (fmt.is_mla, syn.is_mla),
