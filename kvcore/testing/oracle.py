@@ -307,10 +307,10 @@ class Plane:
         lead_n = 4 if token_groups else 3  # [A, G, E, NH, *elem]: a block's tokens in G groups of E
         lead = {tuple(p.shape[:lead_n]) for p in self.parts}
         if len(lead) != 1 or any(p.dim() < lead_n + 1 for p in self.parts):
-            want = "[NB, BSC, BSE, NH, *elem]" if token_groups else "[A, B, NH, *elem]"
-            raise GeometryError(
-                f"kv_view segments must all be {want} with the same leading axes; got {[tuple(p.shape) for p in self.parts]}"
+            want = (
+                "[NB, BSC, BSE, NH, *elem] with the same NB, BSC, BSE, NH" if token_groups else "[A, B, NH, *elem] with the same A, B, NH"
             )
+            raise GeometryError(f"kv_view segments must all be {want}; got {[tuple(p.shape) for p in self.parts]}")
         self.widths = [math.prod(int(x) for x in p.shape[lead_n:]) for p in self.parts]
 
     @property
