@@ -400,6 +400,10 @@ def allocate(
     if b not in _ERA_BACKENDS[era]:
         raise GeometryError(f"vLLM {version} has no {b} backend (its wheel's vllm/v1/attention/backends/ lacks it)")
     lay = layout.upper()
+    if b == "INDEXER":  # DeepseekV32IndexerCache: MLAAttentionSpec(head_size=132, dtype=uint8)
+        head_size, dtype, cache_dtype = INDEXER_BYTES, torch.uint8, "auto"
+    if cache_dtype == "nvfp4_ds_mla" and era != "0.33":
+        raise GeometryError(f"vLLM {version} has no nvfp4_ds_mla cache dtype (first in 0.33 flashmla_sparse.py)")
     storage = _STORAGE.get(cache_dtype, dtype)
     element = _FP8_ELEMENT.get(cache_dtype, storage)
     esz = _esz(storage)
@@ -594,7 +598,7 @@ def kv_view(
     t = _layers(kv_caches)[layer]
     if era == "0.33" and t.dtype == torch.int8 and meta.get("storage", torch.int8) != torch.int8:
         t = t.view(meta["storage"])  # a byte view (byte_views=True): the runner's .view(dtype)
-    if b == "INDEXER" or (meta.get("cache_dtype") == "nvfp4_ds_mla"):
+    if b == "INDEXER":
         raise GeometryError("a blocked-scale page (values of a block, then its scales) has no per-token view; use blocked_views()")
     if b in MLA_BACKENDS:
         if kv != 0:
@@ -641,25 +645,32 @@ def kv_view(
     return v
 
 
+#: record bytes per token -> scale bytes per token of blocked-scale pages. 132 is vLLM's own
+#: DeepSeek-V3.2 indexer (deepseek_v2.py::DeepseekV32IndexerCache: 128 + 128 // 128 * 4); the
+#: other widths are LMCache's table (lmcache_kv_format.md section 6.4), not read from vLLM.
+BLOCKED_RECORDS = {132: 4, 68: 4, 584: 8, 528: 16, 352: 32}
+
+
 def blocked_views(kv_caches: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two views of one layer's DeepSeek-V3.2 indexer page ``(NB, BS, 132)`` uint8:
-    ``values [NB, BS, 128]`` and ``scales [NB, BS, 4]`` -- per block all BS tokens' fp8 key
-    bytes, then all BS tokens' fp32 scales (vLLM 0.11 ``deepseek_v2.py::DeepseekV32IndexerCache``,
-    ``indexer_k_quant_and_cache``). A 0.33 ``[B, 1, N, 132]`` view is squeezed first
-    (``DeepseekV32IndexerCache.bind_kv_cache``).
+    """The two views of one layer's blocked-scale page ``(NB, BS, W)`` uint8 (the
+    DeepSeek-V3.2 indexer: W = 132): ``values [NB, BS, W - S]`` and ``scales [NB, BS, S]`` --
+    per block all BS tokens' value bytes, then all BS tokens' scale bytes (vLLM 0.11
+    ``deepseek_v2.py::DeepseekV32IndexerCache``, ``indexer_k_quant_and_cache``). A 0.33
+    ``[B, 1, N, W]`` view is squeezed first (``DeepseekV32IndexerCache.bind_kv_cache``).
 
     Raises:
-        GeometryError: the record is not the indexer's 132 B.
+        GeometryError: the record width is not a known blocked-scale record.
     """
     t = _layers(kv_caches)[layer]
     if t.dim() == 4:
         t = t.squeeze(1)
     nb, bs, w = t.shape
-    if w != INDEXER_BYTES:
-        raise GeometryError(f"record width {w} is not the DeepSeek-V3.2 indexer's {INDEXER_BYTES} B")
-    sb = INDEXER_BYTES - INDEXER_VALUE_BYTES
-    values = torch.as_strided(t, (nb, bs, INDEXER_VALUE_BYTES), (t.stride(0), INDEXER_VALUE_BYTES, 1), t.storage_offset())
-    scales = torch.as_strided(t, (nb, bs, sb), (t.stride(0), sb, 1), t.storage_offset() + bs * INDEXER_VALUE_BYTES)
+    if w not in BLOCKED_RECORDS:
+        raise GeometryError(f"record width {w} is not a blocked-scale record ({sorted(BLOCKED_RECORDS)})")
+    sb = BLOCKED_RECORDS[w]
+    v = w - sb
+    values = torch.as_strided(t, (nb, bs, v), (t.stride(0), v, 1), t.storage_offset())
+    scales = torch.as_strided(t, (nb, bs, sb), (t.stride(0), sb, 1), t.storage_offset() + bs * v)
     return values, scales
 
 

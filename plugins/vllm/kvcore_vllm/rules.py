@@ -757,7 +757,8 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
     if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
         # 0.13+: the manager's block_size may be split into kernel blocks of the tensor's BS
         # (gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views)
-        if not (kernel_split and h.block_size % sz["BS"] == 0):
+        # kernel blocks are multiples of 16 tokens (get_supported_kernel_block_sizes: MultipleOf(16), 32, 64...)
+        if not (kernel_split and sz["BS"] % 16 == 0 and h.block_size % sz["BS"] == 0):
             return False
     if h.num_kv_heads is not None:
         if rule.mla and h.num_kv_heads != 1:
