@@ -396,7 +396,7 @@ class Spec:
             t4 = leaves[0][1]
             if t4.dim() != 4:
                 raise GeometryError(f"format {fmt.name}: kv_caches should be [NB, NL, BS, W] bytes, got {_describe_tensor(t4)}")
-            leaves = [((l,), t4[:, l]) for l in range(int(t4.shape[1]))]
+            leaves = [((layer,), t4[:, layer]) for layer in range(int(t4.shape[1]))]
         elif self.syntax.list_levels != ("NL",) or self.syntax.axes != ("NB", "BSV", "BSS"):
             raise GeometryError(
                 f"format {fmt.name}: blocked-scale records are a layer list of [NB, BS, W] byte tensors (NL_X_NB_BSV_BSS) "

@@ -14,7 +14,17 @@ import inspect
 import pytest
 import torch
 from kvcore_vllm import fixtures
-from kvcore_vllm.fixtures import MATRIX, MLA_BACKENDS, MULTI_PLANE, allocate, allocate_dsv32, blocked_views, case_name, fixture_hints, kv_view
+from kvcore_vllm.fixtures import (
+    MATRIX,
+    MLA_BACKENDS,
+    MULTI_PLANE,
+    allocate,
+    allocate_dsv32,
+    blocked_views,
+    case_name,
+    fixture_hints,
+    kv_view,
+)
 
 import kvcore
 
@@ -98,11 +108,18 @@ def test_cross_layer_physical_orders(version, backend, layout, physical):
 
 def test_use_uniform_kv_cache_refusals():
     g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=8)
-    for version, backend in (("0.11.0", "FLASH_ATTN"), ("0.13.0", "TRITON_ATTN"), ("0.13.0", "FLEX_ATTENTION"), ("0.24.0", "ROCM_AITER_FA")):
+    for version, backend in (
+        ("0.11.0", "FLASH_ATTN"),
+        ("0.13.0", "TRITON_ATTN"),
+        ("0.13.0", "FLEX_ATTENTION"),
+        ("0.24.0", "ROCM_AITER_FA"),
+    ):
         with pytest.raises(kvcore.GeometryError, match="use_uniform_kv_cache"):
             allocate(version, backend, "NHD", cross_layer=True, **g)
     with pytest.raises(kvcore.GeometryError, match="use_uniform_kv_cache"):  # MLACommonBackend keeps layers first
-        allocate("0.24.0", "ROCM_AITER_MLA", "NHD", cross_layer=True, num_layers=2, num_blocks=3, block_size=16, num_kv_heads=1, head_size=576)
+        allocate(
+            "0.24.0", "ROCM_AITER_MLA", "NHD", cross_layer=True, num_layers=2, num_blocks=3, block_size=16, num_kv_heads=1, head_size=576
+        )
 
 
 # -- silent wrong bytes ---------------------------------------------------------------------
@@ -170,7 +187,12 @@ def test_rocm_011_default_is_unbind_and_the_variable_decides(monkeypatch, semant
         kvcore.detect(kv, "vllm", hints)
     assert "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in ei.value.hints and "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in str(ei.value)
     assert {"NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS"} <= set(ei.value.candidates)
-    for flag, fmt in ((False, "NL_X_TWO_NB_BS_NH_HS"), ("0", "NL_X_TWO_NB_BS_NH_HS"), (True, "NL_X_TWO_NB_NH_HS_BS"), ("1", "NL_X_TWO_NB_NH_HS_BS")):
+    for flag, fmt in (
+        (False, "NL_X_TWO_NB_BS_NH_HS"),
+        ("0", "NL_X_TWO_NB_BS_NH_HS"),
+        (True, "NL_X_TWO_NB_NH_HS_BS"),
+        ("1", "NL_X_TWO_NB_NH_HS_BS"),
+    ):
         kv = allocate("0.11.0", "ROCM_ATTN", "NHD", prefill_decode_attention=flag in (True, "1"), **g)
         lay = kvcore.detect(kv, "vllm", {**hints, "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": flag})
         assert lay.format.name == fmt
@@ -301,7 +323,9 @@ def test_manager_block_size_split_into_kernel_blocks(version, backend, layout, f
 
 def test_kernel_blocks_need_dense_pages():
     with pytest.raises(kvcore.GeometryError, match="dense"):
-        allocate("0.33.0", "FLASH_ATTN", "BLNHC", num_layers=2, num_blocks=2, block_size=64, kernel_block_size=16, num_kv_heads=2, head_size=16)
+        allocate(
+            "0.33.0", "FLASH_ATTN", "BLNHC", num_layers=2, num_blocks=2, block_size=64, kernel_block_size=16, num_kv_heads=2, head_size=16
+        )
 
 
 # -- pending: multi-plane names (K and V differ) ---------------------------------------------
