@@ -316,6 +316,8 @@ def _allocate_033(out, names, backend, lay, nb, bs, nh, hs, storage, device, cac
     L = len(names)
     page = heads * bs * c
     padded = page + padding if padding else None
+    if padded is not None and heads > 1 and lay in ("LHBNC", "BHLNC"):
+        raise GeometryError(f"vLLM 0.33 compute_layout_strides: page padding requires L and B outside the page tail, not {lay}")
     if padded is not None and kernel_bs not in (None, bs):
         raise GeometryError("vLLM 0.33: padded KV pages do not support kernel block splitting")
     # kv_cache_planning.get_kv_cache_config_from_groups: one KVCacheTensor for the group
@@ -751,7 +753,6 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
     ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
     ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS", {}),
-    ("0.33.0", "FLASH_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS", {"kernel_block_size": 16, "block_size": 64}),
 )
 
 #: multi-plane names these rows get once the core's multi-plane layouts land (K and V differ).
@@ -842,7 +843,8 @@ def fixture_cases() -> list[FixtureCase]:
             cons["head_size_multiple"] = 16  # split_kv_cache: 16-byte K chunks (x = 16 // element_size) for every element size
         if extra.get("kernel_block_size"):
             cons["fixed"] = ("block_size",)
-        pad = (mla and era != "0.11" and not cross) or (era == "0.33" and not extra.get("kernel_block_size"))
+        # page_size_padded: MLA pages before 0.33; 0.33 only where L and B are the outer axes (compute_layout_strides)
+        pad = (mla and era != "0.11" and not cross) or (era == "0.33" and layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC"))
         out.append(
             FixtureCase(
                 name=case_name(version, backend, layout, cross, extra),
@@ -858,7 +860,37 @@ def fixture_cases() -> list[FixtureCase]:
             )
         )
     out.append(_indexer_case())
+    out.append(_dsv32_indexer_case())
     return out
+
+
+def _dsv32_indexer_case() -> FixtureCase:
+    """vLLM 0.33 DeepSeek-V3.2 under BLHNC: the indexer K caches of :func:`allocate_dsv32`
+    (block-outermost pages beside the MLA layers' pages in each block)."""
+
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        _mla, idx = allocate_dsv32(
+            "BLHNC", num_layers=sizes["num_layers"], num_blocks=sizes["num_blocks"], block_size=sizes["block_size"], device=device
+        )
+        return idx, {"vllm_version": "0.33.0", "attention_backend": "FLASHMLA_SPARSE", "kv_cache_layout": "BLHNC"}
+
+    def view(kv_caches: Any, layer: int, kv: int, hints: dict | None = None):
+        if kv != 0:
+            raise GeometryError("the indexer cache is key-only: kv must be 0")
+        values, scales = blocked_views(kv_caches, layer)
+        return values.unsqueeze(2), scales.unsqueeze(2)
+
+    return FixtureCase(
+        name="vllm-0.33-INDEXER-BLHNC",
+        engine="vllm",
+        format="NB_NL_BSV_BSS",
+        make=make,
+        kv_view=view,
+        sizes=dict(num_layers=2, num_blocks=3, block_size=16, num_heads=1, head_size=INDEXER_BYTES),
+        dtypes=(torch.uint8,),
+        source="vllm 0.33.0 v1/core/kv_cache_planning.py::get_kv_cache_config_from_groups (DeepSeek-V3.2, BLHNC)",
+        size_constraints={"fixed": ("num_heads", "head_size")},
+    )
 
 
 def _indexer_case() -> FixtureCase:

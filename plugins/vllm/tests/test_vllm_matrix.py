@@ -23,7 +23,7 @@ def _kernel_split(name: str) -> int:
 def test_matrix_has_one_case_per_row():
     # one case per matrix row, plus the blocked-scale indexer (its oracle is a pair of segment views)
     assert len(ROWS) == len(MATRIX)
-    assert set(IDS) | {"vllm-0.11-INDEXER"} == set(CASES)
+    assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} == set(CASES)
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
     assert {c.name for c in registered_fixtures("vllm")} == set(CASES)
 
