@@ -207,7 +207,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 # -- describe ----------------------------------------------------------------------------
 
-_SIZE_KEYS = ("NL", "NB", "BS", "NBBS", "PBS", "NH", "HS", "CS", "NP", "VALS", "SCALES")
+_SIZE_KEYS = ("NL", "NB", "BS", "BSC", "BSE", "NBBS", "PBS", "NH", "HS", "HSC", "HSE", "CS", "NP", "VALS", "SCALES")
 
 
 def parse_sizes(text: str | None) -> dict[str, int]:
@@ -227,8 +227,8 @@ def parse_sizes(text: str | None) -> dict[str, int]:
             raise UsageError(f"--sizes entry {part!r} must be KEY=VALUE, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
         k, v = (x.strip() for x in part.split("=", 1))
         k = k.upper()
-        if k not in _SIZE_KEYS:
-            raise UsageError(f"--sizes key {k!r} is not a size; use {', '.join(_SIZE_KEYS)}")
+        if k.rsplit(".", 1)[-1] not in _SIZE_KEYS:  # ROLE.TOKEN sizes one plane of a multi-plane name (K.HS=192)
+            raise UsageError(f"--sizes key {k!r} is not a size; use {', '.join(_SIZE_KEYS)} (or ROLE.KEY for one plane, e.g. K.HS)")
         try:
             n = int(v)
         except ValueError:
@@ -248,6 +248,9 @@ def _complete_sizes(syn: Any, sizes: dict[str, int]) -> dict[str, int]:
         s["PBS"] = s["NB"] * s["BS"]
     if "CS" not in s and "HS" in s:
         s["CS"] = 2 * s["HS"]
+    for whole, outer, inner in (("HS", "HSC", "HSE"), ("BS", "BSC", "BSE")):  # chunks / token groups
+        if outer not in s and whole in s and s.get(inner) and s[whole] % s[inner] == 0:
+            s[outer] = s[whole] // s[inner]
     return s
 
 
@@ -303,6 +306,22 @@ def cmd_describe(args: argparse.Namespace) -> int:
         "registered": fmt is not None,
     }
     all_sizes = [d["size"] for d in levels + axes]
+    if syn.multi_plane:  # each plane its own tensors: axes per plane, elements summed over planes
+        from kvcore.grammar import plane_sizes
+
+        out["planes"], all_sizes, counts, shown = [], [], [], []
+        for ps in syn.planes:
+            psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role))
+            shown.append(f"{ps.role}: {ps.syntax.concrete(psz)}")
+            toks = ps.syntax.list_levels + ps.syntax.axes
+            vals = [_axis_value(t, psz) for t in toks]
+            out["planes"].append({"role": ps.role, "template": ps.template, "axes": [{"token": t, "size": v} for t, v in zip(toks, vals)]})
+            all_sizes += vals
+            counts.append(math.prod(vals) if all(v is not None for v in vals) else None)
+        if sizes:
+            out["concrete"] = " + ".join(shown)
+        if sizes and all(c is not None for c in counts):
+            all_sizes = [sum(counts)]
     if sizes and all(v is not None for v in all_sizes):
         elements = math.prod(all_sizes)
         out["elements"] = elements
@@ -316,7 +335,10 @@ def cmd_describe(args: argparse.Namespace) -> int:
             if nl:
                 out["bytes_per_layer"] = elements * esz // nl
     elif sizes:
-        missing = sorted({t for t in syn.list_levels + syn.axes if _axis_value(t, sizes) is None})
+        if syn.multi_plane:
+            missing = sorted({f"{p['role']}.{a['token']}" for p in out["planes"] for a in p["axes"] if a["size"] is None})
+        else:
+            missing = sorted({t for t in syn.list_levels + syn.axes if _axis_value(t, sizes) is None})
         out["missing_sizes"] = missing
     if fmt is not None:
         d = _format_dict(fmt)
@@ -336,7 +358,11 @@ def cmd_describe(args: argparse.Namespace) -> int:
         print(f"concrete   {out['concrete']}")
     if "missing_sizes" in out:
         print(f"           (no size given for {', '.join(out['missing_sizes'])})")
-    print("axes       " + ", ".join(f"{a['token']}={a['role']}" for a in levels + axes))
+    if syn.multi_plane:
+        for p in out["planes"]:
+            print(f"plane {p['role']:<5}" + ", ".join(a["token"] for a in p["axes"]))
+    else:
+        print("axes       " + ", ".join(f"{a['token']}={a['role']}" for a in levels + axes))
     f = out["facts"]
     print(
         f"facts      kv_size={f['kv_size']} mla={f['is_mla']} container={f['container']} hnd={f['is_hnd']} "

@@ -627,3 +627,20 @@ def test_overlap_is_decided_by_addresses_not_byte_ranges():
     # meta tensors (kvcore detect from a log): distinct storages never overlap
     metas = [torch.empty(NB, BS, NH, HS, device="meta") for _ in range(NL)]
     build_layout("NL_X_NB_BS_NH_HS", metas)
+
+
+def test_cli_describes_multi_plane_names_per_plane(capsys):
+    import json
+
+    from kvcore import cli
+
+    rc = cli.main(["describe", ROCM, "--sizes", "NL=2,NB=10,BS=16,NH=2,HS=64,K.HSE=8", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["concrete"] == "K: 2 x [10, 2, 8, 16, 8] + V: 2 x [10, 2, 64, 16]"
+    assert [p["role"] for p in d["planes"]] == ["K", "V"] and d["facts"]["container"] == "planes"
+    assert d["elements"] == 2 * (2 * 10 * 2 * 64 * 16)  # both planes, every layer
+    rc = cli.main(["describe", QUANT, "--sizes", "NL=2,NB=10,BS=16,NH=2,HS=64", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert d["elements"] == 2 * 10 * 16 * 2 * (2 * 64 + 4)
+    rc = cli.main(["describe", "NL_X_NB_BS_NH_HS_CS"])
+    assert rc == 2 and "two element axes (HS and CS)" in capsys.readouterr().err
