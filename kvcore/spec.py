@@ -919,6 +919,13 @@ class Spec:
         self.table = StrideTable(
             num_layers=nl, block_size=bs_int, num_slots=num_slots, device=self.device, planes=tuple(planes), buffers=buffers
         )
+        # each plane's layers along its tensor's NL axis were proven disjoint; two planes over one tensor were not
+        nl_axis = {p.role: p.syntax.axis("NL") is not None for p in syn.planes}
+        self._in_tensor_checked = (
+            self.table,
+            lambda a, b: a.tensor == b.tensor and a.role == b.role and (a.layer == b.layer or nl_axis[a.role]),
+            False,
+        )
         self.plane_info = tuple(infos[r] for r in roles)
         sizes: dict[str, int] = {"NL": nl}
         if block_size is not None:
@@ -977,6 +984,13 @@ class Spec:
             strides=(g.strides,) * self.kv_size_,
             bases=bases,
             roles=("KV",) if syn.is_mla else None,
+        )
+        # _read_template proved regions disjoint that differ only along the tensor's own axes (NL, TWO/CS)
+        nl_axis, kv_axis = has_nl, kv_in_tensor or self.kv_size_ == 1
+        self._in_tensor_checked = (
+            self.table,
+            lambda a, b: a.tensor == b.tensor and (a.layer == b.layer or nl_axis) and (a.role == b.role or kv_axis),
+            nl_axis and kv_axis,
         )
 
     def _build_blocked_scale(self) -> None:
@@ -1114,7 +1128,11 @@ class Spec:
         interleavings that share a range without sharing a byte stay accepted: K and V
         interleaved per block, layers interleaved in a cross-layer tensor, K|V packed in one
         row, a blocked record's values and scales."""
-        _check_disjoint(self.format.name, self.table)
+        checked = getattr(self, "_in_tensor_checked", None)
+        if checked is None or checked[0] is not self.table:  # a subclass replaced the generic table: check every pair
+            _check_disjoint(self.format.name, self.table)
+        else:
+            _check_disjoint(self.format.name, self.table, checked[1], checked[2])
 
     # -- accessors (KVLayout forwards to these) --------------------------------------
     @property
@@ -1213,6 +1231,7 @@ class _Region:
     run: int  # contiguous bytes at each index point
     layer: int
     role: str
+    tensor: int  # id() of the tensor the region was read from
 
 
 def _regions(table: StrideTable) -> list[_Region]:
@@ -1240,7 +1259,7 @@ def _regions(table: StrideTable) -> list[_Region]:
                 key, addr = ("meta", st._cdata), off
             else:
                 key, addr = str(t.device), st.data_ptr() + off
-            out.append(_Region(key, addr, addr + span, ax, s.chunk_bytes, li, p.role))
+            out.append(_Region(key, addr, addr + span, ax, s.chunk_bytes, li, p.role, id(t)))
     return out
 
 
@@ -1289,22 +1308,29 @@ class _Undecided(Exception):
     pass
 
 
-def _check_disjoint(name: str, table: StrideTable) -> None:
+def _check_disjoint(name: str, table: StrideTable, proven: Any = None, one_tensor_proven: bool = False) -> None:
     """Raise GeometryError when two (layer, plane) regions of ``table`` share a byte (see
-    :meth:`Spec._check_disjoint_planes`)."""
+    :meth:`Spec._check_disjoint_planes`). ``proven(a, b)``: the pair was already proved
+    disjoint by the spec's in-tensor alias check (regions of one tensor differing only along
+    its own axes) and is skipped; ``one_tensor_proven``: every pair of one tensor was."""
     by_key: dict[Any, list[_Region]] = {}
     for r in _regions(table):
         by_key.setdefault(r.key, []).append(r)
     budget = [_MEET_BUDGET]
     memo: dict[tuple, bool] = {}
+
     for regions in by_key.values():
         if len(regions) < 2:
             continue
+        if one_tensor_proven and len({r.tensor for r in regions}) == 1:
+            continue  # one tensor whose every axis the spec checked
         regions.sort(key=lambda r: (r.lo, r.hi))
         active: list[_Region] = []
         for r in regions:
             active = [a for a in active if a.hi > r.lo]
             for a in active:
+                if proven is not None and proven(a, r):
+                    continue
                 mk = (a.axes, a.run, r.axes, r.run, r.lo - a.lo)
                 hit = memo.get(mk)
                 if hit is None:

@@ -577,6 +577,14 @@ def test_per_layer_views_that_overlap_are_refused():
     # one tensor registered twice still says where
     with pytest.raises(GeometryError, match="start at the same address"):
         build_layout("NL_X_NB_BS_NH_HS", [l0, l0])
+    # K and V of a per-layer tuple that are one tensor; one tensor as two planes of a cross-layer record
+    t = torch.zeros(NB, BS, NH, HS)
+    with pytest.raises(GeometryError, match="layer 0 K and layer 0 V start at the same address"):
+        build_layout("NL_X_TWO_X_NB_BS_NH_HS", [(t, t)])
+    x = torch.zeros(NB, NL, BS, NH, HS)
+    with pytest.raises(GeometryError, match="start at the same address"):
+        build_layout("K=NB_NL_BS_NH_HS+V=NB_NL_BS_NH_HS", {"K": x, "V": x})
+    build_layout("K=NB_NL_BS_NH_HS+V=NB_NL_BS_NH_HS", {"K": x, "V": torch.zeros_like(x)})
     # two planes of a multi-plane record over the same bytes
     k = [torch.zeros(NB, BS, NH, HS) for _ in range(NL)]
     with pytest.raises(GeometryError, match=r"layer (\d) K and layer \1 V start at the same address"):
