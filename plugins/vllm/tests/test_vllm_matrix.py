@@ -8,7 +8,7 @@ import torch
 from kvcore_vllm.fixtures import MATRIX, case_name, fixture_cases
 
 import kvcore
-from kvcore.testing import fixtures as registered_fixtures
+from kvcore.testing import registered_fixtures
 
 CASES = {c.name: c for c in fixture_cases()}
 IDS = [case_name(v, b, lay, x) for v, b, lay, x, _ in MATRIX]
@@ -169,7 +169,10 @@ def test_dict_input_keeps_layer_order():
 
 
 def test_formats_listed_with_sources():
-    names = {f.name: f for f in kvcore.formats()}
+    # this plugin's own declarations (another plugin may declare the same name with its sources)
+    names = {
+        f.name: kvcore.registry.declarations(f.name)["vllm"] for f in kvcore.formats() if "vllm" in kvcore.registry.declarations(f.name)
+    }
     for *_, fmt in MATRIX:
         f = names[fmt]
         assert "vllm" in f.engines and f.sources and all(s.engine == "vllm" and s.version and s.file for s in f.sources)
