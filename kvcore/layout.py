@@ -348,8 +348,8 @@ def build_layout(
     Raises:
         FormatError: a malformed format name (naming the bad token).
         GeometryError: the tensors do not fit the format (wrong nesting, rank, literal
-            axis size, zero-size axis, aliasing strides, geometry past the storage), or
-            a plugin's spec failed on them.
+            axis size, zero-size axis, aliasing strides, geometry past the storage), are
+            quantized tensors (``torch.quint8``...), or a plugin's spec failed on them.
         PluginError: a ``kvcore_spec`` hook raised or returned something that is not a
             Spec subclass (the message names the plugin).
     """
@@ -363,6 +363,7 @@ def build_layout(
             fmt = KVFormat(name=format, description="(not registered by any plugin)")
     else:
         fmt = format
+    registry.refuse_quantized(kv_caches, "kv_caches", GeometryError)
     spec_cls = registry.spec_for(fmt) or Spec  # a plugin's bad answer is a PluginError naming it
     try:
         spec = spec_cls(fmt, kv_caches, dtype=dtype, params=params)

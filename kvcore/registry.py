@@ -730,10 +730,16 @@ def _tensors(container: Any) -> list[Any]:
     return tensors_in(container)
 
 
-def _refuse_quantized(tensors: list[Any], what: str) -> None:
+def refuse_quantized(container: Any, what: str, error: type[KVCoreError] = DetectionError) -> None:
+    """Raise ``error`` when ``container`` holds a quantized tensor (``torch.quint8`` ...):
+    kvcore moves plain element types, and torch's quantized tensors have no byte view."""
+    _refuse_quantized(_tensors(container), what, error)
+
+
+def _refuse_quantized(tensors: list[Any], what: str, error: type[KVCoreError] = DetectionError) -> None:
     for t in tensors:
         if getattr(t, "is_quantized", False):
-            raise DetectionError(
+            raise error(
                 f"{what} holds a quantized tensor ({str(t.dtype).replace('torch.', '')}, shape {list(t.shape)}); kvcore moves "
                 "plain element types: pass the tensor's integer storage (t.int_repr(), or the engine's own uint8/int8 buffer) "
                 "and its scales as a plane of their own"

@@ -199,6 +199,12 @@ def test_a_detection_over_quantized_tensors_is_refused_at_the_door(core_only):
         kvcore.detect(q, "good")
     with pytest.raises(DetectionError, match="quantized tensor"):
         kvcore.detect_per_layer(q, "good")
+    with pytest.raises(kvcore.GeometryError, match="quantized tensor"):
+        kvcore.build_layout(FMT, q)
+    for dtype in (torch.qint8, torch.qint32):  # the class, not the one example
+        q8 = [torch.quantize_per_tensor(torch.rand(2, NB, BS, NH, HS), 0.1, 0, dtype)]
+        with pytest.raises(DetectionError, match=str(dtype).replace("torch.", "")):
+            kvcore.detect(q8, "good")
 
 
 def test_a_raising_or_wrong_spec_hook_is_a_plugin_error_naming_the_plugin(core_only):
