@@ -753,7 +753,8 @@ class _MemoryRanges:
 
     def __init__(self, container: Any):
         self.ranges: dict[Any, list[tuple[int, int]]] = {}
-        for t in _reachable_tensors(container):
+        tensors, self.exhaustive = _reachable_tensors(container)
+        for t in tensors:
             try:
                 st = t.untyped_storage()
                 lo = st.data_ptr()
@@ -773,19 +774,26 @@ class _MemoryRanges:
             lo = t.data_ptr() + esz * sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0)
             hi = t.data_ptr() + esz * (sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0) + 1)
             if not any(a <= lo and hi <= b for a, b in self.ranges.get(t.device, [])):
+                if not self.exhaustive:
+                    return ""  # an engine object not searched to its end: its memory may be where we did not look
                 return f"tensor {i}, shape {list(t.shape)} on {t.device}, is not a view of the cache"
         return ""
 
 
-def _reachable_tensors(obj: Any, limit: int = 10_000) -> list[Any]:
+def _reachable_tensors(obj: Any, limit: int = 10_000, max_depth: int = 8) -> tuple[list[Any], bool]:
+    """The tensors reachable from ``obj`` through containers and object attributes, and
+    whether the search reached every object (False when cut by depth or ``limit``)."""
     import torch
 
     out: list[Any] = []
     seen: set[int] = set()
     stack = [(obj, 0)]
-    while stack and len(seen) < limit:
+    exhaustive = True
+    while stack:
+        if len(seen) >= limit:
+            return out, False
         x, depth = stack.pop()
-        if id(x) in seen:
+        if id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None), type)):
             continue
         seen.add(id(x))
         if isinstance(x, torch.Tensor):
@@ -794,11 +802,13 @@ def _reachable_tensors(obj: Any, limit: int = 10_000) -> list[Any]:
             stack.extend((v, depth + 1) for v in x.values())
         elif isinstance(x, (list, tuple)):
             stack.extend((v, depth + 1) for v in x)
-        elif depth < 5 and not isinstance(x, (str, bytes, int, float, bool, type(None), type)):
+        elif depth >= max_depth:
+            exhaustive = False
+        else:
             attrs = getattr(x, "__dict__", None)
             if isinstance(attrs, dict):
                 stack.extend((v, depth + 1) for v in attrs.values())
             for s in getattr(type(x), "__slots__", ()) or ():
                 if isinstance(s, str) and hasattr(x, s):
                     stack.append((getattr(x, s), depth + 1))
-    return out
+    return out, exhaustive

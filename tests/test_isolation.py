@@ -305,3 +305,29 @@ def test_kernel_errors_that_are_refusals_stay_transfer_errors(core_only):
     kvcore.register_plugin(P(), name="refusing")
     with pytest.raises(TransferError, match="too large"):
         kvcore.gather(kvcore.build_layout(FMT, _cache()), [0])
+
+
+class _EngineCache:
+    """An engine's own cache object: the tensors live in its attributes."""
+
+    def __init__(self):
+        self.layers = [types.SimpleNamespace(kv=t) for t in _cache()]
+
+
+def test_views_of_an_engine_objects_tensors_are_accepted_and_copies_refused(core_only):
+    def unwrap(copy):
+        def answer(obj):
+            if not isinstance(obj, _EngineCache):
+                return None
+            return Detection(format=FMT, kv_caches=[(layer.kv.clone() if copy else layer.kv[:]) for layer in obj.layers])
+
+        return answer
+
+    kvcore.register_plugin(_Detects(unwrap(copy=False), "eng"), name="views")
+    cache = _EngineCache()
+    layout = kvcore.detect(cache, "eng")
+    assert [t.data_ptr() for t in layout.kv_caches] == [layer.kv.data_ptr() for layer in cache.layers]
+    kvcore.unregister_plugin("views")
+    kvcore.register_plugin(_Detects(unwrap(copy=True), "eng"), name="copies")
+    with pytest.warns(KVCorePluginWarning), pytest.raises(DetectionError, match="copies: .*not a view of the cache"):
+        kvcore.detect(_EngineCache(), "eng")
