@@ -206,9 +206,13 @@ def test_per_layer_accessors_answer_for_mixed_layers():
     assert [L.get_head_size(kv, fmt, i) for i in range(2)] == [576, 128]
     with pytest.raises(GeometryError, match="out of range"):
         L.get_head_size(kv, fmt, 2)
-    with pytest.raises(GeometryError):  # the whole list is not one layout
-        L.get_num_layers(kv, fmt)
-    assert L.get_concrete_engine_kv_shape(kv, fmt) == "Unknown (NL_X_NB_BS_HS)"
+    # as LMCache: the layer count is the entries, the whole-layer sizes are layer 0's
+    assert L.get_num_layers(kv, fmt) == 2
+    assert (L.get_num_blocks(kv, fmt), L.get_page_buffer_size(kv, fmt), L.get_elements_per_layer(kv, fmt)) == (6, 96, 96 * 576)
+    assert L.get_concrete_engine_kv_shape(kv, fmt) == "2 x [6, 16, 576]"
+    # a group's pointers read only its layers
+    assert L.get_group_data_ptrs(kv, fmt, [1, 0]) == [kv[1].data_ptr(), kv[0].data_ptr()]
+    assert L.get_concrete_engine_kv_shape([torch.zeros(6, 16)], fmt) == "Unknown (NL_X_NB_BS_HS)"
 
 
 def test_per_layer_formats_for_a_hybrid_model():
