@@ -503,6 +503,9 @@ def test_sglang_mla_pool_keeps_its_fused_axis_under_tokens_per_block():
         assert fmt == "NL_X_NBBS_ONE_HS" and fmt.is_pbs_fused
         assert [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool] and kv[0].shape == (rows, 1, d)
         assert L.get_page_buffer_size(kv, fmt) == rows
+    by_name = {f"model.layers.{i}.attn": t for i, t in enumerate(pool)}
+    fmt, kv = L.normalize_kv_and_discover_format(by_name, "sglang", {"tokens_per_block": 16})
+    assert fmt == "NL_X_NBBS_ONE_HS" and [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool]
     # kvcore's own page_size pages it, under LMCache's name for the same bytes
     fmt, kv = L.normalize_kv_and_discover_format(pool, "sglang", {"page_size": 16})
     assert fmt == L.EngineKVFormat.NL_X_NB_BS_HS and kv[0].shape == (9, 16, d) and kv[2].data_ptr() == pool[2].data_ptr()
@@ -900,3 +903,12 @@ def test_layers_that_differ_answer_per_layer_and_point_in_kernel_order():
     spec = L.get_spec([(t.unflatten(0, (6, 4)), u.unflatten(0, (6, 4))) for t, u in pairs], "NL_X_TWO_X_NB_BS_NH_HS")
     assert spec.data_ptrs([2, 1]) == [k[2].data_ptr(), v[2].data_ptr(), k[1].data_ptr(), v[1].data_ptr()]
     assert (spec.block_size(1), spec.num_blocks()) == (4, 6)
+
+
+def test_plane_tuples_of_different_dtypes_are_refused_not_misread():
+    # documented difference: LMCache sums the planes' bytes; one kvcore layout holds one dtype
+    kv = [(torch.zeros(4, 16, 1, 512, dtype=torch.int8), torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)) for _ in range(2)]
+    spec = L.get_spec(kv, L.EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS)
+    with pytest.raises(GeometryError, match="one dtype"):
+        spec.head_size()
+    assert L.get_concrete_engine_kv_shape(kv, "NL_X_NP_X_NB_BS_ONE_HS") == "Unknown (NL_X_NP_X_NB_BS_ONE_HS)"

@@ -62,6 +62,10 @@ detection                      a shape rule per engine, for any sizes:     the e
                                                                            installed plugin describes (vLLM-RBLN,
                                                                            vLLM-Ascend tuples, SGLang ``"unified"``
                                                                            views) raise :class:`~kvcore.DetectionError`
+plane tuples                   accessors over the planes' summed byte      :class:`~kvcore.GeometryError`: one kvcore
+(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          layout holds one dtype and one width per
+                               elements)                                   plane; kvcore's multi-plane layouts (being
+                                                                           built in the core) will describe them
 ``block_stride_elems``         ``stride(0)`` for an allow-list of six      for every format whose dim 0 is the block
                                formats, ``ValueError`` for dim-0 padding   axis (NB or NBBS): kvcore's kernels read
                                elsewhere                                   the stride table
@@ -822,18 +826,18 @@ def _prepare(kv_caches: Any, engine: str, layout_hints: Any) -> tuple[Any, dict[
     module docstring's "Layout hints")."""
     hints = _hints(layout_hints, engine)
     raw = dict(layout_hints) if isinstance(layout_hints, Mapping) else {}
-    if engine == "sglang" and "tokens_per_block" in raw and raw.get("kv_list_layout") != "k_v" and "is_mla" not in hints:
-        flat = isinstance(kv_caches, (list, tuple)) and kv_caches and all(isinstance(t, torch.Tensor) for t in kv_caches)
-        if flat and all(t.dim() == 3 and t.shape[1] == 1 for t in kv_caches):
-            # LMCache: a flat (rows, 1, D) list is the MLA pool, and tokens_per_block only
-            # un-flattens MHA K/V lists; the pool keeps its fused NBBS axis
-            if raw.get("page_size") is None and raw.get("block_size") is None:
-                hints.pop("page_size", None)
+    if engine == "sglang" and raw.get("kv_list_layout") != "k_v" and "is_mla" not in hints:
+        entries = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else kv_caches
+        if (
+            isinstance(entries, (list, tuple))
+            and entries
+            and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 for t in entries)
+        ):
+            # LMCache reads a flat list of (rows, 1, D) tensors as the MLA pool, and its
+            # tokens_per_block only un-flattens MHA K/V lists: the pool keeps its NBBS axis
             hints["is_mla"] = True
-    elif engine == "sglang" and raw.get("kv_list_layout") is None and "is_mla" not in hints:
-        flat = isinstance(kv_caches, (list, tuple)) and kv_caches and all(isinstance(t, torch.Tensor) for t in kv_caches)
-        if flat and all(t.dim() == 3 and t.shape[1] == 1 for t in kv_caches):
-            hints["is_mla"] = True  # LMCache reads a flat (rows, 1, D) list as MLA
+            if "tokens_per_block" in raw and raw.get("page_size") is None and raw.get("block_size") is None:
+                hints.pop("page_size", None)
     if engine in ("trtllm", "tensorrt_llm", "tensorrt-llm"):
         pool = kv_caches[0] if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 else kv_caches
         if isinstance(pool, torch.Tensor) and pool.dim() == 6:
