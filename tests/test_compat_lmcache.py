@@ -523,8 +523,10 @@ def test_vllm_hints_in_lmcache_names_reach_the_plugin():
     extra = {"kv_list_layout": "k_v", "inference_engine_logical_block_size": 64}
     fmt, _ = L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "tokens_per_block": 16, **extra})
     assert fmt == "NL_X_TWO_NB_BS_NH_HS"
-    with pytest.raises(DetectionError, match="block_size': 32"):  # tokens_per_block arrives as block_size
-        L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "tokens_per_block": 32})
+    with pytest.raises(DetectionError, match="'head_size': 32"):  # head_dim arrives as head_size
+        L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "head_dim": 32})
+    with pytest.raises(DetectionError, match="'block_size': 24"):  # tokens_per_block as block_size
+        L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "tokens_per_block": 24})
 
 
 # -- LMCache's names for kvcore's layouts -------------------------------------------------------
