@@ -200,14 +200,16 @@ def check_physical_order(case: FixtureCase) -> str:
     kv, hints = _make(case, case.sizes, dtype, torch.device("cpu"))
     layout = _detect(case, kv, hints)
     syn = layout.format.syntax
+    axes = list(getattr(syn, "axes", ()))
     for i, t in enumerate(oracle.leaves(layout.kv_caches)):
-        names = list(syn.axes) if t.dim() == len(syn.axes) else [f"axis {d}" for d in range(t.dim())]
+        named = t.dim() == len(axes)  # a single-plane name: its tokens label the axes
+        names = axes if named else [f"axis {d}" for d in range(t.dim())]
         dims = [d for d in range(t.dim()) if t.shape[d] > 1]
         for a, b in zip(dims, dims[1:]):
             if t.stride(a) < t.stride(b):
                 perm = physical_permutation(t)
-                prefix = "".join(f"{lv}_X_" for lv in syn.list_levels)
-                memory = prefix + "_".join(names[d] for d in perm) if t.dim() == len(syn.axes) else f"axes {perm}"
+                prefix = "".join(f"{lv}_X_" for lv in getattr(syn, "list_levels", ()))
+                memory = prefix + "_".join(names[d] for d in perm) if named else f"axes {perm}"
                 raise CheckFailure(
                     f"{layout.format.name} names {names[a]} before {names[b]}, but in the tensors detection returned (tensor {i}, "
                     f"shape {list(t.shape)}, stride {list(t.stride())}) {names[b]} is outside {names[a]} in memory: a format name is "
