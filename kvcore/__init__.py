@@ -32,6 +32,7 @@ from kvcore.errors import (
 )
 from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
+from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
 from kvcore.registry import (
@@ -39,6 +40,7 @@ from kvcore.registry import (
     disable_plugins,
     formats,
     get_format,
+    hints,
     plugins,
     register_plugin,
     unregister_plugin,
@@ -55,6 +57,7 @@ __all__ = [
     "DetectionError",
     "FormatError",
     "GeometryError",
+    "Hint",
     "KVCoreError",
     "KVCorePluginWarning",
     "KVFormat",
@@ -79,6 +82,7 @@ __all__ = [
     "gather",
     "gather_blocks",
     "get_format",
+    "hints",
     "hookimpl",
     "parse_format",
     "plugins",

@@ -486,14 +486,17 @@ def test_container_and_dtype_arguments_of_multi_plane_formats():
 def test_quantized_torch_dtypes_are_refused_at_the_door(qdtype):
     dt = getattr(torch, qdtype)
     q = torch.quantize_per_tensor(torch.zeros(NB, BS, NH, HS), 0.1, 0, dt)
-    with pytest.raises(GeometryError, match=f"{qdtype}, a torch quantized dtype"):
+    # build_layout refuses quantized tensors at the door; the spec refuses them (and dtypes) too
+    with pytest.raises(GeometryError, match=f"quantized tensor \\({qdtype}|{qdtype}, a torch quantized dtype"):
         build_layout("NL_X_NB_BS_NH_HS", [q, q.clone()])
     with pytest.raises(GeometryError, match="quantized dtype"):
         build_layout("NL_X_NB_BS_NH_HS", [torch.zeros(NB, BS, NH, HS, dtype=torch.uint8)], dtype=dt)
     kv = _quant_kv()
     kv["K"] = [q, q.clone()]
-    with pytest.raises(GeometryError, match="kv_caches\\['K'\\] is torch"):
+    with pytest.raises(GeometryError, match="quantized"):
         build_layout(QUANT, kv)
+    with pytest.raises(GeometryError, match=f"kv_caches\\['K'\\] is torch.{qdtype}, a torch quantized dtype"):
+        kvcore.Spec(kvcore.KVFormat(name=QUANT), kv)
 
 
 # -- bad staging: refused before any write --------------------------------------------
