@@ -28,6 +28,7 @@ from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
+from kvcore.layout_copy import copy
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -61,6 +62,7 @@ __all__ = [
     "StrideTable",
     "TransferError",
     "build_layout",
+    "copy",
     "detect",
     "detect_per_layer",
     "disable_plugins",
