@@ -15,6 +15,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 from __future__ import annotations
 
 from kvcore.detection import Candidate, detect, detect_per_layer, resolve
+from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
     DetectionError,
@@ -73,10 +74,12 @@ __all__ = [
     "hookimpl",
     "parse_format",
     "plugins",
+    "recv",
     "register_plugin",
     "resolve",
     "scatter",
     "scatter_blocks",
+    "send",
     "slots_for_blocks",
     "unregister_plugin",
 ]
