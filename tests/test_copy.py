@@ -380,3 +380,72 @@ def test_select_heads_is_a_derived_table():
     out = torch.zeros(2, 2, 2, 2 * HS, dtype=torch.int32)
     REFERENCE.gather(TransferPlan(table=s, slots=torch.tensor([5, 6]), staging=out, num_valid=2))
     assert torch.equal(out, staged.view(2, 2, 2, 4, HS)[:, :, :, 1:3].reshape(2, 2, 2, 2 * HS))
+
+
+# -- CUDA (run on a GPU machine: scripts/gpu_pd_bench.py runs these first) -----------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _to(c: Cache, device, pin=False) -> Cache:
+    """The same cache (same values, same layout) on another device or in pinned host memory."""
+    out = Cache(c.name, c.nl, c.nb, c.bs, c.nh, fill=False)
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            y = x.to(device)
+            return y.pin_memory() if pin else y
+        t = [move(v) for v in x]
+        return tuple(t) if isinstance(x, tuple) else t
+
+    out.caches = move(c.caches)
+    out.layout = build_layout(c.name, out.caches)
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("src_name,dst_name", PAIRS + [("NL_X_NB_BS_HS", "NL_X_NBBS_ONE_HS")])
+@pytest.mark.parametrize("where", ["device", "to_pinned", "from_pinned", "to_pageable"])
+def test_copy_cuda_semantic(src_name, dst_name, where, monkeypatch):
+    nh = 1 if src_name in MLA else 2
+    src = Cache(src_name, 3, 6, 4, nh)
+    dst = Cache(dst_name, 3, 5, 8, nh, seed_offset=7)
+    ss, ds = _slots(24, 40, 13, seed=3)
+    want = _expected(src, dst, ss, ds)
+    before = dst.snapshot()
+    dev = torch.device("cuda")
+    gs = _to(src, "cpu", pin=True) if where == "from_pinned" else _to(src, dev)
+    if where == "to_pinned":
+        gd = _to(dst, "cpu", pin=True)
+    elif where == "to_pageable":
+        gd = _to(dst, "cpu")
+    else:
+        gd = _to(dst, dev)
+    plan = plan_copy(gs.layout, ss, gd.layout, ds)
+    expect_native = where != "to_pageable" and NATIVE_CUDA_COPY.available()
+    assert (select_copy_kernel(plan).name == "native-cuda") == expect_native
+    kvcore.copy(gs.layout, ss.to(dev), gd.layout, ds.to(dev))
+    torch.cuda.synchronize()
+    got = _to(gd, "cpu")
+    _check(got, want, before)
+
+
+@cuda
+def test_copy_cuda_tp_split_bit_exact():
+    dev = torch.device("cuda")
+    src = build_layout(
+        "NL_X_TWO_NB_BS_NH_HS",
+        [torch.randint(-(2**15), 2**15, (2, 64, 16, 8, 128), dtype=torch.int16, device=dev).view(torch.bfloat16) for _ in range(4)],
+    )
+    ranks = [
+        build_layout("NL_X_TWO_NB_NH_BS_HS", [torch.zeros(2, 40, 4, 32, 128, dtype=torch.bfloat16, device=dev) for _ in range(4)])
+        for _ in range(2)
+    ]
+    ss = torch.randperm(1024, device=dev)[:777]
+    ds = torch.randperm(1280, device=dev)[:777]
+    for r, d in enumerate(ranks):
+        kvcore.copy(src, ss, d, ds, heads=(4 * r, 4 * r + 4))
+    full = kvcore.gather(src, ss).view(2, 4, 777, 8, 128)
+    for r, d in enumerate(ranks):
+        got = kvcore.gather(d, ds).view(2, 4, 777, 4, 128)
+        assert torch.equal(got.view(torch.int16), full[:, :, :, 4 * r : 4 * r + 4].view(torch.int16))
