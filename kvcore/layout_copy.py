@@ -129,7 +129,8 @@ def pair_tables(src: StrideTable, dst: StrideTable, src_name: str, dst_name: str
 
 
 def _check_slots(layout: KVLayout, slots, what: str, check_duplicates: bool) -> torch.Tensor:
-    """int64 ``[T]`` slots on the CPU or the cache's device, -1 for padding.
+    """The slots as a validated int64 ``[T]`` CPU tensor, -1 for padding. Slots on a device
+    are read back once (one synchronisation) and checked on the host.
 
     Raises:
         TransferError: not a 1-D integer tensor, a slot past the cache's slots, or (for a
@@ -138,7 +139,7 @@ def _check_slots(layout: KVLayout, slots, what: str, check_duplicates: bool) -> 
     s = _index_tensor(slots, what)
     if s.dim() != 1:
         raise TransferError(f"{what} must be 1-D [T], got shape {tuple(s.shape)}")
-    s = s.to(dtype=torch.int64)
+    s = s.to(device="cpu", dtype=torch.int64)
     n = layout.page_buffer_size
     if s.numel():
         hi = int(s.max())
@@ -151,10 +152,10 @@ def _check_slots(layout: KVLayout, slots, what: str, check_duplicates: bool) -> 
     if check_duplicates:
         valid = s[s >= 0]
         if valid.numel() > 1:
-            u = torch.unique(valid)
-            if u.numel() != valid.numel():
-                srt, _ = torch.sort(valid)
-                dup = int(srt[1:][srt[1:] == srt[:-1]][0])
+            srt, _ = torch.sort(valid)
+            same = srt[1:] == srt[:-1]
+            if bool(same.any()):
+                dup = int(srt[1:][same][0])
                 rows = torch.nonzero(s == dup).flatten().tolist()[:4]
                 raise TransferError(
                     f"destination slot {dup} appears more than once in {what} (rows {rows}); overlapping destination slots "
@@ -272,7 +273,6 @@ def plan_copy(
     ds = _check_slots(dst_layout, dst_slots, "dst_slots", True)
     if ss.numel() != ds.numel():
         raise TransferError(f"src_slots has {ss.numel()} rows but dst_slots has {ds.numel()}; row i moves src_slots[i] to dst_slots[i]")
-    ss, ds = ss.to(dev), ds.to(dev)
     valid = (ss >= 0) & (ds >= 0)
     ss = torch.where(valid, ss, torch.full_like(ss, -1))
     ds = torch.where(valid, ds, torch.full_like(ds, -1))
@@ -285,7 +285,7 @@ def plan_copy(
                 f"the source and destination share memory and slot {s} is both read and written; copy within one cache "
                 "needs disjoint source and destination slots"
             )
-    return CopyPlan(src=st, dst=dt, src_slots=ss, dst_slots=ds, num_valid=nv)
+    return CopyPlan(src=st, dst=dt, src_slots=ss.to(dev), dst_slots=ds.to(dev), num_valid=nv)
 
 
 def copy(
