@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["run"]
+__all__ = ["run", "prefill_cache", "decode_caches", "verify"]
 
 VERSION = "0.11.0"
 BACKEND = "FLASH_ATTN"
@@ -80,66 +80,54 @@ def _requests(num_blocks: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-def _rank_main(rank: int, world: int, opts: dict) -> dict:
+def prefill_cache(num_blocks: int, device, enc):
+    """The prefill engine's cache (NHD, block 16, 8 heads), every slot written through vLLM's views
+    with the encoding of (layer, K/V, slot, head, element). Returns ``(kv_caches, layout)``."""
     import kvcore
     from kvcore_vllm import fixtures
-    from kvcore_vllm.demo import Encoder
 
-    dev = torch.device(f"cuda:{rank}") if opts["device"] == "cuda" else torch.device("cpu")
-    reqs = _requests(opts["num_blocks"], opts["seed"])
-    enc = Encoder(torch.bfloat16, NUM_HEADS, HEAD_SIZE, dev)
-    hints = {"attention_backend": BACKEND, "vllm_version": VERSION}
-    rec: dict[str, Any] = {"rank": rank, "device": str(dev)}
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    if rank == 0:
-        caches = fixtures.allocate(
-            VERSION, BACKEND, "NHD", num_layers=NUM_LAYERS, num_blocks=opts["num_blocks"], block_size=PREFILL_BS,
-            num_kv_heads=NUM_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16, device=dev,
-        )  # fmt: skip
-        slots = torch.arange(opts["num_blocks"] * PREFILL_BS, device=dev)
-        for layer in range(NUM_LAYERS):
-            for kv in range(2):
-                enc.encode(layer, kv, slots, out=fixtures.kv_view(caches, layer, kv).view(enc.int_dtype))
-        layout = kvcore.detect(caches, "vllm", dict(hints, kv_cache_layout="NHD"))
-        rec.update(format=layout.format.name, describe=layout.describe())
-        # warm-up outside the timing (a NCCL pair communicator is created on first use)
-        sync()
-        t0 = time.perf_counter()
-        moved = 0
-        for r in reqs:
-            for tp in range(DECODE_TP):
-                h = NUM_HEADS // DECODE_TP
-                kvcore.send(layout, r["prefill_slots"], 1, heads=(tp * h, tp * h + h), chunk_bytes=opts["chunk_bytes"])
-                moved += r["tokens"] * NUM_LAYERS * 2 * h * HEAD_SIZE * 2
-        sync()
-        rec["seconds"] = time.perf_counter() - t0
-        rec["bytes"] = moved
-        return rec
-    h = NUM_HEADS // DECODE_TP
-    nb = _decode_blocks(opts["num_blocks"])
-    decode = []
+    caches = fixtures.allocate(
+        VERSION, BACKEND, "NHD", num_layers=NUM_LAYERS, num_blocks=num_blocks, block_size=PREFILL_BS,
+        num_kv_heads=NUM_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16, device=device,
+    )  # fmt: skip
+    slots = torch.arange(num_blocks * PREFILL_BS, device=device)
+    for layer in range(NUM_LAYERS):
+        for kv in range(2):
+            enc.encode(layer, kv, slots, out=fixtures.kv_view(caches, layer, kv).view(enc.int_dtype))
+    hints = {"attention_backend": BACKEND, "vllm_version": VERSION, "kv_cache_layout": "NHD"}
+    return caches, kvcore.detect(caches, "vllm", hints)
+
+
+def decode_caches(num_blocks: int, device) -> list:
+    """The decode engine's caches, one per TP rank (HND, block 32, 4 heads), zeroed.
+    Returns ``[(kv_caches, layout), ...]``."""
+    import kvcore
+    from kvcore_vllm import fixtures
+
+    out = []
     for _tp in range(DECODE_TP):
         c = fixtures.allocate(
-            VERSION, BACKEND, "HND", num_layers=NUM_LAYERS, num_blocks=nb, block_size=DECODE_BS,
-            num_kv_heads=h, head_size=HEAD_SIZE, dtype=torch.bfloat16, device=dev,
+            VERSION, BACKEND, "HND", num_layers=NUM_LAYERS, num_blocks=_decode_blocks(num_blocks), block_size=DECODE_BS,
+            num_kv_heads=NUM_HEADS // DECODE_TP, head_size=HEAD_SIZE, dtype=torch.bfloat16, device=device,
         )  # fmt: skip
-        decode.append((c, kvcore.detect(c, "vllm", dict(hints, kv_cache_layout="HND"))))
-    rec.update(format=decode[0][1].format.name, describe=decode[0][1].describe())
-    sync()
-    t0 = time.perf_counter()
-    for r in reqs:
-        for tp in range(DECODE_TP):
-            kvcore.recv(decode[tp][1], r["decode_slots"], 0)
-    sync()
-    rec["seconds"] = time.perf_counter() - t0
-    # verify every element of every decode cache through vLLM's views
-    nslots = nb * DECODE_BS
+        hints = {"attention_backend": BACKEND, "vllm_version": VERSION, "kv_cache_layout": "HND"}
+        out.append((c, kvcore.detect(c, "vllm", hints)))
+    return out
+
+
+def verify(decode: list, reqs: list[dict], enc, num_blocks: int, device) -> tuple[list[str], int]:
+    """Every element of every decode cache, read through vLLM's views: a slot a request landed in
+    holds the encoding of (layer, K/V, the token's prefill slot, global head ``tp*4 + h``,
+    element); every other slot is zero. Returns ``(errors, elements checked)``."""
+    from kvcore_vllm import fixtures
+
+    h = NUM_HEADS // DECODE_TP
+    nslots = _decode_blocks(num_blocks) * DECODE_BS
     src = torch.cat([r["prefill_slots"] for r in reqs])
     dst = torch.cat([r["decode_slots"] for r in reqs])
     keep = (src >= 0) & (dst >= 0)
-    src, dst = src[keep].to(dev), dst[keep].to(dev)
-    errors = []
-    checked = 0
+    src, dst = src[keep].to(device), dst[keep].to(device)
+    errors, checked = [], 0
     for tp, (caches, _) in enumerate(decode):
         for layer in range(NUM_LAYERS):
             for kv in range(2):
@@ -156,9 +144,44 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
                         f"({what}), head {bad[1]} (global {tp * h + bad[1]}), element {bad[2]}: got {int(got[tuple(bad)])}, "
                         f"expected {int(want[tuple(bad)])}"
                     )
-    rec["elements_checked"] = checked
-    rec["errors"] = errors
-    rec["verified"] = not errors
+    return errors, checked
+
+
+def _rank_main(rank: int, world: int, opts: dict) -> dict:
+    import kvcore
+    from kvcore_vllm.demo import Encoder
+
+    dev = torch.device(f"cuda:{rank}") if opts["device"] == "cuda" else torch.device("cpu")
+    reqs = _requests(opts["num_blocks"], opts["seed"])
+    enc = Encoder(torch.bfloat16, NUM_HEADS, HEAD_SIZE, dev)
+    rec: dict[str, Any] = {"rank": rank, "device": str(dev)}
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    h = NUM_HEADS // DECODE_TP
+    if rank == 0:
+        _, layout = prefill_cache(opts["num_blocks"], dev, enc)
+        rec.update(format=layout.format.name, describe=layout.describe())
+        sync()
+        t0 = time.perf_counter()
+        moved = 0
+        for r in reqs:
+            for tp in range(DECODE_TP):
+                kvcore.send(layout, r["prefill_slots"], 1, heads=(tp * h, tp * h + h), chunk_bytes=opts["chunk_bytes"])
+                moved += r["tokens"] * NUM_LAYERS * 2 * h * HEAD_SIZE * 2
+        sync()
+        rec["seconds"] = time.perf_counter() - t0
+        rec["bytes"] = moved
+        return rec
+    decode = decode_caches(opts["num_blocks"], dev)
+    rec.update(format=decode[0][1].format.name, describe=decode[0][1].describe())
+    sync()
+    t0 = time.perf_counter()
+    for r in reqs:
+        for tp in range(DECODE_TP):
+            kvcore.recv(decode[tp][1], r["decode_slots"], 0)
+    sync()
+    rec["seconds"] = time.perf_counter() - t0
+    rec["errors"], rec["elements_checked"] = verify(decode, reqs, enc, opts["num_blocks"], dev)
+    rec["verified"] = not rec["errors"]
     return rec
 
 
