@@ -198,30 +198,33 @@ def _layer_lists(src: KVLayout, dst: KVLayout, layers, dst_layers) -> tuple[list
     return ssel, dsel
 
 
-_PAIRS: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, StrideTable, StrideTable]] = OrderedDict()
+_PAIRS: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, StrideTable, StrideTable, bool]] = OrderedDict()
 _MAX_PAIRS = 64
 
 
 def _fresh(table: StrideTable) -> bool:
-    t, off = table.planes[0].bases[0]
+    t, _ = table.planes[0].bases[0]
     return t.untyped_storage().nbytes() > 0
 
 
-def _tables(src: KVLayout, dst: KVLayout, ssel, dsel, heads, dst_heads) -> tuple[StrideTable, StrideTable]:
+def _tables(src: KVLayout, dst: KVLayout, ssel, dsel, heads, dst_heads) -> tuple[StrideTable, StrideTable, bool]:
+    """The two tables of a copy (layers selected, head ranges applied, planes paired) and
+    whether they share memory; cached per (layouts, selection)."""
     key = (id(src), id(dst), tuple(ssel), tuple(dsel), heads, dst_heads)
     hit = _PAIRS.get(key)
     if hit is not None and hit[0]() is src and hit[1]() is dst and _fresh(hit[2]) and _fresh(hit[3]):
         _PAIRS.move_to_end(key)
-        return hit[2], hit[3]
+        return hit[2], hit[3], hit[4]
     st = src.stride_table(None if ssel == list(range(src.num_layers)) else ssel)
     dt = dst.stride_table(None if dsel == list(range(dst.num_layers)) else dsel)
     st = _select(st, heads, "heads")
     dt = _select(dt, dst_heads, "dst_heads")
     dt = pair_tables(st, dt, src.format.name, dst.format.name, ranges_given=heads is not None or dst_heads is not None)
-    _PAIRS[key] = (weakref.ref(src), weakref.ref(dst), st, dt)
+    shared = _shared_storage(st, dt)
+    _PAIRS[key] = (weakref.ref(src), weakref.ref(dst), st, dt, shared)
     while len(_PAIRS) > _MAX_PAIRS:
         _PAIRS.popitem(last=False)
-    return st, dt
+    return st, dt, shared
 
 
 def _exec_device(src: KVLayout, dst: KVLayout) -> torch.device:
@@ -268,7 +271,7 @@ def plan_copy(
     heads = head_range(heads, "heads", src_layout)
     dst_heads = head_range(dst_heads, "dst_heads", dst_layout)
     ssel, dsel = _layer_lists(src_layout, dst_layout, layers, dst_layers)
-    st, dt = _tables(src_layout, dst_layout, ssel, dsel, heads, dst_heads)
+    st, dt, shared = _tables(src_layout, dst_layout, ssel, dsel, heads, dst_heads)
     ss = _check_slots(src_layout, src_slots, "src_slots", False)
     ds = _check_slots(dst_layout, dst_slots, "dst_slots", True)
     if ss.numel() != ds.numel():
@@ -277,7 +280,7 @@ def plan_copy(
     ss = torch.where(valid, ss, torch.full_like(ss, -1))
     ds = torch.where(valid, ds, torch.full_like(ds, -1))
     nv = int(valid.sum()) if ss.numel() else 0
-    if nv and _shared_storage(st, dt):
+    if nv and shared:
         both = torch.isin(ss[valid], ds[valid])
         if bool(both.any()):
             s = int(ss[valid][both][0])
