@@ -493,7 +493,8 @@ def main(argv=None) -> int:
             report["tests"] = "skipped: pytest is not installed"
             return None
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_copy.py"), "-k", "cuda"]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         report["tests"] = {"returncode": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
         log("pytest: " + (p.stdout.strip().splitlines() or ["?"])[-1])
         if p.returncode != 0:

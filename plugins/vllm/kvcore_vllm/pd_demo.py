@@ -80,6 +80,17 @@ def _requests(num_blocks: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def _ensure_plugin() -> None:
+    """Register this plugin when it was not found through its entry point (the package is on
+    ``PYTHONPATH`` but not installed, as on a bare GPU machine)."""
+    import kvcore
+
+    if not any(p.name == "vllm" and not getattr(p, "error", None) for p in kvcore.plugins()):
+        from kvcore_vllm import plugin
+
+        kvcore.register_plugin(plugin, name="vllm")
+
+
 def prefill_cache(num_blocks: int, device, enc):
     """The prefill engine's cache (NHD, block 16, 8 heads), every slot written through vLLM's views
     with the encoding of (layer, K/V, slot, head, element). Returns ``(kv_caches, layout)``."""
@@ -95,6 +106,7 @@ def prefill_cache(num_blocks: int, device, enc):
         for kv in range(2):
             enc.encode(layer, kv, slots, out=fixtures.kv_view(caches, layer, kv).view(enc.int_dtype))
     hints = {"attention_backend": BACKEND, "vllm_version": VERSION, "kv_cache_layout": "NHD"}
+    _ensure_plugin()
     return caches, kvcore.detect(caches, "vllm", hints)
 
 
@@ -104,6 +116,7 @@ def decode_caches(num_blocks: int, device) -> list:
     import kvcore
     from kvcore_vllm import fixtures
 
+    _ensure_plugin()
     out = []
     for _tp in range(DECODE_TP):
         c = fixtures.allocate(
