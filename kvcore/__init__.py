@@ -27,6 +27,7 @@ from kvcore.errors import (
 )
 from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
+from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
 from kvcore.layout_copy import copy
@@ -35,6 +36,7 @@ from kvcore.registry import (
     disable_plugins,
     formats,
     get_format,
+    hints,
     plugins,
     register_plugin,
     unregister_plugin,
@@ -51,6 +53,7 @@ __all__ = [
     "DetectionError",
     "FormatError",
     "GeometryError",
+    "Hint",
     "KVCoreError",
     "KVCorePluginWarning",
     "KVFormat",
@@ -71,6 +74,7 @@ __all__ = [
     "gather",
     "gather_blocks",
     "get_format",
+    "hints",
     "hookimpl",
     "parse_format",
     "plugins",
