@@ -440,16 +440,21 @@ def _send(layout, slots, dst, heads, layers, group, chunk_bytes, timeout, tag) -
             "not written by this call; destroy and re-create the process group before the next transfer"
         )
 
-    try:
-        _wait(_post(True, _encode(head, HEADER_BYTES, wdev), dst, group, tag), tmo)
-    except _PeerLost as e:
-        raise lost("the header was not delivered", e) from None
+    # the header (and the mask) are not waited for here: packing the first chunks overlaps
+    # with the receiver reading the header
+    early = [(_post(True, _encode(head, HEADER_BYTES, wdev), dst, group, tag), "the header")]
     if padding:
         mask = valid_host.to(torch.uint8)
-        try:
-            _wait(_post(True, mask.to(wdev) if wdev.type != "cpu" else mask, dst, group, tag), tmo)
-        except _PeerLost as e:
-            raise lost("the padding mask was not delivered", e) from None
+        early.append((_post(True, mask.to(wdev) if wdev.type != "cpu" else mask, dst, group, tag), "the padding mask"))
+
+    def settle_early() -> None:
+        while early:
+            work, what = early.pop(0)
+            try:
+                _wait(work, tmo)
+            except _PeerLost as e:
+                raise lost(f"{what} was not delivered", e) from None
+
     bounds = [(a, min(t, a + ct)) for a in range(0, t, ct)]
     if bounds:
         host_for_cuda = layout.device.type == "cuda" and wdev.type == "cpu"
@@ -460,6 +465,7 @@ def _send(layout, slots, dst, heads, layers, group, chunk_bytes, timeout, tag) -
         for i, (a, b) in enumerate(bounds):
             k = i % len(bufs)
             if pending[k] is not None:
+                settle_early()
                 pa, pb = bounds[i - len(bufs)]
                 try:
                     _wait(pending[k], tmo)
@@ -472,6 +478,7 @@ def _send(layout, slots, dst, heads, layers, group, chunk_bytes, timeout, tag) -
                 ev = _record(layout.device)
                 ev.synchronize()
             pending[k] = _post(True, buf[: (b - a) * wire.token_bytes], dst, group, tag)
+        settle_early()
         for j in range(len(bounds) - len(bufs), len(bounds)):
             if j < 0:
                 continue
@@ -480,6 +487,7 @@ def _send(layout, slots, dst, heads, layers, group, chunk_bytes, timeout, tag) -
             except _PeerLost as e:
                 pa, pb = bounds[j]
                 raise lost(f"chunk {j} of {len(bounds)} (token rows {pa}..{pb - 1}) was not delivered", e, pa) from None
+    settle_early()
     status = torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=wdev)
     try:
         _wait(_post(False, status, dst, group, tag), tmo)
