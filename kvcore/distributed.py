@@ -253,14 +253,14 @@ class _Wire:
         return out
 
 
-def _wire(table: StrideTable) -> _Wire:
+def _wire(table: StrideTable, per_plane: bool = False) -> _Wire:
     """The wire form of ``table``: the planes one after another, each ``[NL, n, NH*W]``. A
     classic K/V table already stages exactly so (``[kv, NL, n, row]``); any other table
-    gets one staging buffer per plane."""
+    (or ``per_plane=True``) gets one staging buffer per plane."""
     roles = tuple(p.role for p in table.planes)
     rows = tuple(p.num_heads * p.head_bytes for p in table.planes)
     dts = tuple(p.dtype for p in table.planes)
-    if table.classic:
+    if table.classic and not per_plane:
         return _Wire(table, roles, rows, dts, True)
     planes = tuple(replace(p, staging=StagingTarget(buffer=p.role, index=None, offset=0, head_stride=p.head_bytes)) for p in table.planes)
     buffers = tuple(StagingBuffer(key=p.role, kv_size=None, row_bytes=r, dtype=p.dtype) for p, r in zip(table.planes, rows))

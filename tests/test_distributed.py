@@ -293,3 +293,78 @@ def test_peer_dying_mid_transfer(outcome):
     assert "Destination slots [12, 13] (that chunk) were not written" in msg and "rows 6..10" in msg
     assert "chunks 0..1 (rows 0..3) were landed" in msg
     assert recv["died_check"] is None
+
+
+# -- in-process pieces of the protocol -----------------------------------------------------
+
+
+def test_wire_bytes_are_the_planes_one_after_another():
+    """A classic table's staging chunk [kv, NL, n, row] is byte for byte the per-plane wire
+    form (each plane [NL, n, row], in order), so a classic sender and a multi-plane receiver
+    (or the other way round) agree."""
+    from kvcore.distributed import _wire
+    from kvcore.kernels import TransferPlan
+    from kvcore.kernels.reference import REFERENCE
+
+    c = Cache("NL_X_TWO_NB_NH_BS_HS", 3, 4, 4, 4)
+    table = c.layout.stride_table().select_heads(1, 3)
+    slots = torch.tensor([3, 9, -1, 14])
+    bufs = []
+    for per_plane in (False, True):
+        w = _wire(table, per_plane=per_plane)
+        assert w.classic is not per_plane and w.token_bytes == 3 * 2 * 2 * HS * 4
+        buf = torch.zeros(4 * w.token_bytes, dtype=torch.uint8)
+        REFERENCE.gather(TransferPlan(table=w.table, slots=slots, staging=w.views(buf, 4), num_valid=3))
+        bufs.append(buf)
+    assert torch.equal(bufs[0], bufs[1]) and bool(bufs[0].any())
+
+
+def test_chunk_sizes():
+    from kvcore.distributed import _chunk_tokens
+
+    tb = 64 << 10  # one TP half of a Llama-3-8B token
+    assert _chunk_tokens(tb, 256, None, "cuda") == 128  # 16.8 MB: two chunks of 8 MiB
+    assert _chunk_tokens(tb, 8192, None, "cuda") == 1024  # 537 MB: chunks of 64 MiB
+    assert _chunk_tokens(tb, 256, None, "cpu") == 64  # a quarter, at least 2 MiB
+    assert _chunk_tokens(tb, 256, 1, "cuda") == 1  # explicit: exact, at least one token
+    assert _chunk_tokens(tb, 3, 64 << 20, "cuda") == 3
+
+
+class _FakeWork:
+    _kvcore_poll = True
+
+    def __init__(self, polls_left=0, error=None):
+        self.polls_left, self.error, self.waited = polls_left, error, 0
+
+    def is_completed(self):
+        if self.polls_left is None:
+            return False
+        self.polls_left -= 1
+        return self.polls_left < 0
+
+    def wait(self, *a):
+        self.waited += 1
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def test_wait_polls_with_a_deadline():
+    from kvcore.distributed import _PeerLost, _wait
+
+    w = _FakeWork(polls_left=3)
+    _wait(w, 5.0)
+    assert w.waited == 1
+    with pytest.raises(_PeerLost, match="nothing arrived within 0.05 s"):
+        _wait(_FakeWork(polls_left=None), 0.05)
+    with pytest.raises(_PeerLost, match="the connection failed .*NCCL communicator was aborted"):
+        _wait(_FakeWork(error="NCCL communicator was aborted"), 1.0)
+
+
+def test_send_and_recv_need_a_process_group():
+    import kvcore
+
+    c = Cache("NL_X_TWO_NB_NH_BS_HS", 1, 2, 4, 2)
+    with pytest.raises(kvcore.TransferError, match="torch.distributed is not initialised"):
+        kvcore.send(c.layout, [0], 1)
+    with pytest.raises(kvcore.TransferError, match="torch.distributed is not initialised"):
+        kvcore.recv(c.layout, [0], 0)
