@@ -21,6 +21,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 from __future__ import annotations
 
 from kvcore.detection import Candidate, detect, detect_per_layer, resolve
+from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
     DetectionError,
@@ -35,6 +36,7 @@ from kvcore.grammar import parse as parse_format
 from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
+from kvcore.layout_copy import copy
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -75,6 +77,7 @@ __all__ = [
     "TransferError",
     "build_layout",
     "classic_table",
+    "copy",
     "detect",
     "detect_per_layer",
     "disable_plugins",
@@ -86,10 +89,12 @@ __all__ = [
     "hookimpl",
     "parse_format",
     "plugins",
+    "recv",
     "register_plugin",
     "resolve",
     "scatter",
     "scatter_blocks",
+    "send",
     "slots_for_blocks",
     "unregister_plugin",
 ]
