@@ -14,7 +14,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 
 from __future__ import annotations
 
-from kvcore.detection import Candidate, detect, detect_per_layer, resolve
+from kvcore.detection import TENSOR_ORDER, Candidate, detect, detect_per_layer, memory_ordered, resolve, split_aliases
 from kvcore.errors import (
     AmbiguousLayoutError,
     DetectionError,
@@ -59,6 +59,7 @@ __all__ = [
     "Source",
     "Spec",
     "StrideTable",
+    "TENSOR_ORDER",
     "TransferError",
     "build_layout",
     "detect",
@@ -69,6 +70,7 @@ __all__ = [
     "gather_blocks",
     "get_format",
     "hookimpl",
+    "memory_ordered",
     "parse_format",
     "plugins",
     "register_plugin",
@@ -76,5 +78,6 @@ __all__ = [
     "scatter",
     "scatter_blocks",
     "slots_for_blocks",
+    "split_aliases",
     "unregister_plugin",
 ]

@@ -487,14 +487,21 @@ def cmd_detect(args: argparse.Namespace) -> int:
     try:
         if args.per_layer:
             per = kvcore.detect_per_layer(kv_caches, engine, hints=hints)
+            # a mapping comes back as a mapping with its keys: report positions in its order and the names
+            entries = list(per.items()) if isinstance(per, dict) else list(enumerate(per))
             groups: list[Any] = []
             excluded: list[int] = []
-            for i, lay in enumerate(per):
+            excluded_names: list[str] = []
+            for i, (key, lay) in enumerate(entries):
                 if lay is None:
                     excluded.append(i)
+                    if isinstance(per, dict):
+                        excluded_names.append(str(key))
                 elif all(lay is not g for g in groups):
                     groups.append(lay)
             result: Any = {"groups": [_layout_dict(g) for g in groups], "excluded_layers": excluded}
+            if isinstance(per, dict):
+                result["excluded_layer_names"] = excluded_names
         else:
             result = _layout_dict(kvcore.detect(kv_caches, engine, hints))
     except kvcore.DetectionError as e:

@@ -270,6 +270,11 @@ class Spec:
             lit = {"TWO": 2, "ONE": 1}.get(tok)
             if lit is not None and n != lit:
                 raise GeometryError(f"format {fmt.name}: axis {i} ({tok}) must have size {lit}, got {n} ({_describe_tensor(ref)})")
+            if n == 0 and tok in ("NB", "NBBS"):
+                raise GeometryError(
+                    f"format {fmt.name}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}): the pool has 0 blocks; a KV cache "
+                    "needs at least one block: detect it after the engine allocated its blocks"
+                )
             if n == 0:
                 raise GeometryError(
                     f"format {fmt.name}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}); a KV cache needs at least "

@@ -334,7 +334,7 @@ def normalize_and_discover_per_layer_formats(
         if whole is not None:
             f = _from_layout(whole)
             if whole.format.container in ("layer_list", "per_layer_tuple"):
-                return list(whole.kv_caches), [f] * whole.num_layers
+                return [whole.kv_caches[p] for p in whole.layer_map], [f] * whole.num_layers
             return whole.kv_caches, [f] * whole.num_layers
     container, _ = normalize_container(kv_caches)
     if isinstance(container, torch.Tensor):
@@ -352,7 +352,7 @@ def normalize_and_discover_per_layer_formats(
         if pos is None or lay.format.container not in ("layer_list", "per_layer_tuple"):
             normalized.append(container[i])
         else:
-            normalized.append(lay.kv_caches[pos])
+            normalized.append(lay.kv_caches[lay.layer_map[pos]])
         formats.append(_from_layout(lay))
     return normalized, formats
 
