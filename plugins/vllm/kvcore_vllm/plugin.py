@@ -41,9 +41,11 @@ def kvcore_spec(format):
 @hookimpl
 def kvcore_register_fixtures(register):
     from kvcore_vllm.fixtures import fixture_cases
+    from kvcore_vllm.pairs import pairs_fixture
 
     for case in fixture_cases():
         register(case)
+    register(pairs_fixture())
 
 
 @hookimpl

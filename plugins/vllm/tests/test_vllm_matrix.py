@@ -20,7 +20,7 @@ def test_matrix_has_one_case_per_row():
     assert set(IDS) | {"vllm-0.11-INDEXER"} == set(CASES)
     assert len(CASES) == len(MATRIX) + 1
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
-    assert {c.name for c in registered_fixtures("vllm")} == set(CASES)
+    assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | {"vllm-ascend-pairs"}  # + kvcore_vllm.pairs
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -65,10 +65,13 @@ def test_dtypes_round_trip(name, dtype, semantic):
 @pytest.mark.parametrize("name", IDS)
 def test_detect_from_strides_with_few_hints(name):
     """Strides decide NHD/HND and layer/block-outermost; only facts the tensors cannot
-    show are given (device, CPU 0.11's flat block, Pallas's padded head, CPU version)."""
+    show are given (that they are as vLLM allocated them -- a contiguous tensor is also an
+    HND/NHD cache already permuted into memory order --, device, CPU 0.11's flat block,
+    Pallas's padded head, CPU version)."""
     case = CASES[name]
     kv, full = case.make(dict(case.sizes), torch.bfloat16, "cpu")
     hints = {k: full[k] for k in ("device_type",) if k in full}
+    hints["tensor_order"] = "allocated"
     if "TORCH_SDPA" in name:
         hints.update(block_size=full["block_size"], num_kv_heads=case.sizes["num_heads"])
     if "PALLAS" in name:
@@ -139,7 +142,7 @@ def test_v033_fp8_views():
     kv = allocate(
         "0.33.0", "FLASHINFER", "LBHNC", num_layers=2, num_blocks=4, block_size=8, num_kv_heads=2, head_size=16, cache_dtype="fp8_e5m2"
     )
-    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2"})
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2", "tensor_order": "allocated"})
     assert (lay.format.name, lay.dtype, lay.head_size) == ("NL_X_NB_NH_BS_CS", torch.float8_e5m2, 16)
 
 
@@ -162,7 +165,7 @@ def test_dict_input_keeps_layer_order():
     assert list(shuffled)[2] == "model.layers.10.self_attn.attn"
     for i in range(12):
         kv_view(kv, i, 0).fill_(i)
-    lay = kvcore.detect(shuffled, "vllm")
+    lay = kvcore.detect(shuffled, "vllm", {"kv_cache_layout": "NHD"})
     assert lay.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(12))
     out = kvcore.gather(lay, torch.tensor([0, 17]))
     assert out[0, :, 0, 0].tolist() == [float(i) for i in range(12)]
