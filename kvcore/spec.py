@@ -24,33 +24,19 @@ import torch
 from kvcore.errors import GeometryError
 from kvcore.formats import KVFormat
 
-__all__ = ["Segment", "PlaneStrides", "StrideTable", "Spec", "walk_leaves"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A further run of a token's row that does not follow the main run's pattern.
-
-    ``address(slot, head) = base + (slot // block_size) * block + offset
-    + (slot % block_size) * token + head * head``, then ``nbytes`` contiguous bytes.
-    Blocked-scale records use one: a block's values come first (the main run), then
-    its scales (this segment, ``offset = BS * value_bytes``, ``token = scale_bytes``).
-    """
-
-    offset: int
-    token: int
-    head: int
-    nbytes: int
+__all__ = ["PlaneStrides", "Plane", "StagingTarget", "StagingBuffer", "StrideTable", "Spec", "walk_leaves", "classic_table"]
 
 
 @dataclass(frozen=True)
 class PlaneStrides:
-    """Byte strides of one K or V plane.
+    """The cache-side address pattern of one plane, in bytes.
 
-    ``address(slot, head, chunk) = base + (slot // block_size) * block
-    + (slot % block_size) * token + head * head + chunk * chunk``, then
-    ``chunk_bytes`` contiguous bytes; ``n_chunks * chunk_bytes`` is the main run of one
-    head's row, and each :class:`Segment` in ``extra`` follows it in the staged row.
+    The bytes of (slot, head, chunk) start at
+    ``base + (slot // block_size) * block + token_offset(slot % block_size) + head * head
+    + chunk * chunk`` and run ``chunk_bytes``; ``n_chunks * chunk_bytes`` is one head's run.
+    ``token_offset(t) = t * token`` unless the block's tokens are split in groups
+    (``BSC``/``BSE``: ``token_group`` tokens per group), then
+    ``(t // token_group) * token_group_stride + (t % token_group) * token``.
     """
 
     block: int
@@ -59,93 +45,331 @@ class PlaneStrides:
     chunk: int
     chunk_bytes: int
     n_chunks: int
-    extra: tuple[Segment, ...] = ()
+    token_group: int = 0
+    token_group_stride: int = 0
 
     @property
     def run_bytes(self) -> int:
-        """Bytes of one head's staged row: the main run plus every extra segment."""
-        return self.chunk_bytes * self.n_chunks + sum(x.nbytes for x in self.extra)
+        """Bytes of one head's run (``chunk_bytes * n_chunks``)."""
+        return self.chunk_bytes * self.n_chunks
 
     @property
     def row_contiguous(self) -> bool:
-        """True when a whole token row (all heads) is one contiguous run."""
-        run = self.chunk_bytes * self.n_chunks
-        return self.n_chunks == 1 and not self.extra and self.head == run
+        """True when a whole token row (all heads) is one contiguous run (given
+        ``head == run_bytes``; a single head is contiguous whenever it is one chunk)."""
+        return self.n_chunks == 1 and self.head == self.run_bytes
+
+    def max_token_offset(self, last: int) -> int:
+        """The largest :meth:`token_offset` over tokens ``0..last`` (strides are >= 0)."""
+        cands = {0, last}
+        if self.token_group and last >= self.token_group:
+            cands.add((last // self.token_group) * self.token_group - 1)
+        return max(self.token_offset(t) for t in cands)
+
+    def token_offset(self, t: int) -> int:
+        """Byte offset of token ``t`` (0 <= t < block_size) inside its block."""
+        if self.token_group:
+            return (t // self.token_group) * self.token_group_stride + (t % self.token_group) * self.token
+        return t * self.token
+
+
+@dataclass(frozen=True)
+class StagingTarget:
+    """Where one plane's bytes go in the staging buffers.
+
+    Attributes:
+        buffer: key of the staging buffer (:attr:`StagingBuffer.key`): ``"kv"`` for the
+            classic ``[kv_size, NL, T, row]`` buffer, else the plane's role.
+        index: the plane's position on the classic buffer's leading K/V axis; None for a
+            per-plane buffer ``[NL, T, row]``.
+        offset: byte offset of the plane's first head inside a staged row.
+        head_stride: bytes between consecutive heads inside a staged row (equal to the
+            plane's ``head_bytes`` unless several planes interleave per head in one row).
+    """
+
+    buffer: str
+    index: int | None
+    offset: int
+    head_stride: int
+
+
+@dataclass(frozen=True)
+class StagingBuffer:
+    """One staging buffer of a transfer.
+
+    Attributes:
+        key: ``"kv"`` (the classic buffer) or a plane role.
+        kv_size: the leading K/V axis of the classic buffer; None for per-plane buffers.
+        row_bytes: bytes of one token's staged row.
+        dtype: the buffer's element dtype (``row_bytes`` is a whole number of them).
+    """
+
+    key: str
+    kv_size: int | None
+    row_bytes: int
+    dtype: torch.dtype
+
+    @property
+    def row_elems(self) -> int:
+        return self.row_bytes // torch.empty(0, dtype=self.dtype).element_size()
+
+    def shape(self, num_layers: int, num_tokens: int) -> tuple[int, ...]:
+        """``[kv_size, NL, T, row]`` for the classic buffer, ``[NL, T, row]`` for a plane's."""
+        if self.kv_size is None:
+            return (num_layers, num_tokens, self.row_elems)
+        return (self.kv_size, num_layers, num_tokens, self.row_elems)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One plane of a record: its cache-side address pattern, its size per token, its
+    bases per layer and where it is staged.
+
+    Attributes:
+        role: ``"K"``, ``"V"``, ``"KV"`` (an MLA latent), or a multi-plane role
+            (``"KS"``, ``"VZ"``, ...; blocked-scale records: ``"VALS"``, ``"SCALES"``).
+        strides: the :class:`PlaneStrides` (bytes).
+        num_heads: heads per token on this plane (1 where the plane has no head axis).
+        head_bytes: bytes of one head's run (``strides.run_bytes``).
+        dtype: the plane's element dtype.
+        bases: per layer ``(tensor, byte_offset)``: the plane starts ``byte_offset`` bytes
+            into that tensor's storage.
+        staging: the plane's :class:`StagingTarget`.
+    """
+
+    role: str
+    strides: PlaneStrides
+    num_heads: int
+    head_bytes: int
+    dtype: torch.dtype
+    bases: tuple[tuple[torch.Tensor, int], ...]
+    staging: StagingTarget
+
+    # the address pattern, read through (tests and kernels read ``plane.block`` etc.)
+    @property
+    def block(self) -> int:
+        return self.strides.block
+
+    @property
+    def token(self) -> int:
+        return self.strides.token
+
+    @property
+    def head(self) -> int:
+        return self.strides.head
+
+    @property
+    def chunk(self) -> int:
+        return self.strides.chunk
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.strides.chunk_bytes
+
+    @property
+    def n_chunks(self) -> int:
+        return self.strides.n_chunks
+
+    @property
+    def row_bytes(self) -> int:
+        """Cache bytes of one token on this plane (all heads)."""
+        return self.num_heads * self.head_bytes
+
+    @property
+    def row_contiguous(self) -> bool:
+        """True when a whole token row of this plane (all heads) is one contiguous run."""
+        s = self.strides
+        return s.n_chunks == 1 and (self.num_heads == 1 or s.head == self.head_bytes)
 
 
 @dataclass(frozen=True)
 class StrideTable:
     """Everything a transfer kernel needs, and nothing about format names.
 
+    A token's record is one or more :class:`Plane` s (K and V; an MLA latent; a blocked
+    record's values and scales; quantised values with their scales and zeros...), each
+    with its own bases, strides, heads, width and dtype, all addressed by one slot
+    mapping. Each plane is staged into one of :attr:`buffers`.
+
     Attributes:
         num_layers: layers in this table (a layer subset keeps its order).
-        kv_size: 2 (K, V) or 1 (MLA / key-only).
-        block_size: tokens per block; a slot ``s`` is block ``s // block_size``,
-            offset ``s % block_size`` (1 for fused NBBS axes).
+        block_size: tokens per block; a slot ``s`` is block ``s // block_size``, offset
+            ``s % block_size`` (1 for fused NBBS axes).
         num_slots: valid slots are ``0 <= s < num_slots``.
-        num_heads: heads per token row.
-        head_bytes: bytes of one head's row (``HS * element_size``).
-        dtype: element dtype; device: the cache's device.
-        planes: one :class:`PlaneStrides` per K/V plane.
-        bases: ``bases[layer][kv] = (tensor, byte_offset)``: the byte offset into that
-            tensor's storage where the plane starts.
+        device: the cache's device.
+        planes: the record's planes, in staging order.
+        buffers: the staging buffers the planes fill (classic layouts: one, ``"kv"``).
     """
 
     num_layers: int
-    kv_size: int
     block_size: int
     num_slots: int
-    num_heads: int
-    head_bytes: int
-    dtype: torch.dtype
     device: torch.device
-    planes: tuple[PlaneStrides, ...]
-    bases: tuple[tuple[tuple[torch.Tensor, int], ...], ...]
+    planes: tuple[Plane, ...]
+    buffers: tuple[StagingBuffer, ...]
+
+    # -- the classic view (one "kv" buffer) ---------------------------------------------
+    @property
+    def classic(self) -> bool:
+        """One ``"kv"`` buffer whose every K/V slot is exactly one plane's whole row, all
+        planes with one head count, head width and dtype, no token groups: the layout
+        the first-generation kernels move (``[kv_size, NL, T, NH*HS]``)."""
+        if len(self.buffers) != 1 or self.buffers[0].key != "kv" or self.buffers[0].kv_size != len(self.planes):
+            return False
+        p0 = self.planes[0]
+        return all(
+            p.staging.index == i
+            and p.staging.offset == 0
+            and p.staging.head_stride == p.head_bytes
+            and p.num_heads == p0.num_heads
+            and p.head_bytes == p0.head_bytes
+            and p.dtype == p0.dtype
+            and not p.strides.token_group
+            for i, p in enumerate(self.planes)
+        )
+
+    @property
+    def kv_size(self) -> int:
+        """The classic buffer's K/V count (2 or 1), else the number of planes."""
+        b = self.buffers[0]
+        return b.kv_size if (len(self.buffers) == 1 and b.kv_size is not None) else len(self.planes)
+
+    @property
+    def num_heads(self) -> int:
+        return self.planes[0].num_heads
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head's staged row in the first buffer (``row_bytes / num_heads``)."""
+        return self.buffers[0].row_bytes // self.planes[0].num_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffers[0].dtype
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token's row in the staging buffer (``NH * HS * element_size``)."""
-        return self.num_heads * self.head_bytes
+        """Bytes of one token's row in the first staging buffer."""
+        return self.buffers[0].row_bytes
+
+    @property
+    def bases(self) -> tuple[tuple[tuple[torch.Tensor, int], ...], ...]:
+        """``bases[layer][plane] = (tensor, byte_offset)``."""
+        return tuple(tuple(p.bases[li] for p in self.planes) for li in range(self.num_layers))
+
+    def buffer(self, key: str) -> StagingBuffer:
+        for b in self.buffers:
+            if b.key == key:
+                return b
+        raise KeyError(key)
 
     def ptrs(self) -> torch.Tensor:
-        """int64 ``[num_layers, kv_size]`` plane base addresses (bytes), on the CPU."""
+        """int64 ``[num_layers, num_planes]`` plane base addresses (bytes), on the CPU."""
         return torch.tensor(
             [[t.untyped_storage().data_ptr() + off for (t, off) in layer] for layer in self.bases],
             dtype=torch.int64,
-        ).reshape(self.num_layers, self.kv_size)
+        ).reshape(self.num_layers, len(self.planes))
+
+    def storages(self) -> list[tuple[torch.Tensor, int, int]]:
+        """Every distinct storage the table addresses: ``(a tensor on it, data_ptr, nbytes)``
+        as they are now (a transfer compares them again before writing)."""
+        seen: dict[int | tuple, tuple[torch.Tensor, int, int]] = {}
+        for p in self.planes:
+            for t, _ in p.bases:
+                st = t.untyped_storage()
+                key = st._cdata if t.device.type == "meta" else st.data_ptr()
+                if key not in seen:
+                    seen[key] = (t, st.data_ptr(), st.nbytes())
+        return list(seen.values())
 
     def subset(self, layers: Sequence[int]) -> StrideTable:
-        return replace(self, num_layers=len(layers), bases=tuple(self.bases[i] for i in layers))
+        return replace(
+            self,
+            num_layers=len(layers),
+            planes=tuple(replace(p, bases=tuple(p.bases[i] for i in layers)) for p in self.planes),
+        )
 
     def signature(self) -> tuple:
-        """What fixes the mapping (layer, K/V, slot, head, byte) → memory address: two
+        """What fixes the mapping (layer, plane, slot, head, byte) → memory address: two
         tables with one signature move the same bytes. The stride of an axis of extent 1
         (one head, one token per block, one block, one chunk) addresses nothing, so it is
         left out: ``[NB, BS, 1, HS]`` read as NHD or as HND is one answer."""
-        one_head = self.num_heads == 1
         one_token = self.block_size == 1
         one_block = self.num_slots <= self.block_size
 
-        def norm(p: PlaneStrides) -> PlaneStrides:
-            return replace(
-                p,
-                block=0 if one_block else p.block,
-                token=0 if one_token else p.token,
-                head=0 if one_head else p.head,
-                chunk=0 if p.n_chunks == 1 else p.chunk,
-                extra=tuple(replace(x, token=0 if one_token else x.token, head=0 if one_head else x.head) for x in p.extra),
+        def norm(p: Plane) -> tuple:
+            s = p.strides
+            grouped = bool(s.token_group) and s.token_group < self.block_size
+            return (
+                p.num_heads,
+                p.head_bytes,
+                p.dtype,
+                p.staging,
+                replace(
+                    s,
+                    block=0 if one_block else s.block,
+                    token=0 if one_token or (grouped and s.token_group == 1) else s.token,
+                    head=0 if p.num_heads == 1 else s.head,
+                    chunk=0 if s.n_chunks == 1 else s.chunk,
+                    token_group=s.token_group if grouped else 0,
+                    token_group_stride=s.token_group_stride if grouped else 0,
+                ),
             )
 
         return (
             self.num_layers,
-            self.kv_size,
             self.block_size,
             self.num_slots,
-            self.num_heads,
-            self.head_bytes,
+            tuple(self.buffers),
             tuple(norm(p) for p in self.planes),
-            tuple(tuple(plane_address(t, off) for (t, off) in layer) for layer in self.bases),
+            tuple(tuple(plane_address(t, off) for (t, off) in p.bases) for p in self.planes),
         )
+
+
+def classic_table(
+    *,
+    num_layers: int,
+    kv_size: int,
+    block_size: int,
+    num_slots: int,
+    num_heads: int,
+    head_bytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    strides: Sequence[PlaneStrides],
+    bases: Sequence[Sequence[tuple[torch.Tensor, int]]],
+    roles: Sequence[str] | None = None,
+) -> StrideTable:
+    """A table of the classic shape: ``kv_size`` planes (K, V; or one latent / key plane)
+    of one head count, width and dtype, staged ``[kv_size, NL, T, NH*HS]``.
+
+    Args:
+        strides: one :class:`PlaneStrides` per K/V plane (K and V may differ: a chunked K
+            beside a transposed V).
+        bases: ``bases[layer][kv] = (tensor, byte_offset)``.
+        roles: plane roles (default ``("K", "V")``, or ``("K",)`` for kv_size 1).
+    """
+    roles = tuple(roles) if roles is not None else (("K", "V") if kv_size == 2 else ("K",))
+    planes = tuple(
+        Plane(
+            role=roles[kv],
+            strides=strides[kv],
+            num_heads=num_heads,
+            head_bytes=head_bytes,
+            dtype=dtype,
+            bases=tuple(tuple(layer)[kv] for layer in bases),
+            staging=StagingTarget(buffer="kv", index=kv, offset=0, head_stride=head_bytes),
+        )
+        for kv in range(kv_size)
+    )
+    return StrideTable(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_slots=num_slots,
+        device=device,
+        planes=planes,
+        buffers=(StagingBuffer(key="kv", kv_size=kv_size, row_bytes=num_heads * head_bytes, dtype=dtype),),
+    )
 
 
 def plane_address(t: torch.Tensor, byte_offset: int) -> int | tuple:
@@ -353,7 +577,7 @@ class Spec:
                 row.append((t, off))
             bases.append(tuple(row))
         self.axis_sizes = sizes
-        self.table = StrideTable(
+        self.table = classic_table(
             num_layers=self.num_layers_,
             kv_size=self.kv_size_,
             block_size=bs_int,
@@ -362,8 +586,9 @@ class Spec:
             head_bytes=hs * esz,
             dtype=self.dtype,
             device=self.device,
-            planes=(plane,) * self.kv_size_,
-            bases=tuple(bases),
+            strides=(plane,) * self.kv_size_,
+            bases=bases,
+            roles=("KV",) if syn.is_mla else None,
         )
         # axes living inside one tensor must not alias each other
         extents = [
@@ -384,8 +609,9 @@ class Spec:
         (``BS * S``) -- the DeepSeek-V3.2 indexer K cache and the quantised DeepSeek MLA pages.
 
         A token's staged row is its value bytes followed by its scale bytes (``W`` bytes,
-        uint8, one head, kv_size 1): a main run (token stride ``W - S``) plus one
-        :class:`Segment` (offset ``BS * (W - S)``, token stride ``S``). The scale width ``S``
+        uint8, one head, kv_size 1). The record is two planes staged into one row: ``VALS``
+        (token stride ``W - S``, staged at byte 0) and ``SCALES`` (starting ``BS * (W - S)``
+        bytes into the block, token stride ``S``, staged at byte ``W - S``). The scale width ``S``
         is an engine fact, so detection passes it: ``params={"scale_bytes": S}``. The block
         stride is the tensor's own (a dim-0 padded pool keeps its padding).
 
@@ -425,30 +651,37 @@ class Spec:
                 "values and scales are laid out block-wise, not per token"
             )
         vals, block = w - scale, int(ref.stride(0))
-        plane = PlaneStrides(
-            block=block,
-            token=vals,
-            head=0,
-            chunk=0,
-            chunk_bytes=vals,
-            n_chunks=1,
-            extra=(Segment(offset=bs * vals, token=scale, head=0, nbytes=scale),),
-        )
         nl = len(self.leaves)
         self.num_layers_, self.kv_size_, self.num_heads_, self.head_size_ = nl, 1, 1, w
         self.num_blocks_, self.block_size_, self.num_slots_ = nb, bs, nb * bs
         self.axis_sizes = {"NL": nl, "NB": nb, "BS": bs, "VALS": vals, "SCALES": scale}
+        bases = tuple((t, t.storage_offset() * t.element_size()) for _, t in self.leaves)
         self.table = StrideTable(
             num_layers=nl,
-            kv_size=1,
             block_size=bs,
             num_slots=nb * bs,
-            num_heads=1,
-            head_bytes=w,
-            dtype=self.dtype,
             device=self.device,
-            planes=(plane,),
-            bases=tuple(((t, t.storage_offset() * t.element_size()),) for _, t in self.leaves),
+            planes=(
+                Plane(
+                    role="VALS",
+                    strides=PlaneStrides(block=block, token=vals, head=0, chunk=0, chunk_bytes=vals, n_chunks=1),
+                    num_heads=1,
+                    head_bytes=vals,
+                    dtype=self.dtype,
+                    bases=bases,
+                    staging=StagingTarget(buffer="kv", index=0, offset=0, head_stride=w),
+                ),
+                Plane(
+                    role="SCALES",
+                    strides=PlaneStrides(block=block, token=scale, head=0, chunk=0, chunk_bytes=scale, n_chunks=1),
+                    num_heads=1,
+                    head_bytes=scale,
+                    dtype=self.dtype,
+                    bases=tuple((t, off + bs * vals) for t, off in bases),
+                    staging=StagingTarget(buffer="kv", index=0, offset=vals, head_stride=w),
+                ),
+            ),
+            buffers=(StagingBuffer(key="kv", kv_size=1, row_bytes=w, dtype=self.dtype),),
         )
         _check_no_alias(fmt.name, [("block", nb, block)], bs * w, ref)
 
@@ -467,28 +700,19 @@ class Spec:
 
     def _check_bounds(self) -> None:
         tb = self.table
-        for layer in tb.bases:
-            for kv, (t, off) in enumerate(layer):
-                p = tb.planes[kv]
-                nblocks = -(-tb.num_slots // tb.block_size)
-                last = (
-                    off
-                    + (nblocks - 1) * p.block
-                    + (min(tb.block_size, tb.num_slots) - 1) * p.token
-                    + (tb.num_heads - 1) * p.head
-                    + (p.n_chunks - 1) * p.chunk
-                    + p.chunk_bytes
-                )
-                for x in p.extra:
-                    last = max(
-                        last,
-                        off
-                        + (nblocks - 1) * p.block
-                        + x.offset
-                        + (min(tb.block_size, tb.num_slots) - 1) * x.token
-                        + (tb.num_heads - 1) * x.head
-                        + x.nbytes,
-                    )
+        nblocks = -(-tb.num_slots // tb.block_size)
+        last_tok = min(tb.block_size, tb.num_slots) - 1
+        for p in tb.planes:
+            s = p.strides
+            span = (
+                (nblocks - 1) * s.block
+                + s.max_token_offset(last_tok)
+                + (p.num_heads - 1) * s.head
+                + (s.n_chunks - 1) * s.chunk
+                + s.chunk_bytes
+            )
+            for t, off in p.bases:
+                last = off + span
                 nbytes = t.untyped_storage().nbytes()
                 if off < 0 or last > nbytes:
                     raise GeometryError(
@@ -497,20 +721,19 @@ class Spec:
                     )
 
     def _check_distinct_planes(self) -> None:
-        """Two (layer, K/V) planes starting at one address alias at slot 0 (e.g. one
+        """Two (layer, plane) planes starting at one address alias at slot 0 (e.g. one
         tensor registered for two layers): a scatter to one would overwrite the other."""
-        seen: dict[int | tuple, tuple[int, int]] = {}
-        for li, layer in enumerate(self.table.bases):
-            for kv, (t, off) in enumerate(layer):
+        seen: dict[int | tuple, tuple[int, str]] = {}
+        for p in self.table.planes:
+            for li, (t, off) in enumerate(p.bases):
                 addr = plane_address(t, off)
                 if addr in seen and t.untyped_storage().nbytes() > 0:
-                    pl, pk = seen[addr]
+                    pl, pr = seen[addr]
                     raise GeometryError(
-                        f"format {self.format.name}: layer {li} {'KV'[kv] if self.kv_size_ == 2 else ''} and layer {pl} "
-                        f"{'KV'[pk] if self.kv_size_ == 2 else ''} start at the same address, so they alias (is one tensor "
-                        "registered twice?); every (layer, K/V) plane needs its own memory"
+                        f"format {self.format.name}: layer {li} {p.role} and layer {pl} {pr} start at the same address, so they "
+                        "alias (is one tensor registered twice?); every (layer, plane) needs its own memory"
                     )
-                seen[addr] = (li, kv)
+                seen[addr] = (li, p.role)
 
     # -- accessors (KVLayout forwards to these) --------------------------------------
     @property

@@ -50,7 +50,7 @@ def test_layer_list_two_major_nhd():
     # bytes: token row NH*HS*2 = 32, block BS*32 = 128, head HS*2 = 16; V plane after NB*BS*NH*HS*2 = 640
     assert (p.block, p.token, p.head, p.chunk_bytes, p.n_chunks) == (128, 32, 16, 16, 1)
     assert p.row_contiguous
-    assert tb.planes[1] == p
+    assert tb.planes[1].strides == p.strides and (tb.planes[0].role, tb.planes[1].role) == ("K", "V")
     assert [[off for _, off in layer] for layer in tb.bases] == [[0, 640]] * 3
     assert all(t is kv[i] for i, layer in enumerate(tb.bases) for t, _ in layer)
     assert (tb.num_layers, tb.kv_size, tb.block_size, tb.num_slots, tb.num_heads, tb.head_bytes, tb.row_bytes) == (3, 2, 4, 20, 2, 16, 32)

@@ -429,17 +429,16 @@ def test_native_cpu_serves_cpu_caches_and_reports_why():
     assert rows["native-cpu"]["available"] and rows["native-cpu"]["why"] == k.why()
 
 
-def test_tables_with_extra_segments_go_to_the_reference():
-    from dataclasses import replace
-
-    from kvcore.spec import Segment
-
+def test_tables_that_are_not_classic_go_to_the_reference():
+    # a blocked-scale record is two planes staged into one row: not the classic K/V op's table
+    kv = [torch.zeros(3, 4, 20, dtype=torch.uint8)]
+    blocked = kvcore.build_layout("NL_X_NB_BSV_BSS", kv, params={"scale_bytes": 4}).stride_table()
     logical = _logical("NL_X_NB_BS_HS", 1, 2, 2, 1, 4, torch.uint8, "cpu")
     layout, _ = _build_layout("NL_X_NB_BS_HS", logical)
     t = layout.stride_table()
-    odd = replace(t, planes=tuple(replace(p, extra=(Segment(offset=8, token=1, head=0, nbytes=1),)) for p in t.planes))
-    assert CPU_KERNEL.supports(t) and not CPU_KERNEL.supports(odd)
-    assert select_kernel("cpu", layout.format.name, "cpu", odd) is REFERENCE
+    assert t.classic and not blocked.classic
+    assert CPU_KERNEL.supports(t) and not CPU_KERNEL.supports(blocked)
+    assert select_kernel("cpu", "NL_X_NB_BSV_BSS", "cpu", blocked) is REFERENCE
 
 
 # -- CUDA: staging in pinned host memory, read and written in place -------------------------

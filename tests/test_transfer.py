@@ -611,23 +611,37 @@ class BlockedScaleSpec(kvcore.Spec):
         self.num_layers_, self.num_blocks_, self.block_size_ = len(kv), t.shape[0], bs
         self.num_slots_, self.num_heads_, self.head_size_, self.kv_size_ = t.shape[0] * bs, 1, v + s, 1
         self.axis_sizes = {"NL": len(kv), "NB": t.shape[0], "BS": bs, "VALS": v, "SCALES": s}
-        extra = (kvcore.spec.Segment(offset=bs * v + self.params.get("skew", 0), token=s, head=0, nbytes=s),)
-        plane = kvcore.PlaneStrides(block=t.stride(0), token=v, head=0, chunk=0, chunk_bytes=v, n_chunks=1, extra=extra)
+        skew = self.params.get("skew", 0)
+        bases = tuple((x, x.storage_offset()) for x in kv)
+        vals = kvcore.spec.Plane(
+            role="VALS",
+            strides=kvcore.PlaneStrides(block=t.stride(0), token=v, head=0, chunk=0, chunk_bytes=v, n_chunks=1),
+            num_heads=1,
+            head_bytes=v,
+            dtype=torch.uint8,
+            bases=bases,
+            staging=kvcore.spec.StagingTarget(buffer="kv", index=0, offset=0, head_stride=v + s),
+        )
+        scales = kvcore.spec.Plane(
+            role="SCALES",
+            strides=kvcore.PlaneStrides(block=t.stride(0), token=s, head=0, chunk=0, chunk_bytes=s, n_chunks=1),
+            num_heads=1,
+            head_bytes=s,
+            dtype=torch.uint8,
+            bases=tuple((x, off + bs * v + skew) for x, off in bases),
+            staging=kvcore.spec.StagingTarget(buffer="kv", index=0, offset=v, head_stride=v + s),
+        )
         self.table = kvcore.StrideTable(
             num_layers=len(kv),
-            kv_size=1,
             block_size=bs,
             num_slots=self.num_slots_,
-            num_heads=1,
-            head_bytes=v + s,
-            dtype=torch.uint8,
             device=t.device,
-            planes=(plane,),
-            bases=tuple(((x, x.storage_offset()),) for x in kv),
+            planes=(vals, scales),
+            buffers=(kvcore.spec.StagingBuffer(key="kv", kv_size=1, row_bytes=v + s, dtype=torch.uint8),),
         )
 
 
-def test_extra_row_segments_move_with_the_reference_kernel():
+def test_planes_sharing_a_staged_row_move_with_the_reference_kernel():
     class P:
         @kvcore.hookimpl
         def kvcore_spec(self, format):
@@ -652,13 +666,13 @@ def test_extra_row_segments_move_with_the_reference_kernel():
     dst = build_layout("NL_X_NB_BSV_BSS", [torch.zeros_like(x) for x in kv], params={"block_size": bs, "scale_bytes": s})
     kvcore.scatter(dst, [1, -1, 2, 3], got)
     assert torch.equal(kvcore.gather(dst, [1, 2, 3]), got[:, :, [0, 2, 3]])
-    # a segment reaching past the page is refused when the layout is built
+    # a plane reaching past the page is refused when the layout is built
     with pytest.raises(kvcore.GeometryError, match="reaches byte"):
         build_layout("NL_X_NB_BSV_BSS", kv, params={"block_size": bs, "scale_bytes": s, "skew": 1})
 
 
 def test_kernel_selection_skips_kernels_that_decline_the_stride_table(monkeypatch):
-    """A kernel with ``supports(table) -> False`` (e.g. no extra row segments) must not be
+    """A kernel with ``supports(table) -> False`` (e.g. only classic tables) must not be
     chosen for that table, whatever its priority."""
     monkeypatch.delenv("KVCORE_KERNEL")
     seen = []
@@ -673,11 +687,11 @@ def test_kernel_selection_skips_kernels_that_decline_the_stride_table(monkeypatc
             return True
 
         def why(self):
-            return "declines tables with extra segments"
+            return "declines tables that are not classic K/V tables"
 
         def supports(self, table):
             seen.append(table)
-            return not any(p.extra for p in table.planes)
+            return table.classic
 
         def gather(self, plan):
             raise AssertionError("picky kernel must not be used for this table")
@@ -699,4 +713,4 @@ def test_kernel_selection_skips_kernels_that_decline_the_stride_table(monkeypatc
     got = kvcore.gather(lay, [5])
     assert torch.equal(got[0, 0, 0], torch.cat([kv[0][1, 12:24], kv[0][1, 52:56]]))
     kvcore.scatter(lay, [6], got)
-    assert seen and all(t.planes[0].extra for t in seen)
+    assert seen and all(len(t.planes) == 2 and not t.classic for t in seen)

@@ -14,6 +14,7 @@ answers what no other claims. ``KVCORE_KERNEL=name`` forces one.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -33,15 +34,25 @@ class TransferPlan:
         table: stride table restricted to the layers being moved, in staging order.
         slots: int64 ``[T]`` on the cache's device; ``-1`` rows are not moved (engine
             padding, and the ``skip_prefix`` rows).
-        staging: ``[kv_size, NL, T, NH*HS]`` (a 4-D view even for one layer), last dim
-            contiguous, on the cache's device or (CUDA caches) in host memory.
+        staging: the classic buffer ``[kv_size, NL, T, NH*HS]`` (a 4-D view even for one
+            layer), or a dict ``{buffer key: tensor}`` holding one tensor per
+            :class:`~kvcore.spec.StagingBuffer` of the table (``"kv"``: 4-D as above; a
+            plane's own buffer: ``[NL, T, row]``). Last dims contiguous, on the cache's
+            device or (CUDA caches) in host memory.
         num_valid: number of slots >= 0.
     """
 
     table: StrideTable
     slots: torch.Tensor
-    staging: torch.Tensor
+    staging: torch.Tensor | Mapping[str, torch.Tensor]
     num_valid: int
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The staging buffers by key (``{"kv": staging}`` for a classic tensor)."""
+        if isinstance(self.staging, torch.Tensor):
+            return {"kv": self.staging}
+        return dict(self.staging)
 
 
 @runtime_checkable
@@ -77,8 +88,8 @@ def _candidates(device_type: str, format_name: str):
 def select_kernel(device_type: str, format_name: str, staging_device_type: str | None = None, table: StrideTable | None = None):
     """The kernel that serves ``format_name`` on ``device_type``.
 
-    A kernel may define ``supports(table) -> bool`` (e.g. native kernels that do not move
-    ``extra`` row segments); when ``table`` is given, kernels that decline it are skipped.
+    A kernel may define ``supports(table) -> bool`` (e.g. a kernel that moves only classic
+    K/V tables); when ``table`` is given, kernels that decline it are skipped.
 
     Raises:
         TransferError: ``KVCORE_KERNEL`` names a kernel that cannot serve it, or no

@@ -16,8 +16,9 @@ Both are reached through the op library's direct entry (``transfer``: the same C
 functions without the dispatcher's boxing, GIL released); ``torch.ops.kvcore.gather`` /
 ``scatter`` are the registered ops for other callers. Neither throws: a refused call
 returns non-zero and ``torch.ops.kvcore.last_error()`` says why (raised here as
-:class:`~kvcore.TransferError`). Negative slots are skipped (the row stays untouched). Tables with ``extra`` row
-segments (blocked-scale records) are left to the reference kernel (``supports``).
+:class:`~kvcore.TransferError`). Negative slots are skipped (the row stays untouched). Tables other than classic
+K/V tables (blocked-scale records, multi-plane records) are left to the reference kernel
+(``supports``).
 The library is built on first use (see :mod:`kvcore.kernels._build`); ``KVCORE_NATIVE=0``
 disables both kernels.
 """
@@ -50,18 +51,23 @@ class _Prepared:
         # the first plane's storage: if the engine reallocated its cache since, re-prepare
         t0 = table.bases[0][0][0]
         self.probe = (t0, t0.untyped_storage().data_ptr(), t0.untyped_storage().nbytes())
-        self.supported = table.kv_size in (1, 2) and all(not p.extra for p in table.planes)
+        self.supported = _classic(table)
         host = table.ptrs()
         self.ptrs = host.to(device) if device.type != "cpu" else host
         self.strides = torch.tensor(
             [[p.block, p.token, p.head, p.chunk, p.chunk_bytes, p.n_chunks] for p in table.planes], dtype=torch.int64
-        ).reshape(table.kv_size, 6)
+        ).reshape(len(table.planes), 6)
         g = 16
         for a in host.flatten().tolist():
             g = math.gcd(g, int(a))
         self.base_align = g if g in (1, 2, 4, 8, 16) else 1
         # block_size, num_heads, head_bytes, num_slots, base_align
         self.args = (int(table.block_size), int(table.num_heads), int(table.head_bytes), int(table.num_slots), self.base_align)
+
+
+def _classic(table: StrideTable) -> bool:
+    """The op moves one or two planes of one width into the classic buffer."""
+    return len(table.planes) in (1, 2) and table.classic
 
 
 _CACHE: OrderedDict[int, tuple[weakref.ref, _Prepared]] = OrderedDict()
@@ -131,8 +137,8 @@ class _NativeKernel:
         return (self.device_type,)
 
     def supports(self, table: StrideTable) -> bool:
-        """False for what the op does not move: extra row segments (blocked-scale records)."""
-        return table.kv_size in (1, 2) and all(not p.extra for p in table.planes)
+        """False for what the op does not move: anything but a classic K/V table."""
+        return _classic(table)
 
     def _call(self, plan: TransferPlan, gather: bool) -> None:
         table = plan.table

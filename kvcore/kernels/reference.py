@@ -1,11 +1,12 @@
 """The reference transfer kernel, in torch, for any device and every format.
 
-It builds, per (layer, K/V) plane, an ``as_strided`` view of the plane's storage as
-``[blocks, block_size, heads, chunks, chunk_units]`` and moves whole token rows with one
+For each plane of the record and each layer it builds two ``as_strided`` views of raw
+storage — the cache side ``[blocks, (token groups,) tokens, heads, chunks, units]`` and the
+staging side ``[T, heads, units]`` — and moves whole token rows with one
 advanced-indexing copy. Data moves as integers of the widest width (8, 4, 2 or 1 bytes)
 that every offset and stride allows, so every dtype, NaN payloads and negative zero
-included, is bit-exact. One copy per (layer, K/V): correct everywhere, fast enough on a
-CPU, slow on a GPU at small token counts (see the native kernels).
+included, is bit-exact. One copy per (layer, plane): correct everywhere, fast enough on
+a CPU, slow on a GPU at small token counts (see the native kernels).
 """
 
 from __future__ import annotations
@@ -15,27 +16,77 @@ import math
 import torch
 
 from kvcore.kernels import TransferPlan
-from kvcore.spec import StrideTable
+from kvcore.spec import Plane, StrideTable
 
 _UNIT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _unit_width(table: StrideTable, staging: torch.Tensor) -> int:
+def _byte_offset(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size()
+
+
+def _unit_width(table: StrideTable, buffers: dict[str, torch.Tensor]) -> int:
     g = 8
-    vals = [table.head_bytes, table.row_bytes]
+    vals: list[int] = []
     for p in table.planes:
-        vals += [p.block, p.token, p.head, p.chunk, p.chunk_bytes]
-        for x in p.extra:
-            vals += [x.offset, x.token, x.head, x.nbytes]
-    for layer in table.bases:
-        for _, off in layer:
-            vals.append(off)
-    esz = staging.element_size()
-    vals += [staging.storage_offset() * esz] + [s * esz for s in staging.stride()[:-1]]
+        s = p.strides
+        vals += [s.block, s.token, s.head, s.chunk, s.chunk_bytes, s.token_group_stride, p.head_bytes]
+        vals += [p.staging.offset, p.staging.head_stride]
+        vals += [off for _, off in p.bases]
+    for b in buffers.values():
+        esz = b.element_size()
+        vals += [_byte_offset(b)] + [st * esz for st in b.stride()[:-1]]
     for v in vals:
         if v:
             g = math.gcd(g, int(v))
     return g if g in _UNIT else 1
+
+
+def _storage_units(t: torch.Tensor, w: int, cache: dict) -> torch.Tensor:
+    """A 1-D view of ``t``'s whole storage as ``w``-byte integers (one per storage)."""
+    st = t.untyped_storage()
+    key = (t.device, st.data_ptr(), st.nbytes())
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = torch.empty(0, dtype=_UNIT[w], device=t.device).set_(st, 0, (st.nbytes() // w,), (1,))
+    return v
+
+
+def _cache_view(p: Plane, t: torch.Tensor, off: int, nblocks: int, block_size: int, w: int, cache: dict) -> torch.Tensor:
+    s = p.strides
+    units = _storage_units(t, w, cache)
+    cu = s.chunk_bytes // w
+    if s.token_group and s.token_group < block_size:
+        g = s.token_group
+        return torch.as_strided(
+            units,
+            (nblocks, block_size // g, g, p.num_heads, s.n_chunks, cu),
+            (s.block // w, s.token_group_stride // w, s.token // w, s.head // w, s.chunk // w, 1),
+            off // w,
+        )
+    return torch.as_strided(
+        units,
+        (nblocks, block_size, p.num_heads, s.n_chunks, cu),
+        (s.block // w, s.token // w, s.head // w, s.chunk // w, 1),
+        off // w,
+    )
+
+
+def _staging_view(p: Plane, buf: torch.Tensor, layer: int, w: int, cache: dict) -> torch.Tensor:
+    """``[T, heads, units]`` of one plane of one layer inside its staging buffer."""
+    esz = buf.element_size()
+    units = _storage_units(buf, w, cache)
+    if p.staging.index is None:  # [NL, T, row]
+        start = _byte_offset(buf) + layer * buf.stride(0) * esz
+        s_tok = buf.stride(1) * esz
+        t = buf.shape[1]
+    else:  # [kv, NL, T, row]
+        start = _byte_offset(buf) + p.staging.index * buf.stride(0) * esz + layer * buf.stride(1) * esz
+        s_tok = buf.stride(2) * esz
+        t = buf.shape[2]
+    return torch.as_strided(
+        units, (t, p.num_heads, p.head_bytes // w), (s_tok // w, p.staging.head_stride // w, 1), (start + p.staging.offset) // w
+    )
 
 
 class ReferenceKernel:
@@ -50,96 +101,45 @@ class ReferenceKernel:
         return True
 
     def why(self) -> str:
-        return "torch indexing, one copy per (layer, K/V); always available"
+        return "torch indexing, one copy per (layer, plane); always available"
 
     def accepts(self, staging_device_type: str | None) -> bool:
         return True
 
-    # -- helpers ---------------------------------------------------------------------
-    def _planes(self, table: StrideTable, w: int):
-        dt = _UNIT[w]
-        views: dict[int, torch.Tensor] = {}
-        nblocks = -(-table.num_slots // table.block_size)
-        for layer in table.bases:
-            row = []
-            for kv, (t, off) in enumerate(layer):
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key not in views:
-                    views[key] = torch.empty(0, dtype=dt, device=t.device).set_(st, 0, (st.nbytes() // w,), (1,))
-                p = table.planes[kv]
-                parts = [
-                    torch.as_strided(
-                        views[key],
-                        (nblocks, table.block_size, table.num_heads, p.n_chunks * (p.chunk_bytes // w)),
-                        (p.block // w, p.token // w, p.head // w, 1),
-                        off // w,
-                    )
-                    if p.n_chunks == 1
-                    else torch.as_strided(
-                        views[key],
-                        (nblocks, table.block_size, table.num_heads, p.n_chunks, p.chunk_bytes // w),
-                        (p.block // w, p.token // w, p.head // w, p.chunk // w, 1),
-                        off // w,
-                    )
-                ]
-                for x in p.extra:
-                    parts.append(
-                        torch.as_strided(
-                            views[key],
-                            (nblocks, table.block_size, table.num_heads, x.nbytes // w),
-                            (p.block // w, x.token // w, x.head // w, 1),
-                            (off + x.offset) // w,
-                        )
-                    )
-                row.append(parts)
-            yield row
-
     def _run(self, plan: TransferPlan, gather: bool) -> None:
-        table, staging = plan.table, plan.staging
+        table = plan.table
         if plan.num_valid == 0:
             return
+        buffers = plan.buffers
         dev = table.device
         slots = plan.slots
         sel = torch.nonzero(slots >= 0).flatten()
         s = slots[sel]
         blk = torch.div(s, table.block_size, rounding_mode="floor")
         off = s - blk * table.block_size
-        host_staging = staging.device != dev
-        w = _unit_width(table, staging)
-        dt = _UNIT[w]
-        if host_staging:
-            # rows for the valid slots only, through a device temp proportional to them
-            sel_h = sel.to(staging.device)
-            if gather:
-                tmp = torch.empty((table.kv_size, table.num_layers, sel.numel(), table.row_bytes // w), dtype=dt, device=dev)
-            else:
-                tmp = staging.view(torch.uint8).view(dt)[:, :, sel_h].to(dev)
-            su = tmp
-            idx = None
-        else:
-            su = staging.view(torch.uint8).view(dt)
-            idx = sel
+        w = _unit_width(table, buffers)
+        nblocks = -(-table.num_slots // table.block_size)
         nv = sel.numel()
-        nh = table.num_heads
-        for li, planes in enumerate(self._planes(table, w)):
-            for kv, parts in enumerate(planes):
+        views: dict = {}
+        for p in table.planes:
+            buf = buffers[p.staging.buffer]
+            host = buf.device != dev
+            sel_b = sel.to(buf.device) if host else sel
+            grouped = bool(p.strides.token_group) and p.strides.token_group < table.block_size
+            if grouped:
+                g = p.strides.token_group
+                idx = (blk, torch.div(off, g, rounding_mode="floor"), off % g)
+            else:
+                idx = (blk, off)
+            for li, (t, base) in enumerate(p.bases):
+                cv = _cache_view(p, t, base, nblocks, table.block_size, w, views)
+                sv = _staging_view(p, buf, li, w, views)
                 if gather:
-                    rows = [part[blk, off].reshape(nv, nh, -1) for part in parts]
-                    row = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
-                    if idx is None:
-                        su[kv, li] = row.reshape(nv, -1)
-                    else:
-                        su[kv, li, idx] = row.reshape(nv, -1)
+                    rows = cv[idx].reshape(nv, p.num_heads, -1)
+                    sv[sel_b] = rows.to(buf.device) if host else rows
                 else:
-                    src = (su[kv, li] if idx is None else su[kv, li, idx]).reshape(nv, nh, -1)
-                    start = 0
-                    for part in parts:
-                        width = part[0, 0].numel() // nh
-                        part[blk, off] = src[:, :, start : start + width].reshape(nv, *part.shape[2:])
-                        start += width
-        if host_staging and gather:
-            staging.view(torch.uint8).view(dt)[:, :, sel_h] = tmp.to(staging.device)
+                    rows = sv[sel_b]
+                    cv[idx] = (rows.to(dev) if host else rows).reshape(cv[idx].shape)
 
     def gather(self, plan: TransferPlan) -> None:
         self._run(plan, True)

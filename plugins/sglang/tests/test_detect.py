@@ -220,9 +220,10 @@ def test_indexer_pool_detection_and_geometry():
     assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (3, 64, 1, 132, 1)
     assert lay.describe() == "2 x [3, 64x128, 64x4]"
     assert lay.data_ptrs() == [b.data_ptr() for b in bufs]
-    p = lay.stride_table().planes[0]
+    p, sc = lay.stride_table().planes
     assert (p.block, p.token, p.chunk_bytes) == (64 * 132, 128, 128)
-    assert [(x.offset, x.token, x.nbytes) for x in p.extra] == [(64 * 128, 4, 4)]
+    assert (sc.token, sc.chunk_bytes, sc.staging.offset) == (4, 4, 128)
+    assert [off for _, off in sc.bases] == [off + 64 * 128 for _, off in p.bases]
     with pytest.raises(kvcore.DetectionError, match="not page_size 32 records"):
         kvcore.detect(bufs, "sglang", {"page_size": 32})
     with pytest.raises(kvcore.DetectionError, match="not a DSA/NSA indexer pool"):

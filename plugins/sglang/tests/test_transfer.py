@@ -204,9 +204,11 @@ def test_indexer_pages_are_described_by_the_scale_width_detection_passes():
     bufs = fx.alloc_indexer(num_layers=2, size=8 * 3, page_size=8)
     lay = kvcore.detect(bufs, "sglang")
     assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (bufs[0].shape[0], 8, 1, 132, 1)
-    (plane,) = lay.stride_table().planes
-    assert (plane.block, plane.token, plane.chunk_bytes) == (8 * 132, 128, 128)
-    assert [(x.offset, x.token, x.nbytes) for x in plane.extra] == [(8 * 128, 4, 4)]
+    vals, scales = lay.stride_table().planes
+    assert (vals.role, vals.block, vals.token, vals.chunk_bytes, vals.staging.offset) == ("VALS", 8 * 132, 128, 128, 0)
+    # the scales start after the page's 8 key records, 4 bytes a token, staged after the keys
+    assert (scales.role, scales.block, scales.token, scales.chunk_bytes, scales.staging.offset) == ("SCALES", 8 * 132, 4, 4, 128)
+    assert [off for _, off in scales.bases] == [off + 8 * 128 for _, off in vals.bases]
     assert lay.describe() == f"2 x [{bufs[0].shape[0]}, 8x128, 8x4]"
     with pytest.raises(kvcore.GeometryError, match="scale_bytes"):
         kvcore.build_layout("NL_X_NB_BSV_BSS", lay.kv_caches)

@@ -23,10 +23,12 @@ format is served by kvcore's generic spec, which reads the tensors' own strides.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvcore import GeometryError, Spec
-from kvcore.spec import PlaneStrides, StrideTable
+from kvcore.spec import PlaneStrides
 
 __all__ = ["PagedAttentionSpec", "BLOCKED_SCALE_RECORDS", "PAGED_ATTENTION_FORMAT"]
 
@@ -87,17 +89,9 @@ class PagedAttentionSpec(Spec):
         if bs == 1:  # one token per block: each head's run is contiguous
             v = PlaneStrides(block=blk, token=0, head=head, chunk=0, chunk_bytes=hs * esz, n_chunks=1)
             k = v
-        self.table = StrideTable(
-            num_layers=tb.num_layers,
-            kv_size=tb.kv_size,
-            block_size=tb.block_size,
-            num_slots=tb.num_slots,
-            num_heads=tb.num_heads,
-            head_bytes=tb.head_bytes,
-            dtype=tb.dtype,
-            device=tb.device,
-            planes=(k, v),
-            bases=tb.bases,
+        self.table = replace(
+            tb,
+            planes=(replace(tb.planes[0], strides=k), replace(tb.planes[1], strides=v)),
         )
 
 
