@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from kvcore import DetectionError
+from kvcore.dtypes import parse_dtype
 
 from .versions import check_version
 
@@ -69,34 +70,15 @@ PAGED_FORMAT = "NB_NL_TWO_BS_NH_HS"
 #: DynamicCache / StaticCache: NL ``(K, V)`` pairs of ``[batch, NH, seq, HS]``.
 LAYER_PAIRS_FORMAT = "NL_X_TWO_X_NB_NH_BS_HS"
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-}
-
 
 def as_dtype(x: Any, what: str = "dtype") -> torch.dtype:
-    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``, ``"bf16"``).
+    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``,
+    ``"bf16"``, ``"float8_e4m3fnuz"``), read through kvcore's one table (:mod:`kvcore.dtypes`).
 
     Raises:
         DetectionError: an unknown name (listing the accepted ones).
     """
-    if isinstance(x, torch.dtype):
-        return x
-    if isinstance(x, str):
-        key = x.replace("torch.", "").lower()
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise DetectionError(f"hint {what}={x!r} is not a dtype; pass a torch.dtype or one of {', '.join(sorted(_DTYPES))}")
+    return parse_dtype(x, what=f"hint {what}")
 
 
 # -- the continuous-batching paged cache ------------------------------------------------

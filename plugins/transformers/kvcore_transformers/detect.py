@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvcore import Detection, DetectionError
+from kvcore.detection import tensor_order
 
 from .caches import (
     LAYER_PAIRS_FORMAT,
@@ -54,6 +55,7 @@ HINTS = (
     "page_size",
     "block_size",
     "dtype",
+    "tensor_order",  # kvcore's generic hint: transformers' tensors are contiguous, their axes in memory order
 )
 
 
@@ -76,6 +78,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
     unknown = sorted(set(hints) - set(HINTS))
     if unknown:
         raise DetectionError(f"engine 'transformers' does not know the hints {unknown}; it reads {', '.join(HINTS)}")
+    tensor_order(hints)  # validated; transformers' caches read the same either way (contiguous, in memory order)
     if hints.get("transformers_version") is not None:
         check_version("cache", version=str(hints["transformers_version"]))
     if is_paged_cache(kv_caches):

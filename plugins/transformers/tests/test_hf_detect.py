@@ -191,3 +191,15 @@ def test_layers_without_per_token_kv_are_left_out_with_their_model_ids():
     cache.layers[2] = DummyLayer()
     with pytest.raises(kvcore.DetectionError, match="no layer of this DynamicCache holds per-token KV"):
         kvcore.detect(cache, engine="transformers")
+
+
+def test_dtype_names_and_the_generic_tensor_order_hint():
+    from kvcore_transformers.caches import as_dtype
+
+    assert as_dtype("float8_e4m3fnuz") is torch.float8_e4m3fnuz and as_dtype("bf16") is torch.bfloat16  # kvcore's one table
+    pairs = [(torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 5, 8)) for _ in range(2)]
+    for order in ("allocated", "physical"):  # contiguous [batch, NH, seq, HS]: in memory order as allocated
+        lay = kvcore.detect(pairs, engine="transformers", hints={"tensor_order": order})
+        assert (lay.format.name, lay.num_heads, lay.block_size) == (LAYER_PAIRS_FORMAT, 3, 5)
+    with pytest.raises(kvcore.DetectionError, match="tensor_order='sideways' is not known"):
+        kvcore.detect(pairs, engine="transformers", hints={"tensor_order": "sideways"})
