@@ -15,6 +15,9 @@ their plugins: they map onto the dtypes here, often depending on the platform.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ __all__ = [
     "parse_dtype",
     "fp8_dtype",
     "rocm_build",
+    "described_tensors",
 ]
 
 #: canonical name -> dtype: every element dtype kvcore moves (a KV cache's values, or the
@@ -133,6 +137,21 @@ def fp8_dtype(kind: str, *, fnuz: bool) -> torch.dtype:
         raise ValueError(f"fp8 kind must be 'e4m3' or 'e5m2', got {kind!r}") from None
 
 
+_DESCRIBED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvcore_described_tensors", default=False)
+
+
+@contextlib.contextmanager
+def described_tensors() -> Iterator[None]:
+    """Within this block the tensors being detected are a description (``kvcore detect``
+    builds them from JSON), not memory an engine of this process allocated: the torch build
+    of this process is no evidence of the engine's platform (:func:`rocm_build` says None)."""
+    token = _DESCRIBED.set(True)
+    try:
+        yield
+    finally:
+        _DESCRIBED.reset(token)
+
+
 def rocm_build(tensors: Any) -> bool | None:
     """Whether the process that holds ``tensors`` runs a ROCm (HIP) build of torch:
     ``torch.version.hip`` is set. That is the test engines themselves make (SGLang's
@@ -141,12 +160,12 @@ def rocm_build(tensors: Any) -> bool | None:
 
     Returns:
         True / False for real tensors (any device), None when every tensor is on the
-        ``meta`` device (a description from a log: this process says nothing about the
-        engine's platform) or there are no tensors.
+        ``meta`` device or inside :func:`described_tensors` (a description from a log:
+        this process says nothing about the engine's platform), or there are no tensors.
     """
     from kvcore.detection import tensors_in
 
     ts = tensors_in(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
-    if not ts or all(t.device.type == "meta" for t in ts):
+    if not ts or _DESCRIBED.get() or all(t.device.type == "meta" for t in ts):
         return None
     return getattr(torch.version, "hip", None) is not None

@@ -229,3 +229,14 @@ def test_dtype_names_are_one_table():
     # 0x40 is 2.0 as OCP e4m3 and 1.0 as FNUZ e4m3: the name matters
     byte = torch.tensor([0x40], dtype=torch.uint8)
     assert float(byte.view(torch.float8_e4m3fn)) == 2.0 and float(byte.view(torch.float8_e4m3fnuz)) == 1.0
+
+
+def test_platform_evidence_comes_only_from_this_process_memory():
+    from kvcore.dtypes import described_tensors, rocm_build
+
+    real = torch.zeros(2, dtype=torch.uint8)
+    assert rocm_build([real]) is (getattr(torch.version, "hip", None) is not None)
+    assert rocm_build([torch.empty(2, device="meta")]) is None  # a description from a log
+    with described_tensors():  # what `kvcore detect` builds from JSON: no evidence either
+        assert rocm_build([real]) is None
+    assert rocm_build([real]) is not None
