@@ -305,7 +305,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     """
     container, names = normalize_container(kv_caches)
     h = _hints_dict(hints)
-    tensor_order(h)  # a bad value is an error for every engine
+    _check_order_statement(container, h)
     host = registry.host()
     det, rejected = _ask(host, container, engine, h)
     if det is None:
@@ -326,6 +326,22 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
             layout.layer_names = tuple(names)
     log.debug("detected %s %s for engine %s (%s)", layout.format.name, layout.describe(), engine, det.note)
     return layout
+
+
+def _check_order_statement(container: Any, hints: Mapping[str, Any]) -> None:
+    """``tensor_order="physical"`` says every tensor's axes are in memory order: a tensor
+    whose strides are permuted contradicts it, whatever the engine (a DetectionError
+    naming the tensor). A bad value of the hint is an error too."""
+    if tensor_order(hints) != "physical":
+        return
+    for i, t in enumerate(tensors_in(container)):
+        if not memory_ordered(t):
+            raise DetectionError(
+                f"the hint {TENSOR_ORDER}='physical' says the tensors' axes are in memory order, but tensor {i} "
+                f"(shape {list(t.shape)}, stride {list(t.stride())}) is a permuted view: its memory order is axes "
+                f"{physical_permutation(t)}. Drop the hint (the strides say how the engine allocated it), or permute the "
+                "tensors into memory order first"
+            )
 
 
 def _build(det: Detection, engine: str, shown: Any, what: str) -> KVLayout:
@@ -398,7 +414,7 @@ def detect_per_layer(
     groups = _groups(layer_groups, n, keys)
     out: list[KVLayout | None] = [None] * n
     h = _hints_dict(hints)
-    tensor_order(h)
+    _check_order_statement(container, h)
     host = registry.host()
     for g in groups:
         by_sig: OrderedDict[Any, list[int]] = OrderedDict()

@@ -111,8 +111,13 @@ def test_a_layout_hint_that_contradicts_the_strides_is_an_error_naming_both(twin
 
 
 def test_tensor_order_contradicting_the_strides_is_an_error(twin):
-    with pytest.raises(DetectionError, match="tensor_order='physical' says the tensors' axes are already in memory order"):
+    with pytest.raises(DetectionError, match="tensor_order='physical' says the tensors' axes are in memory order"):
         kvcore.detect(allocate("HND"), "twin", {TENSOR_ORDER: "physical"})
+    # resolve says the same to a plugin whose readings are all of the other order
+    views = [t.permute(PERM) for t in allocate("HND")]
+    c = Candidate(HND, views, order="allocated")
+    with pytest.raises(DetectionError, match="tensor_order='physical' says the tensors' axes are already in memory order"):
+        resolve([c], engine="twin", hints={TENSOR_ORDER: "physical"})
     with pytest.raises(DetectionError, match="tensor_order='sideways' is not known"):
         kvcore.detect(allocate("NHD"), "twin", {TENSOR_ORDER: "sideways"})
     assert tensor_order({TENSOR_ORDER: "memory"}) == "physical" and tensor_order({}) is None
@@ -240,3 +245,10 @@ def test_platform_evidence_comes_only_from_this_process_memory():
     with described_tensors():  # what `kvcore detect` builds from JSON: no evidence either
         assert rocm_build([real]) is None
     assert rocm_build([real]) is not None
+
+
+def test_tensor_order_physical_on_a_permuted_view_is_an_error_for_every_engine(core_only):
+    permuted = torch.zeros(2, NB, 2, 4, HS).permute(PERM)  # HND memory, NHD shape
+    for call in (kvcore.detect, kvcore.detect_per_layer):
+        with pytest.raises(DetectionError, match=r"tensor 0 \(shape \[2, 5, 4, 2, 8\].*permuted view"):
+            call([permuted], "any-engine", hints={TENSOR_ORDER: "physical"})
