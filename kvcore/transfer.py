@@ -249,6 +249,8 @@ def scatter(
 ) -> None:
     """Copy staged tokens into the paged cache at ``slot_mapping`` (the inverse of
     :func:`gather`). Negative slots and the first ``skip_prefix`` rows are not written.
+    Layers that share memory (``layout.aliases``) are written once, from the rows of the
+    first of them in ``layers``; the rows of the others are not read.
 
     Raises:
         TransferError: before anything is written, for a slot out of range, a slot that

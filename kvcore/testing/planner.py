@@ -19,7 +19,7 @@ from kvcore.testing.checks.common import (
     devices,
 )
 from kvcore.testing.checks.context import _Ctx
-from kvcore.testing.checks.detection import PROBES, check_ambiguity, check_detect, check_geometry, check_render
+from kvcore.testing.checks.detection import PROBES, check_ambiguity, check_detect, check_geometry, check_memory_order, check_render
 from kvcore.testing.checks.fixture import check_fixture_contract
 from kvcore.testing.checks.format import check_fixtures_exist, check_grammar
 from kvcore.testing.checks.invalid import INVALID, check_invalid
@@ -142,6 +142,7 @@ def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = No
     ]
     for probe in PROBES:
         tasks.append(T(f"ambiguity[{probe}]", lambda probe=probe: check_ambiguity(case, probe, cpu)))
+    tasks.append(T("ambiguity[memory order]", lambda: check_memory_order(case, cpu)))
     for dev in _devices(opts):
         ks = kernels if kernels is not None else _kernels_for(case.format, dev)
         for k in ks:

@@ -62,7 +62,7 @@ from kvcore.testing.checks.common import (
     forced_kernel,
 )
 from kvcore.testing.checks.context import _Ctx, _run_scatter
-from kvcore.testing.checks.detection import PROBES, check_ambiguity, check_detect, check_geometry, check_render
+from kvcore.testing.checks.detection import PROBES, check_ambiguity, check_detect, check_geometry, check_memory_order, check_render
 from kvcore.testing.checks.fixture import check_fixture_contract
 from kvcore.testing.checks.format import check_fixtures_exist, check_grammar
 from kvcore.testing.checks.invalid import INVALID, _expect_refusal, _other_device, _other_dtype, check_invalid

@@ -62,6 +62,7 @@ __all__ = [
     "paged_groups",
     "paged_view",
     "layer_pairs",
+    "CachePair",
     "kv_caches",
 ]
 
@@ -279,7 +280,17 @@ def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
             raise DetectionError(
                 f"layer {i} of this {name} has keys {tuple(p[0].shape)} and values {tuple(p[1].shape)}; transformers stores [batch, NH, seq, HS]"
             )
-    return pairs
+    return [None if p is None else CachePair(p) for p in pairs]
+
+
+class CachePair(tuple):
+    """One layer's ``(keys, values)`` read out of a transformers cache object by
+    :func:`layer_pairs`: the tensors as transformers allocated them (``[batch, NH, seq, HS]``,
+    strides as the cache made them). Detection reads such pairs as allocated; plain tuples
+    could also be tensors someone permuted into memory order (see
+    :mod:`kvcore_transformers.detect`)."""
+
+    __slots__ = ()
 
 
 def kv_caches(cache: Any, attention_type: str | None = None) -> Any:

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from kvcore import Detection, DetectionError
+from kvcore import Candidate, Detection, DetectionError, memory_ordered, resolve
 from kvcore.detection import tensor_order
 
 from .caches import (
     LAYER_PAIRS_FORMAT,
     PAGED_FORMAT,
+    CachePair,
     as_dtype,
     is_layered_cache,
     is_legacy_cache,
@@ -43,7 +44,11 @@ from .caches import (
 )
 from .versions import check_version
 
-__all__ = ["detect", "HINTS"]
+__all__ = ["detect", "HINTS", "PAIRS_NHD_FORMAT"]
+
+#: per-layer (K, V) pairs of ``[batch, seq, NH, HS]`` in memory order (a transposed
+#: allocation handed over permuted into memory order).
+PAIRS_NHD_FORMAT = "NL_X_TWO_X_NB_BS_NH_HS"
 
 HINTS = (
     "attention_type",
@@ -88,7 +93,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
         return det
     if is_layered_cache(kv_caches) or is_legacy_cache(kv_caches) or type(kv_caches).__module__.startswith("transformers."):
         # any other transformers object gets layer_pairs' message (encoder-decoder, unknown cache class)
-        return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers")
+        return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers", hints)
     if isinstance(kv_caches, torch.Tensor):
         if kv_caches.dim() == 6 and kv_caches.shape[2] == 2:
             return _paged_detection(kv_caches, "6-D [NB, NL, 2, page_size, NH, HS] paged view")
@@ -115,7 +120,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
         ]
         if not all(ok):
             return None
-        return _pairs_detection(pairs, "per-layer (K, V) pairs")
+        return _pairs_detection(pairs, "per-layer (K, V) pairs", hints)
     return None
 
 
@@ -174,9 +179,15 @@ def _raw_paged(buf: torch.Tensor, hints: dict[str, Any]) -> Detection:
     return _paged_detection(view, "uint8 paged buffer viewed with the given hints")
 
 
-def _pairs_detection(entries: list, note: str) -> Detection:
+def _pairs_detection(entries: list, note: str, hints: dict[str, Any]) -> Detection:
     """Per-layer (K, V) pairs; ``None`` entries are layers without per-token KV (left out,
-    ``layer_ids`` says which layers the layout covers)."""
+    ``layer_ids`` says which layers the layout covers).
+
+    Pairs read out of a cache object (:class:`~kvcore_transformers.caches.CachePair`) are
+    as transformers allocated them. Plain contiguous tensors can also be a transposed
+    allocation someone permuted into memory order; when that reading's geometry differs
+    (heads and sequence swapped) ``num_kv_heads`` or ``tensor_order`` decides
+    (:class:`kvcore.AmbiguousLayoutError` without them: never a guess)."""
     ids = [i for i, p in enumerate(entries) if p is not None]
     if not ids:
         return Detection(format=None, excluded="these layers hold no per-token KV (DummyLayer / linear-attention state)")
@@ -205,9 +216,32 @@ def _pairs_detection(entries: list, note: str) -> Detection:
     left_out = [i for i, p in enumerate(entries) if p is None]
     if left_out:
         note += f"; layers {left_out} hold no per-token KV and are left out"
-    return Detection(
-        format=LAYER_PAIRS_FORMAT,
-        kv_caches=[tuple(p) for p in pairs],
-        note=f"transformers {note}; block = batch row, slot = b * seq + position",
-        layer_ids=tuple(ids) if left_out else None,
-    )
+    note = f"transformers {note}; block = batch row, slot = b * seq + position"
+    views = [tuple(p) for p in pairs]
+    k0 = views[0][0]
+    own = all(isinstance(p, CachePair) for p in pairs)
+    ordered = all(memory_ordered(t) for p in views for t in p)
+    # read as transformers allocates them: [batch, NH, seq, HS] through their strides
+    cands = [
+        Candidate(LAYER_PAIRS_FORMAT, views, note=note, label="as allocated [batch, NH, seq, HS]", order=None if ordered else "allocated")
+    ]
+    if ordered and not own:
+        # plain tensors in memory order may also be a transposed allocation (4.53's first update keeps the
+        # transposed key_states view, memory [batch, seq, NH, HS]) someone permuted into memory order
+        cands.append(
+            Candidate(
+                PAIRS_NHD_FORMAT,
+                views,
+                note=f"{note}; the tensors read as [batch, seq, NH, HS] already in memory order",
+                label="[batch, seq, NH, HS] in memory order",
+                order="physical",
+            )
+        )
+    nh = hints.get("num_kv_heads")
+    if nh is not None:
+        cands = [c for c in cands if int(k0.shape[1 if c.format == LAYER_PAIRS_FORMAT else 2]) == nh]
+        if not cands:
+            raise DetectionError(f"hint num_kv_heads={nh} but these [batch, NH, seq, HS] tensors {_shape(k0)} hold {k0.shape[1]} heads")
+    det = resolve(cands, engine="transformers", hints=hints, geometry_hints={"num_heads": "num_kv_heads"}, required=True)
+    det.layer_ids = tuple(ids) if left_out else None
+    return det

@@ -715,7 +715,9 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
         kv = stacked.permute(perm)
         if not _ordered(kv):
             return None
-        identity = False  # per-layer views of one cross-layer buffer: the engine's allocation
+        # per-layer views of one cross-layer buffer: each layer read in its own axis order holds either way
+        inner = [i for i in perm if i != 0]
+        identity = inner == sorted(inner)
     physical = tokens != rule.logical
     fmt = physical_name(order)
     params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
