@@ -273,3 +273,16 @@ def test_an_ambiguity_names_only_hints_not_given(given):
         kvcore.detect(kv, "vllm", given)
     assert ei.value.hints and not set(ei.value.hints) & set(given), (ei.value.hints, given)
     assert "hints given: " in str(ei.value) and all(f"{k}={v!r}" in str(ei.value) for k, v in given.items())
+
+
+# -- messages that teach ----------------------------------------------------------------------------
+
+
+def test_messages_that_teach():
+    a = torch.zeros(2, 5, 16, 4, 64, dtype=torch.bfloat16)
+    b = torch.zeros(2, 5, 16, 4, 32, dtype=torch.bfloat16)  # another head size: a hybrid model
+    with pytest.raises(kvcore.DetectionError, match="kvcore.detect_per_layer"):
+        kvcore.detect([a, b], "vllm", {"kv_cache_layout": "NHD"})
+    with pytest.raises(kvcore.DetectionError, match="the pool has 0 blocks") as ei:
+        kvcore.detect([torch.zeros(2, 0, 16, 4, 64)], "vllm", {"kv_cache_layout": "NHD"})
+    assert "readings tried, and why they do not fit" in str(ei.value)  # the reasons are kept (issue 13)
