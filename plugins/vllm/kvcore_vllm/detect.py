@@ -97,6 +97,10 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("kv_cache_layout")
     if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm")):
         keys.append("device_type")
+    # settings vLLM reads at run time that no tensor shows (IPEX importable, an env var)
+    for field, name in (("use_ipex", "use_ipex"), ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")):
+        if differs(lambda r, f=field: dict(r.rule.requires).get(f)):
+            keys.append(name)
     if differs(lambda r: r.candidate.dtype):
         keys.append("dtype")
     return list(dict.fromkeys(keys))
@@ -286,8 +290,12 @@ def _pair_dtype(k: torch.Tensor, h: VllmHints) -> torch.dtype | None:
 
 
 def _given(h: VllmHints) -> dict[str, Any]:
-    """The hints the caller gave, by field name (the environment's layout included)."""
-    return h.model_dump(exclude_none=True)
+    """The hints the caller gave, by field name (the environment's layout included) and by
+    the names messages use for them."""
+    d = h.model_dump(exclude_none=True)
+    if "prefill_decode_attention" in d:
+        d["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"] = d["prefill_decode_attention"]
+    return d
 
 
 # -- the decision -------------------------------------------------------------------------

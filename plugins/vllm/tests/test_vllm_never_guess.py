@@ -22,8 +22,8 @@ from kvcore.detection import physical_permutation
 # per-layer GPU layouts with an NHD/HND choice (<= 0.26) or NHD only (Triton, Flex 0.24)
 PER_LAYER = [
     (v, b, lay, fmt)
-    for v, b, lay, cross, fmt in MATRIX
-    if not cross and v < "0.33" and b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+    for v, b, lay, cross, fmt, extra in MATRIX
+    if not cross and not extra and v < "0.33" and b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 ]
 OTHER = {"NHD": "HND", "HND": "NHD"}
 G = dict(num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)  # BS != NH
@@ -202,7 +202,8 @@ def test_a_rank3_cache_that_needs_hints_names_them():
     assert {"block_size", "head_size"} <= set(ei.value.hints) and "NL_X_NB_BS_HS" in ei.value.candidates
     with pytest.raises(kvcore.DetectionError, match="needs block_size and head_size"):
         kvcore.detect(flat, "vllm", {"device_type": "cpu", "attention_backend": "TORCH_SDPA"})
-    lay = kvcore.detect(flat, "vllm", {"device_type": "cpu", "attention_backend": "TORCH_SDPA", "block_size": 16, "head_size": 64})
+    full = {"device_type": "cpu", "attention_backend": "TORCH_SDPA", "block_size": 16, "head_size": 64, "use_ipex": False}
+    lay = kvcore.detect(flat, "vllm", full)
     assert (lay.format.name, lay.block_size, lay.num_heads, lay.head_size) == ("NL_X_TWO_NB_NH_HS_BS", 16, 1, 64)
 
 
@@ -218,12 +219,12 @@ def test_the_bare_cross_layer_tensor_of_a_connector():
     assert kvcore.detect([t], "vllm").format.name == "NB_NL_TWO_BS_NH_HS"  # one 6-D entry can only be that
 
 
-CROSS = [(v, b, lay, fmt) for v, b, lay, cross, fmt in MATRIX if not fmt.startswith("NL_X_") and b != "FLASHMLA"]
+CROSS = [(v, b, lay, fmt) for v, b, lay, cross, fmt, extra in MATRIX if not fmt.startswith("NL_X_") and b != "FLASHMLA" and not extra]
 
 
 @pytest.mark.parametrize(("version", "backend", "layout", "fmt"), CROSS, ids=_ids(CROSS))
 def test_detection_is_idempotent_on_its_cross_layer_normal_form(version, backend, layout, fmt):
-    kv = allocate(version, backend, layout, cross_layer=version < "0.33", **{**G, "block_size": 8, "num_kv_heads": 3})
+    kv = allocate(version, backend, layout, cross_layer=version < "0.33", **{**G, "num_kv_heads": 3})
     hints = {**_facts(version, backend), "kv_cache_layout": layout}
     lay = kvcore.detect(kv, "vllm", hints)
     assert lay.format.name == fmt and isinstance(lay.kv_caches, torch.Tensor)
