@@ -37,7 +37,7 @@ import torch
 
 from kvcore import Candidate, DetectionError, Source, memory_ordered
 from kvcore.dtypes import is_fp8
-from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_FAMILY, VllmHints
+from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, VllmHints
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
 
 __all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name"]
@@ -955,7 +955,10 @@ def _candidates(
             # the tensor already permuted to this layout's physical order
             order = rule.layouts[key]
             phys = tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
-            if rule.physical_ok and "/" not in key and order[0] == "NL" and phys != rule.logical:
+            # vLLM 0.33 reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
+            # _LAYOUT_COMPAT_ALIASES): a twin of another member is not what such a hint names
+            alias_only = check_layout and h.kv_cache_layout in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != h.layout33
+            if rule.physical_ok and "/" not in key and order[0] == "NL" and phys != rule.logical and not alias_only:
                 r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split)
                 if r is not None:
                     found.append(r)
