@@ -26,6 +26,7 @@ from kvcore.errors import (
 )
 from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
+from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
 from kvcore.registry import (
@@ -33,6 +34,7 @@ from kvcore.registry import (
     disable_plugins,
     formats,
     get_format,
+    hints,
     plugins,
     register_plugin,
     unregister_plugin,
@@ -49,6 +51,7 @@ __all__ = [
     "DetectionError",
     "FormatError",
     "GeometryError",
+    "Hint",
     "KVCoreError",
     "KVCorePluginWarning",
     "KVFormat",
@@ -69,6 +72,7 @@ __all__ = [
     "gather",
     "gather_blocks",
     "get_format",
+    "hints",
     "hookimpl",
     "memory_ordered",
     "parse_format",

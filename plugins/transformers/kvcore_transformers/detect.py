@@ -5,7 +5,9 @@ Accepted inputs (the plugin answers only for ``engine == "transformers"``):
 * a cache object: ``DynamicCache`` / ``StaticCache`` (both API generations) or a
   continuous-batching ``PagedAttentionCache`` (see :mod:`kvcore_transformers.caches`);
 * what :func:`kvcore_transformers.kv_caches` returns: a list of per-layer ``(K, V)``
-  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS``; or one 6-D
+  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS`` (while the pairs are still
+  attention's ``transpose(1, 2)`` views, tokens outside heads in memory, the physical name
+  ``NL_X_TWO_X_NB_BS_NH_HS`` over views permuted back); or one 6-D
   ``[NB, NL, 2, page_size, NH, HS]`` paged view → ``NB_NL_TWO_BS_NH_HS``;
 * ``[K list, V list]`` (the 4.53 ``key_cache``/``value_cache`` lists as they are): two
   lists of n != 2 tensors can only be that; two lists of two tensors also read as two
@@ -27,10 +29,11 @@ from typing import Any
 import torch
 
 from kvcore import Candidate, Detection, DetectionError, memory_ordered, resolve
-from kvcore.detection import tensor_order
+from kvcore.detection import physical_permutation, tensor_order
 
 from .caches import (
     LAYER_PAIRS_FORMAT,
+    LAYER_PAIRS_NHD_FORMAT,
     PAGED_FORMAT,
     CachePair,
     as_dtype,
@@ -44,11 +47,7 @@ from .caches import (
 )
 from .versions import check_version
 
-__all__ = ["detect", "HINTS", "PAIRS_NHD_FORMAT"]
-
-#: per-layer (K, V) pairs of ``[batch, seq, NH, HS]`` in memory order (a transposed
-#: allocation handed over permuted into memory order).
-PAIRS_NHD_FORMAT = "NL_X_TWO_X_NB_BS_NH_HS"
+__all__ = ["detect", "HINTS"]
 
 HINTS = (
     "attention_type",
@@ -216,32 +215,56 @@ def _pairs_detection(entries: list, note: str, hints: dict[str, Any]) -> Detecti
     left_out = [i for i, p in enumerate(entries) if p is None]
     if left_out:
         note += f"; layers {left_out} hold no per-token KV and are left out"
+    # a name is the physical order: pairs that are still attention's transpose(1, 2) views
+    # keep tokens outside heads in memory (4.53 DynamicCache.update after a prefill)
     note = f"transformers {note}; block = batch row, slot = b * seq + position"
+    k0, v0 = pairs[0]
+    orders = {tuple(physical_permutation(k0)), tuple(physical_permutation(v0))}
     views = [tuple(p) for p in pairs]
-    k0 = views[0][0]
     own = all(isinstance(p, CachePair) for p in pairs)
-    ordered = all(memory_ordered(t) for p in views for t in p)
-    # read as transformers allocates them: [batch, NH, seq, HS] through their strides
-    cands = [
-        Candidate(LAYER_PAIRS_FORMAT, views, note=note, label="as allocated [batch, NH, seq, HS]", order=None if ordered else "allocated")
-    ]
-    if ordered and not own:
-        # plain tensors in memory order may also be a transposed allocation (4.53's first update keeps the
-        # transposed key_states view, memory [batch, seq, NH, HS]) someone permuted into memory order
-        cands.append(
-            Candidate(
-                PAIRS_NHD_FORMAT,
-                views,
-                note=f"{note}; the tensors read as [batch, seq, NH, HS] already in memory order",
-                label="[batch, seq, NH, HS] in memory order",
-                order="physical",
-            )
+    if len(orders) > 1:
+        raise DetectionError(
+            f"the keys ({_shape(k0)}) and values ({_shape(v0)}) of this transformers cache lie in memory in different orders; "
+            "describe them as two key-only layouts (kvcore.build_layout on the keys and on the values)"
         )
+    if orders == {(0, 2, 1, 3)}:  # [batch, NH, seq, HS] over [batch, seq, NH, HS] memory: read through the strides
+        t_views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in pairs]
+        cands = [
+            Candidate(
+                LAYER_PAIRS_NHD_FORMAT,
+                t_views,
+                note=f"{note}; keys and values are still attention's transposed views: tokens outside heads in memory",
+                label="as allocated [batch, NH, seq, HS], tokens outside heads in memory",
+                order="allocated",
+            )
+        ]
+        heads = {LAYER_PAIRS_NHD_FORMAT: 2}
+    else:
+        # read as transformers allocates them: [batch, NH, seq, HS]
+        ordered = all(memory_ordered(t) for p in views for t in p)
+        cands = [
+            Candidate(
+                LAYER_PAIRS_FORMAT, views, note=note, label="as allocated [batch, NH, seq, HS]", order=None if ordered else "allocated"
+            )
+        ]
+        heads = {LAYER_PAIRS_FORMAT: 1, LAYER_PAIRS_NHD_FORMAT: 2}
+        if ordered and not own:
+            # plain tensors in memory order may also be a transposed allocation (4.53's first update keeps the
+            # transposed key_states view, memory [batch, seq, NH, HS]) someone permuted into memory order
+            cands.append(
+                Candidate(
+                    LAYER_PAIRS_NHD_FORMAT,
+                    views,
+                    note=f"{note}; the tensors read as [batch, seq, NH, HS] already in memory order",
+                    label="[batch, seq, NH, HS] in memory order",
+                    order="physical",
+                )
+            )
     nh = hints.get("num_kv_heads")
     if nh is not None:
-        cands = [c for c in cands if int(k0.shape[1 if c.format == LAYER_PAIRS_FORMAT else 2]) == nh]
+        cands = [c for c in cands if int(c.kv_caches[0][0].shape[heads[c.format]]) == nh]
         if not cands:
-            raise DetectionError(f"hint num_kv_heads={nh} but these [batch, NH, seq, HS] tensors {_shape(k0)} hold {k0.shape[1]} heads")
+            raise DetectionError(f"hint num_kv_heads={nh} but these tensors {_shape(k0)} hold another number of heads")
     det = resolve(cands, engine="transformers", hints=hints, geometry_hints={"num_heads": "num_kv_heads"}, required=True)
     det.layer_ids = tuple(ids) if left_out else None
     return det
