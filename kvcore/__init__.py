@@ -15,6 +15,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 from __future__ import annotations
 
 from kvcore.detection import TENSOR_ORDER, Candidate, detect, detect_per_layer, memory_ordered, resolve, split_aliases
+from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
     DetectionError,
@@ -29,6 +30,7 @@ from kvcore.grammar import parse as parse_format
 from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
+from kvcore.layout_copy import copy
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -65,6 +67,7 @@ __all__ = [
     "TENSOR_ORDER",
     "TransferError",
     "build_layout",
+    "copy",
     "detect",
     "detect_per_layer",
     "disable_plugins",
@@ -77,10 +80,12 @@ __all__ = [
     "memory_ordered",
     "parse_format",
     "plugins",
+    "recv",
     "register_plugin",
     "resolve",
     "scatter",
     "scatter_blocks",
+    "send",
     "slots_for_blocks",
     "split_aliases",
     "unregister_plugin",
