@@ -20,7 +20,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 
 from __future__ import annotations
 
-from kvcore.detection import Candidate, detect, detect_per_layer, resolve
+from kvcore.detection import TENSOR_ORDER, Candidate, detect, detect_per_layer, memory_ordered, resolve, split_aliases
 from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
@@ -74,6 +74,7 @@ __all__ = [
     "StagingBuffer",
     "StagingTarget",
     "StrideTable",
+    "TENSOR_ORDER",
     "TransferError",
     "build_layout",
     "classic_table",
@@ -87,6 +88,7 @@ __all__ = [
     "get_format",
     "hints",
     "hookimpl",
+    "memory_ordered",
     "parse_format",
     "plugins",
     "recv",
@@ -96,5 +98,6 @@ __all__ = [
     "scatter_blocks",
     "send",
     "slots_for_blocks",
+    "split_aliases",
     "unregister_plugin",
 ]

@@ -585,20 +585,11 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 def _detect_and_print(args: argparse.Namespace, kv_caches: Any, engine: str, hints: dict) -> int:
     import kvcore
+    from kvcore.dtypes import described_tensors
 
     try:
-        if args.per_layer:
-            per = kvcore.detect_per_layer(kv_caches, engine, hints=hints)
-            groups: list[Any] = []
-            excluded: list[int] = []
-            for i, lay in enumerate(per):
-                if lay is None:
-                    excluded.append(i)
-                elif all(lay is not g for g in groups):
-                    groups.append(lay)
-            result: Any = {"groups": [_layout_dict(g) for g in groups], "excluded_layers": excluded}
-        else:
-            result = _layout_dict(kvcore.detect(kv_caches, engine, hints))
+        with described_tensors():  # tensors built from a description: this process is no evidence of the engine's platform
+            result = _detect_result(kv_caches, engine, hints, args.per_layer)
     except kvcore.DetectionError as e:
         if args.json:
             _print_json(
@@ -627,6 +618,31 @@ def _detect_and_print(args: argparse.Namespace, kv_caches: Any, engine: str, hin
     else:
         _print_layout(result)
     return EXIT_OK
+
+
+def _detect_result(kv_caches: Any, engine: str, hints: dict, per_layer: bool) -> Any:
+    """What ``kvcore detect`` prints: one layout, or (``--per-layer``) its groups."""
+    import kvcore
+
+    if not per_layer:
+        return _layout_dict(kvcore.detect(kv_caches, engine, hints))
+    per = kvcore.detect_per_layer(kv_caches, engine, hints=hints)
+    # a mapping comes back as a mapping with its keys: report positions in its order and the names
+    entries = list(per.items()) if isinstance(per, dict) else list(enumerate(per))
+    groups: list[Any] = []
+    excluded: list[int] = []
+    excluded_names: list[str] = []
+    for i, (key, lay) in enumerate(entries):
+        if lay is None:
+            excluded.append(i)
+            if isinstance(per, dict):
+                excluded_names.append(str(key))
+        elif all(lay is not g for g in groups):
+            groups.append(lay)
+    result: dict[str, Any] = {"groups": [_layout_dict(g) for g in groups], "excluded_layers": excluded}
+    if isinstance(per, dict):
+        result["excluded_layer_names"] = excluded_names
+    return result
 
 
 # -- doctor ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvcore.errors import PluginError
 
-__all__ = ["Hint"]
+__all__ = ["Hint", "tensor_order_hint"]
 
 
 class Hint(BaseModel):
@@ -71,3 +71,18 @@ class Hint(BaseModel):
     def accepted(self) -> str:
         """The accepted values as one line: the closed set, else the type."""
         return ", ".join(self.values) if self.values else self.type
+
+
+def tensor_order_hint(engine: str) -> Hint:
+    """The declaration of kvcore's generic ``tensor_order`` hint (:data:`kvcore.TENSOR_ORDER`),
+    which every engine accepts, for a plugin's ``kvcore_register_hints``."""
+    return Hint(
+        engine=engine,
+        name="tensor_order",
+        meaning="how the tensors' axes relate to memory: 'allocated' (as the engine allocated them; permuted strides show "
+        "the memory order) or 'physical' (the caller permuted them into memory order). A contiguous tensor can be either, "
+        "and when the two readings differ (NHD/HND twins) this hint decides",
+        values=["allocated", "physical"],
+        default="either: where the readings differ, detection raises AmbiguousLayoutError naming this hint",
+        source="kvcore.detection (docs/plugins.md, 'Tensor order')",
+    )

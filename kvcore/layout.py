@@ -63,6 +63,10 @@ class Detection:
         layer_ids: the model's layer indices of the layout's layers, when the plugin
             knows them and they are not 0..NL-1 (one attention-type group of a hybrid
             model's cache); None: 0..NL-1.
+        aliases: ``{layer: earlier layer}`` for layers that are the very same memory as an
+            earlier layer (KV-sharing layers registered under several names; see
+            :func:`kvcore.detection.split_aliases`). ``kv_caches`` then holds only the
+            distinct layers, in order, and the layout still has one layer per entry.
     """
 
     format: str | None
@@ -72,6 +76,7 @@ class Detection:
     note: str = ""
     excluded: str | None = None
     layer_ids: tuple[int, ...] | None = None
+    aliases: dict[int, int] | None = None
 
 
 class KVLayout:
@@ -80,11 +85,19 @@ class KVLayout:
     Geometry is uniform across the layout's layers (hybrid models get one layout per
     group from :func:`kvcore.detect_per_layer`).
 
+    Layers that are one memory (an engine registering one cache under several layer
+    names) stay one layer each: ``aliases`` maps such a layer to the earlier layer whose
+    memory it is. A gather reads the shared memory once per layer; a scatter writes it
+    once, from the rows of the first of those layers in the selection (the rows of its
+    aliases are not written).
+
     Attributes:
         format: the :class:`KVFormat`.
-        kv_caches: the normalised container (views of the engine's tensors).
+        kv_caches: the normalised container (views of the engine's tensors; distinct
+            memories only when layers alias).
         layer_ids: the model's layer indices this layout covers, in order.
         layer_names: the engine's layer names when the input was a dict, else None.
+        aliases: ``{layer: earlier layer with the same memory}`` (empty when none).
         note: how detection decided.
     """
 
@@ -97,19 +110,35 @@ class KVLayout:
         layer_names: Sequence[str] | None = None,
         note: str = "",
         engine: str | None = None,
+        layer_map: Sequence[int] | None = None,
     ):
         self.format = format
         self.spec = spec
         self.kv_caches = spec.kv_caches
-        self.layer_ids = tuple(layer_ids) if layer_ids is not None else tuple(range(spec.num_layers))
+        self.layer_map = tuple(layer_map) if layer_map is not None else tuple(range(spec.num_layers))
+        self.layer_ids = tuple(layer_ids) if layer_ids is not None else tuple(range(len(self.layer_map)))
         self.layer_names = tuple(layer_names) if layer_names is not None else None
         self.note = note
         self.engine = engine
 
+    @property
+    def aliases(self) -> dict[int, int]:
+        """``{layer: the first earlier layer with the same memory}``; empty when every
+        layer has its own memory."""
+        first: dict[int, int] = {}
+        out: dict[int, int] = {}
+        for i, p in enumerate(self.layer_map):
+            if p in first:
+                out[i] = first[p]
+            else:
+                first[p] = i
+        return out
+
     # -- geometry --------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return self.spec.num_layers
+        """Layers, one per entry the engine registered (aliased layers included)."""
+        return len(self.layer_map)
 
     @property
     def num_blocks(self) -> int:
@@ -299,7 +328,9 @@ class KVLayout:
             GeometryError: a layer index out of range or repeated.
         """
         t = self.spec.stride_table()
-        return t if layers is None else t.subset(self._layer_selection(layers))
+        if layers is None and self.layer_map == tuple(range(self.spec.num_layers)):
+            return t
+        return t.subset([self.layer_map[i] for i in self._layer_selection(layers)])
 
     def _layer_selection(self, layer_indices: Sequence[int] | None) -> list[int]:
         n = self.num_layers
@@ -347,7 +378,7 @@ class KVLayout:
             return out
         lv = self.format.syntax.list_levels
         kv_outer = lv.index("NL") > 0  # K list then V list
-        leaves = [(path, t) for li in sel for (path, t) in by_layer.get(li, [])]
+        leaves = [(path, t) for li in sel for (path, t) in by_layer.get(self.layer_map[li], [])]
         if kv_outer:
             leaves.sort(key=lambda pt: pt[0][0])  # stable: K of the selected layers, then V
         return [int(t.data_ptr()) for _, t in leaves]
@@ -429,12 +460,16 @@ class KVLayout:
         )
 
     def sizes(self) -> dict[str, int]:
-        """The format's axis sizes as the tensors hold them (``NB``, ``BS``, ``CS``...)."""
-        return dict(self.spec.axis_sizes)
+        """The format's axis sizes as the tensors hold them (``NB``, ``BS``, ``CS``...);
+        ``NL`` counts every layer, aliased ones included."""
+        out = dict(self.spec.axis_sizes)
+        if "NL" in out:
+            out["NL"] = self.num_layers
+        return out
 
     def describe(self) -> str:
         """Concrete shape, e.g. ``32 x [2, 2048, 16, 8, 128]``."""
-        return self.format.concrete(self.spec.axis_sizes)
+        return self.format.concrete(self.sizes())
 
     def summary(self) -> dict[str, Any]:
         """A JSON-able summary (``kvcore detect`` prints it): the geometry, every plane
@@ -478,6 +513,7 @@ class KVLayout:
             ],
             "staging": {b.key: list(b.shape(self.num_layers, 0)[:-2]) + ["T", b.row_elems] for b in self.staging_buffers},
             "layer_ids": list(self.layer_ids),
+            "aliases": {str(k): v for k, v in self.aliases.items()},
             "note": self.note,
         }
         try:
@@ -501,6 +537,7 @@ def build_layout(
     layer_names: Sequence[str] | None = None,
     note: str = "",
     engine: str | None = None,
+    aliases: dict[int, int] | None = None,
 ) -> KVLayout:
     """Describe ``kv_caches`` as ``format`` without asking any detector.
 
@@ -508,6 +545,11 @@ def build_layout(
     the core's generic :class:`~kvcore.spec.Spec`. For a multi-plane format
     (``K=...+V=...``) ``kv_caches`` is a dict ``{role: container}`` and ``dtype`` may be a
     dict ``{role: dtype}``.
+
+    ``aliases`` (``{layer: earlier layer}``, over all layers) declares layers that are
+    the same memory as an earlier one; ``kv_caches`` then holds the distinct layers in
+    order (what :func:`kvcore.detection.split_aliases` returns) and the layout has one
+    layer per entry (see :class:`KVLayout`).
 
     Raises:
         FormatError: a malformed format name (naming the bad token).
@@ -537,4 +579,32 @@ def build_layout(
         raise
     except Exception as e:  # noqa: BLE001 - tensors a spec cannot read are a geometry error, not a crash
         raise GeometryError(f"format {fmt.name}: {spec_cls.__name__} could not read these tensors: {type(e).__name__}: {e}") from e
-    return KVLayout(fmt, spec, layer_ids=layer_ids, layer_names=layer_names, note=note, engine=engine)
+    layer_map = _layer_map(fmt.name, spec.num_layers, aliases) if aliases else None
+    n = len(layer_map) if layer_map is not None else spec.num_layers
+    if layer_ids is not None and len(tuple(layer_ids)) != n:
+        raise GeometryError(f"format {fmt.name}: layer_ids {tuple(layer_ids)} name {len(tuple(layer_ids))} layers, the layout has {n}")
+    return KVLayout(fmt, spec, layer_ids=layer_ids, layer_names=layer_names, note=note, engine=engine, layer_map=layer_map)
+
+
+def _layer_map(name: str, distinct: int, aliases: dict[int, int]) -> tuple[int, ...]:
+    """``aliases`` over ``distinct + len(aliases)`` layers -> each layer's index among the
+    distinct ones (the spec's layers).
+
+    Raises:
+        GeometryError: an alias that is not an earlier layer, or counts that disagree.
+    """
+    n = distinct + len(aliases)
+    out: list[int] = []
+    k = 0
+    for i in range(n):
+        if i in aliases:
+            j = aliases[i]
+            if isinstance(j, bool) or not isinstance(j, int) or not (0 <= j < i):
+                raise GeometryError(f"format {name}: aliases[{i}] = {j!r} must be an earlier layer (0..{i - 1})")
+            out.append(out[j])
+        else:
+            out.append(k)
+            k += 1
+    if k != distinct or any(not isinstance(i, int) or not (0 <= i < n) for i in aliases):
+        raise GeometryError(f"format {name}: aliases {aliases} do not fit {distinct} distinct layers ({n} in all)")
+    return tuple(out)

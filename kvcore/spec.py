@@ -594,6 +594,11 @@ def _read_template(at: str, syn: Any, leaves: list, node: Any, dtype: torch.dtyp
         lit = {"TWO": 2, "ONE": 1}.get(tok)
         if lit is not None and n != lit:
             raise GeometryError(f"{at}: axis {i} ({tok}) must have size {lit}, got {n} ({_describe_tensor(ref)})")
+        if n == 0 and tok in ("NB", "NBBS"):
+            raise GeometryError(
+                f"{at}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}): the pool has 0 blocks; a KV cache "
+                "needs at least one block: detect it after the engine allocated its blocks"
+            )
         if n == 0:
             raise GeometryError(
                 f"{at}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}); a KV cache needs at least "

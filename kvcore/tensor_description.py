@@ -27,29 +27,15 @@ class UsageError(KVCoreError, ValueError):
 
 
 def parse_dtype(name: str) -> Any:
-    import torch
+    """A dtype name from a description or the command line, read through the shared
+    table :mod:`kvcore.dtypes` (fp8 FNUZ included).
 
-    key = str(name).strip().lower().replace("torch.", "")
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32", "fp64": "float64"}
-    key = aliases.get(key, key)
-    allowed = (
-        "bfloat16",
-        "float16",
-        "float32",
-        "float64",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "int8",
-        "uint8",
-        "int16",
-        "int32",
-        "int64",
-    )
-    if key not in allowed or not isinstance(getattr(torch, key, None), torch.dtype):
-        raise UsageError(f"unknown dtype {name!r}; use one of {', '.join(allowed)}")
-    return getattr(torch, key)
+    Raises:
+        UsageError: an unknown name (listing the accepted ones).
+    """
+    from kvcore.dtypes import parse_dtype as _parse
+
+    return _parse(name, what="dtype", error=UsageError)
 
 
 #: the most tensors a description may expand to: a model has a few hundred layers; a repeat

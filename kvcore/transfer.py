@@ -273,12 +273,38 @@ def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gath
     if staging is None:
         staging = torch.zeros(layout.staging_shape(t, layers if single else sel), dtype=layout.dtype, device=layout.device)
     st4 = _check_staging(layout, staging, sel, single, t, "out" if gather else "src")
-    table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
-    plan = TransferPlan(table=table, slots=slots, staging=st4, num_valid=nv)
-    if nv:
-        kernel = select_kernel(layout.device.type, layout.format.name, st4.device.type, table=table)
-        (kernel.gather if gather else kernel.scatter)(plan)
+    runs = [(0, len(sel))] if gather else _write_once(layout, sel)
+    for a, b in runs:
+        part = sel[a:b]
+        table = layout.stride_table(None if part == list(range(layout.num_layers)) else part)
+        st = st4 if (a, b) == (0, len(sel)) else st4[:, a:b]
+        plan = TransferPlan(table=table, slots=slots, staging=st, num_valid=nv)
+        if nv:
+            kernel = select_kernel(layout.device.type, layout.format.name, st.device.type, table=table)
+            (kernel.gather if gather else kernel.scatter)(plan)
     return staging
+
+
+def _write_once(layout: KVLayout, sel: list[int]) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` of positions in ``sel`` to scatter: a layer whose memory an earlier
+    layer of the selection already writes (``layout.aliases``) is left out, so shared
+    memory is written once, from the first of its layers."""
+    if not layout.aliases:
+        return [(0, len(sel))]
+    seen: set[int] = set()
+    keep = []
+    for i in sel:
+        p = layout.layer_map[i]
+        keep.append(p not in seen)
+        seen.add(p)
+    runs, start = [], None
+    for k, ok in enumerate(keep + [False]):
+        if ok and start is None:
+            start = k
+        elif not ok and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
 
 
 def gather(
@@ -324,7 +350,9 @@ def scatter(
     """Copy staged tokens into the paged cache at ``slot_mapping`` (the inverse of
     :func:`gather`). Negative slots and the first ``skip_prefix`` rows are not written.
     ``src`` is shaped as :func:`gather` returns it: one tensor, or for per-plane staging a
-    dict ``{role: [NL, T, NH_p*HS_p]}``.
+    dict ``{role: [NL, T, NH_p*HS_p]}``. Layers that share memory (``layout.aliases``) are
+    written once, from the rows of the first of them in ``layers``; the rows of the others
+    are not read.
 
     Raises:
         TransferError: before anything is written, for a slot out of range, a slot that

@@ -544,3 +544,30 @@ def test_unexpected_errors_become_exit_1(capsys, monkeypatch):
     monkeypatch.delenv("KVCORE_DEBUG", raising=False)
     rc, _, err = run(capsys, "doctor")
     assert rc == 1 and "internal error: RuntimeError: kaput" in err
+
+
+def test_detect_json_honours_fp8_fnuz(tmp_path, capsys):
+    """A ROCm fp8 cache described from a log: the dtype hint names FNUZ, and the layout says so."""
+    hints = {"vllm_version": "0.24", "attention_backend": "FLASHINFER", "kv_cache_layout": "NHD", "cache_dtype": "fp8"}
+    doc = {"engine": "vllm", "hints": {**hints, "dtype": "float8_e4m3fnuz"}, "kv_caches": [{"shape": [3, 2, 16, 2, 64], "dtype": "uint8"}]}
+    rc, out, _ = run(capsys, "detect", _write(tmp_path, doc), "--json")
+    d = json.loads(out)
+    assert rc == 0 and (d["format"], d["dtype"], d["storage_dtype"]) == ("NL_X_NB_TWO_BS_NH_HS", "float8_e4m3fnuz", "uint8")
+    # without the dtype, a description says nothing of the platform: ROCm's fp8 is never assumed
+    doc["hints"] = hints
+    rc, out, _ = run(capsys, "detect", _write(tmp_path, doc), "--json")
+    d = json.loads(out)
+    assert rc == 1 and d["error"] == "AmbiguousLayoutError" and set(d["hints"]) == {"dtype", "device_type"}
+
+
+def test_detect_per_layer_of_a_mapping_reports_names(tmp_path, capsys):
+    doc = {
+        "engine": ENGINE,
+        "dtype": "bfloat16",
+        "kv_caches": {"b.layers.1": {"shape": [2, 4, 8, 2, 16]}, "a.layers.0": {"shape": [4, 100], "dtype": "float32"}},
+    }
+    rc, out, _ = run(capsys, "detect", _write(tmp_path, doc), "--per-layer", "--json")
+    d = json.loads(out)
+    # positions in the mapping's own order, and the names
+    assert rc == 0 and d["excluded_layers"] == [1] and d["excluded_layer_names"] == ["a.layers.0"]
+    assert d["groups"][0]["layer_ids"] == [0] and d["groups"][0]["layer_names"] == ["b.layers.1"]

@@ -179,6 +179,24 @@ def test_a_fixture_hook_that_raises_fails_its_plugin_and_leaves_its_format_unpro
     assert by_check["grammar"].status == suite.PASS
 
 
+@pytest.mark.parametrize("registered", [broken.GuessesOrder], indirect=True)
+def test_a_plugin_that_guesses_the_order_of_a_memory_ordered_cache_is_caught(registered):
+    results = _run(registered, kernels=["reference*"], checks=["detect", "semantic_gather", "ambiguity*"])
+    assert _status(results, "detect", kernel="-") == suite.PASS  # the allocation itself reads right
+    assert _status(results, "semantic_gather") == suite.PASS
+    r = results["-::ambiguity[memory order]"]
+    assert r.status == suite.FAIL and "the allocation in memory order (as handed over) detected as" in r.message
+    assert "which is not the engine's cache" in r.message
+
+
+@pytest.mark.parametrize("registered", [broken.NamesGivenHint], indirect=True)
+def test_an_ambiguity_naming_a_given_hint_is_caught(registered):
+    results = _run(registered, kernels=["reference*"], checks=["ambiguity*"])
+    r = results["-::ambiguity[BS=NH]"]
+    assert r.status == suite.FAIL and "the caller gave them (kv_cache_layout='NHD')" in r.message
+    assert _status(results, "ambiguity[NB=2]", kernel="-") == suite.PASS
+
+
 @pytest.mark.parametrize("registered", [broken.LogicalName], indirect=True)
 def test_a_logical_name_over_physical_memory_is_caught_by_physical_order(registered):
     results = _run(registered, kernels=["reference*"])

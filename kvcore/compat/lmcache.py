@@ -52,15 +52,15 @@ deprecated ``TWO_HS``)         ``2*HS``), ``hidden_dim`` ``NH*CS``         size,
                                                                            ``NL_X_NB_BS_NH_TWO_HS`` (TPU Pallas) as a
                                                                            current layout
 detection                      a shape rule per engine, for any sizes:     the engine's kvcore plugin, which never
-                               ``[NB, BS, 4]`` is vLLM MLA, any bare       guesses: it detects what the engine
-                               tensor vLLM's cross-layer buffer, per-      allocates (a vLLM MLA latent is 576 wide;
-                               layer tuples vLLM-Ascend's, 6-D tensors     vLLM's cross-layer buffer is read from the
-                               RBLN's; strided views refused unless        per-layer views vLLM registers; a vLLM 0.33
-                               dim-0 padded; tight per-layer tensors       per-layer view is ``[NB, NH, BS, C]``); a
-                               accepted under a blocks-first hint          hint contradicting the strides raises;
-                                                                           strided views are described; layouts no
-                                                                           installed plugin describes (vLLM-RBLN,
-                                                                           vLLM-Ascend tuples, SGLang ``"unified"``
+                               6-D tensors RBLN's; a layout hint obeyed    guesses: it detects what the engine
+                               over the strides (contiguous [2, NB, BS,    allocates (a vLLM 0.33 per-layer view is
+                               NH, HS] with ``kv_layout="HND"`` is HND);   ``[NB, NH, BS, C]``); a hint contradicting
+                               strided views refused unless dim-0          the strides raises (an HND cache already
+                               padded; tight per-layer tensors accepted    in memory order says
+                               under a blocks-first hint                   ``tensor_order="physical"``); strided views
+                                                                           are described; layouts no installed plugin
+                                                                           describes (vLLM-RBLN, vLLM-Ascend tuples
+                                                                           of unequal widths, SGLang ``"unified"``
                                                                            views) raise :class:`~kvcore.DetectionError`
 plane tuples                   accessors over the planes' summed byte      :class:`~kvcore.GeometryError`: one kvcore
 (``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          layout holds one dtype and one width per
@@ -967,7 +967,7 @@ def normalize_and_discover_per_layer_formats(
         if whole is not None:
             f, norm = _as_lmcache(whole)
             if f.is_layer_list:
-                return list(norm), [f] * whole.num_layers
+                return _per_layer(whole, norm), [f] * whole.num_layers
             return norm, [f] * whole.num_layers
     container, _ = normalize_container(kv_caches)
     if isinstance(container, torch.Tensor):
@@ -988,9 +988,18 @@ def normalize_and_discover_per_layer_formats(
         if pos is None or not f.is_layer_list:
             normalized.append(container[i])
         else:
-            normalized.append(norm[pos])
+            normalized.append(_per_layer(lay, norm)[pos])
         formats.append(f)
     return normalized, formats
+
+
+def _per_layer(layout: KVLayout, norm: Any) -> list[Any]:
+    """One entry per layer of ``layout``: layers that share memory (``layout.aliases``) are
+    one entry of the normalised container, repeated for each of its layers."""
+    norm = list(norm)
+    if len(norm) != layout.num_layers:
+        norm = [norm[p] for p in layout.layer_map]
+    return norm
 
 
 def _expected_shape(stride: Sequence[int], numel: int) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ from kvcore.testing.checks.detection import (
     check_detect,
     check_engine_scoped,
     check_geometry,
+    check_memory_order,
     check_physical_order,
     check_render,
 )
@@ -194,6 +195,8 @@ def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = No
     for probe in PROBES:
         amb = pc.check_ambiguity if multi else check_ambiguity
         tasks.append(T(f"ambiguity[{probe}]", lambda probe=probe, amb=amb: amb(case, probe, cpu)))
+    if not multi:
+        tasks.append(T("ambiguity[memory order]", lambda: check_memory_order(case, cpu)))
     for dev in _devices(opts):
         ks = kernels if kernels is not None else _kernels_for(case.format, dev)
         for k in ks:

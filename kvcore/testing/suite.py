@@ -72,6 +72,7 @@ from kvcore.testing.checks.detection import (
     check_detect,
     check_engine_scoped,
     check_geometry,
+    check_memory_order,
     check_physical_order,
     check_render,
 )

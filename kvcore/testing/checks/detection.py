@@ -6,7 +6,12 @@
 * ``render``: the concrete rendering is the normalised tensors' real shape.
 * ``geometry``: every accessor equals the declared sizes.
 * ``ambiguity[PROBE]``: look-alike geometries (:data:`PROBES`) answer right (the gather moves
-  the bytes the engine's view says) or raise AmbiguousLayoutError naming every candidate.
+  the bytes the engine's view says) or raise AmbiguousLayoutError naming every candidate and
+  the hints that decide -- never a hint the fixture's hints already give.
+* ``ambiguity[memory order]``: the allocation handed over already permuted into memory order
+  (as some connectors do), detected with the fixture's hints and once more with
+  ``tensor_order="physical"``: each answer is right, or a refusal (DetectionError), or an
+  AmbiguousLayoutError as above -- never a layout with the geometry swapped.
 
 And per plugin with a ``kvcore_detect`` hook:
 
@@ -17,14 +22,14 @@ And per plugin with a ``kvcore_detect`` hook:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from kvcore import registry
-from kvcore.detection import detect
-from kvcore.errors import AmbiguousLayoutError, GeometryError, KVCoreError
+from kvcore.detection import TENSOR_ORDER, detect, physical_permutation, tensors_in
+from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError, KVCoreError
 from kvcore.grammar import render_concrete
 from kvcore.testing import oracle
 from kvcore.testing.checks.common import (
@@ -166,22 +171,43 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str 
     try:
         layout = detect(kv, case.engine, hints)
     except AmbiguousLayoutError as e:
-        if len(e.candidates) < 2:
-            raise CheckFailure(
-                f"AmbiguousLayoutError names {len(e.candidates)} candidate(s); it must name every fitting format: {e}"
-            ) from None
-        return f"ambiguous as it should be unless hinted: {', '.join(e.candidates)} (hints {', '.join(e.hints) or '-'})"
+        return _ambiguity_ok(e, hints)
     except KVCoreError as e:
         raise CheckFailure(f"probe {_sizes_str(sizes)}: detect raised {type(e).__name__}: {e}") from None
-    # any answer must move the bytes the engine's view says
-    pl, enc = _filled(case, kv, layout, hints)
-    slots = _slots(layout, _seed(case.name, probe), count=16, negatives=1)
+    _answers_right(case, kv, layout, hints, f"probe {_sizes_str(sizes)}", _seed(case.name, probe))
+    same = "" if layout.format.name == case.format else f" as {layout.format.name} (same bytes)"
+    return f"answered {layout.describe()}{same}"
+
+
+def _ambiguity_ok(e: AmbiguousLayoutError, given: dict) -> str:
+    """An AmbiguousLayoutError must name every fitting format (two at least) and the hints
+    that would decide, none of which the caller gave (a given hint did not decide)."""
+    if len(e.candidates) < 2:
+        raise CheckFailure(f"AmbiguousLayoutError names {len(e.candidates)} candidate(s); it must name every fitting format: {e}")
+    if not e.hints:
+        raise CheckFailure(f"AmbiguousLayoutError names no hint that decides; it must say which hint the caller can pass: {e}")
+    named = sorted(set(e.hints) & set(given))
+    if named:
+        raise CheckFailure(
+            f"AmbiguousLayoutError names hint(s) {named} as deciding, but the caller gave them ({', '.join(f'{k}={given[k]!r}' for k in named)}); "
+            f"name only hints that would decide: {e}"
+        )
+    return f"ambiguous as it should be unless hinted: {', '.join(e.candidates)} (hints {', '.join(e.hints)})"
+
+
+def _answers_right(case: FixtureCase, kv: Any, layout: Any, hints: dict, what: str, seed: int) -> None:
+    """Any answer must move the bytes the engine's view of ``kv`` says."""
+    try:
+        pl, enc = _filled(case, kv, layout, hints)
+    except CheckFailure as e:  # the answer's geometry is not the engine's: a wrong answer, said as such
+        raise CheckFailure(f"{what} detected as {layout.format.name} {layout.describe()}, which is not the engine's cache: {e}") from None
+    slots = _slots(layout, seed, count=16, negatives=1)
     out = _sentinel_like(layout, len(slots))
     before = _staged(out)
     gather(layout, slots, out)
     layers = list(range(layout.num_layers))
     _compare(
-        f"probe {_sizes_str(sizes)} detected as {layout.format.name} {layout.describe()}, and its gather is wrong",
+        f"{what} detected as {layout.format.name} {layout.describe()}, and its gather is wrong",
         _staged(out),
         _expect_gather(enc, layers, slots, before),
         layers,
@@ -189,8 +215,43 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str 
         layout,
         enc,
     )
-    same = "" if layout.format.name == case.format else f" as {layout.format.name} (same bytes)"
-    return f"answered {layout.describe()}{same}"
+
+
+def _in_memory_order(node: Any) -> Any:
+    """The container with every tensor permuted into memory order (views, no copies), as a
+    connector that hands caches over in physical order does."""
+    if isinstance(node, torch.Tensor):
+        return node.permute(physical_permutation(node))
+    if isinstance(node, Mapping):
+        return {k: _in_memory_order(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_in_memory_order(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_in_memory_order(v) for v in node)
+    raise CheckSkip(f"the fixture hands over a {type(node).__name__}, not tensors: no memory-order view of it to take")
+
+
+def check_memory_order(case: FixtureCase, device: torch.device) -> str:
+    """``ambiguity[memory order]``: see the module docstring."""
+    dtype = _widest(case.dtypes)
+    kv, hints = _make(case, case.sizes, dtype, device)
+    phys = _in_memory_order(kv)
+    permuted = any(list(physical_permutation(t)) != list(range(t.dim())) for t in tensors_in(kv))
+    notes = []
+    for label, hs in (("as handed over", dict(hints)), ("with tensor_order='physical'", {**hints, TENSOR_ORDER: "physical"})):
+        try:
+            layout = detect(phys, case.engine, hs)
+        except AmbiguousLayoutError as e:
+            notes.append(f"{label}: {_ambiguity_ok(e, hs)}")
+            continue
+        except DetectionError as e:
+            notes.append(f"{label}: refused ({str(e).splitlines()[0][:120]})")
+            continue
+        except KVCoreError as e:
+            raise CheckFailure(f"the allocation in memory order, {label}: detect raised {type(e).__name__}: {e}") from None
+        _answers_right(case, kv, layout, hs, f"the allocation in memory order ({label})", _seed(case.name, "memory order", label))
+        notes.append(f"{label}: {layout.format.name} {layout.describe()}")
+    return ("permuted into memory order; " if permuted else "already in memory order; ") + "; ".join(notes)
 
 
 def check_physical_order(case: FixtureCase) -> str:

@@ -90,6 +90,8 @@ def hints() -> list:
     """The hints :func:`kvcore_transformers.detect.detect` reads (its ``HINTS``), declared
     for ``kvcore hints transformers``."""
     from kvcore import Hint
+    from kvcore.dtypes import DTYPE_ALIASES, DTYPES
+    from kvcore.hints import tensor_order_hint
 
     from .versions import PAGED_RANGE, SUPPORTED_RANGE
 
@@ -127,9 +129,10 @@ def hints() -> list:
             engine=ENGINE,
             name="dtype",
             meaning=paged + "the element dtype the bytes carry",
-            values=["float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"],
+            values=[*DTYPES, *DTYPE_ALIASES],
             type="torch.dtype or name",
         ),
+        tensor_order_hint(ENGINE),
     ]
 
 

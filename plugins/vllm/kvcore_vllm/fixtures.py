@@ -785,7 +785,9 @@ def fixture_hints(version: str, backend: str, layout: str, cache_dtype: str, ele
         h["device_type"] = "tpu"
     if backend in ROCM_BACKENDS:
         h["device_type"] = "rocm"
-    if cache_dtype == "auto":
+    if cache_dtype == "auto" or backend in ROCM_BACKENDS:
+        # on ROCm an fp8 cache's element dtype is the platform's (RocmPlatform.fp8_dtype(): FNUZ on gfx94x),
+        # which vLLM knows and the uint8 bytes do not show
         h["dtype"] = element
     if "use_ipex" in extra:
         h["use_ipex"] = extra["use_ipex"]

@@ -49,9 +49,11 @@ def kvcore_register_hints(register):
 @hookimpl
 def kvcore_register_fixtures(register):
     from kvcore_vllm.fixtures import fixture_cases
+    from kvcore_vllm.pairs import pairs_fixture
 
     for case in fixture_cases():
         register(case)
+    register(pairs_fixture())
 
 
 @hookimpl

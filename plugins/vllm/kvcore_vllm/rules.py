@@ -35,15 +35,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore import Candidate, DetectionError, Source
-from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_FAMILY, VllmHints
+from kvcore import Candidate, DetectionError, Source, memory_ordered
+from kvcore.dtypes import is_fp8
+from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, VllmHints
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
 
 __all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name"]
 
 #: MLA latent widths vLLM's MLA backends accept: ``get_supported_head_sizes() == [576]``
 #: (0.11 ``mla/common.py``), plus fp8_ds_mla's 656-byte per-token record
-#: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8).
+#: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8). A rank-3
+#: ``[NB, BS, W]`` cache of any other width is a latent too (``NL_X_NB_BS_HS``, kv_size 1):
+#: MiniMax-M3 on 0.26 keeps rank-3 indexer key caches ``(NB, 128, 128)`` bf16 beside its
+#: packed GQA caches; only byte records whose width is in :data:`BLOCKED_SCALE_RECORDS` are
+#: read as blocked-scale pages, unless ``cache_dtype`` / ``head_size`` say per-token.
 MLA_WIDTHS = (576,)
 FP8_DS_MLA_BYTES = 656
 #: uint8 MLA record widths that are either per-token records or blocked-scale pages: shape
@@ -91,8 +96,10 @@ class Rule:
         gate: "gpu" (excluded when device_type is cpu/tpu), "cpu" (needs device_type cpu
             or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "rocm" (needs
             device_type rocm or ROCM_ATTN), "" (any).
-        physical_ok: a tensor already permuted to a layout's physical order is a valid
-            reading when the layout hint names it (or sizes cannot tell).
+        physical_ok: a tensor already permuted to a layout's physical order (the
+            caller's ``tensor_order="physical"``) is a reading of this rule: offered for
+            every memory-ordered tensor, marked ``order="physical"`` (the core decides,
+            :mod:`kvcore.detection`).
         mla: MLA latent (no K/V axis); blocked: blocked-scale records.
         requires: ``(hint field, value)`` pairs: a setting vLLM reads at run time that the
             tensors cannot show (``use_ipex``, ``prefill_decode_attention``); the rule is
@@ -271,6 +278,7 @@ RULES: tuple[Rule, ...] = (
         logical=_o("NB NH BS CS"),
         layouts={"LBNHC": _o("NL NB BS NH CS")},
         sources=(_src("0.33.0", _FLEX + "; supported_kv_cache_layouts() = (LBNHC,)"),),
+        physical_ok=True,
         backends_label=("FLEX_ATTENTION",),
     ),
     Rule(
@@ -298,6 +306,7 @@ RULES: tuple[Rule, ...] = (
             "BHLNC": _o("NB NH NL BS CS"),
         },
         sources=(_src("0.33.0", _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache"),),
+        physical_ok=True,
         backends_label=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
     ),
     Rule(
@@ -414,7 +423,7 @@ RULES: tuple[Rule, ...] = (
         backends_label=("PALLAS",),
     ),
     Rule(
-        label="MLA latent (NB, BS, 576)",
+        label="MLA latent (NB, BS, W): 576 for DeepSeek, any width",
         eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
         families=("MLA",),
         rank=3,
@@ -607,14 +616,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] 
 
 def _ordered(t: torch.Tensor) -> bool:
     """Strides of the axes longer than 1 do not increase: the view follows memory order."""
-    prev = None
-    for n, s in zip(t.shape, t.stride()):
-        if n <= 1:
-            continue
-        if prev is not None and s > prev:
-            return False
-        prev = s
-    return True
+    return memory_ordered(t)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
@@ -669,7 +671,7 @@ def _element_dtype(t: torch.Tensor, h: VllmHints, rule: Rule) -> tuple[torch.dty
         return None, 1
     want = h.element_dtype()
     if t.dtype == torch.uint8:
-        want = want if want in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+        want = want if is_fp8(want) else None
     if t.dtype in _BYTE_DTYPES:
         if want is not None and want != t.dtype:
             return want, torch.empty(0, dtype=want).element_size()
@@ -776,19 +778,16 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
             return False  # a head_size hint equal to the record width declares a per-token record
         return w in INDEXER_WIDTHS or h.cache_dtype in (None, "auto", "fp8_ds_mla")
     if rule.mla:
+        # a rank-3 cache is a latent of any width (576 for DeepSeek, 128 for MiniMax-M3's indexer
+        # keys, ...); only byte records whose width is in the blocked-scale table are pages of
+        # values-then-scales unless the cache dtype says they are per-token records
         if h.head_size is not None:
             # model_config.get_head_size() is 576 for the 656 B fp8_ds_mla record: the engine's own truth
             record = h.cache_dtype == "fp8_ds_mla" and h.head_size == 576 and sz[last] * isz == FP8_DS_MLA_BYTES
             return width == h.head_size or record
-        if width in MLA_WIDTHS:
-            return True
-        if t.dtype == torch.int8 and esz == 1:  # a 0.33 byte view of unknown element dtype: 576 elements of 1, 2 or 4 bytes
-            return any(width == w * k for w in MLA_WIDTHS for k in (2, 4))
-        if t.dtype not in _BYTE_DTYPES:
-            return False
-        if sz[last] == FP8_DS_MLA_BYTES:
-            return True
-        return sz[last] in RECORD_WIDTHS_PER_TOKEN_DTYPE and h.cache_dtype in (None, "auto", RECORD_WIDTHS_PER_TOKEN_DTYPE[sz[last]])
+        if t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS:
+            return sz[last] in RECORD_WIDTHS_PER_TOKEN_DTYPE and h.cache_dtype in (None, "auto", RECORD_WIDTHS_PER_TOKEN_DTYPE[sz[last]])
+        return True
     if last == "CS":
         if width % 2:
             return False
@@ -801,7 +800,14 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
 def _reading(
     rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str, kernel_split: bool = False
 ) -> Reading | None:
-    """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``."""
+    """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``.
+
+    The candidate's ``order`` (see :mod:`kvcore.detection`): ``"physical"`` for a tensor read
+    as already in memory order (``tokens`` is the layout's physical order, not the rule's
+    logical one), ``"allocated"`` when the views permute the tensor's axes (its strides
+    show the engine's permuted allocation), else None (the tensor's own axes, in memory
+    order: it reads so whichever way it was handed over).
+    """
     order = rule.layouts[key]
     t0 = views[0]
     sz = _sizes(tokens, t0)
@@ -820,6 +826,7 @@ def _reading(
         if not all(_ordered(v) for v in pv) or not _layers_separate(pv):
             return None
         kv = pv
+        identity = perm == sorted(perm)
     else:
         stacked = stack_layers(views)
         if stacked is None:
@@ -829,6 +836,10 @@ def _reading(
         kv = stacked.permute(perm)
         if not _ordered(kv):
             return None
+        # per-layer views of one cross-layer buffer: each layer read in its own axis order holds either way
+        inner = [i for i in perm if i != 0]
+        identity = inner == sorted(inner)
+    physical = tokens != rule.logical
     fmt = physical_name(order)
     params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
     decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
@@ -842,6 +853,7 @@ def _reading(
         note=f"vLLM {rule.label}, layout {key}{note}",
         decided_by=decided,
         label=f"{rule.label}, {key}{note}",
+        order="physical" if physical else (None if identity else "allocated"),
     )
     return Reading(cand, rule, key, as_given)
 
@@ -859,21 +871,62 @@ def _fmt_tokens(order: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool = True) -> list[Reading]:
+def _against(h: VllmHints, layout_source: str) -> dict[str, str]:
+    """The hint that rules a layout out, as the caller gave it (for the contradiction message)."""
+    if h.kv_cache_layout is not None:
+        return {layout_source: h.kv_cache_layout}
+    return {"device_type": "xpu (forces NHD)"}
+
+
+def candidates(
+    tensors: list[torch.Tensor],
+    h: VllmHints,
+    *,
+    check_layout: bool = True,
+    evidence: bool = False,
+    layout_source: str = "kv_cache_layout",
+    needs: list[str] | None = None,
+) -> list[Reading]:
     """Every reading of ``tensors`` (one per layer, in layer order) that a rule allows.
 
-    With ``check_layout=False`` the kv_cache_layout hint is ignored (used to explain a
-    hint that the strides contradict). A ``block_size`` hint is first matched exactly; only
-    when no reading has that block size is it read as the manager's block size split into
-    kernel blocks (vLLM 0.13+: ``block_size // kernel_block_size`` kernel blocks per block).
+    Each rule gives its as-allocated reading (the rule's logical axes, permuted into the
+    layout's physical order by the tensors' strides) and, for rules whose layouts can be
+    handed over already permuted into memory order (``physical_ok``), the reading of the
+    tensors as that physical order (``order="physical"``): the core decides between them
+    (:func:`kvcore.resolve`).
+
+    Args:
+        check_layout: drop the readings the ``kv_cache_layout`` hint (or XPU's forced NHD)
+            rules out. With ``False`` the hint is ignored.
+        evidence: keep those readings instead, marked ``against={hint: value}``: they are
+            what the strides show when the hint contradicts them.
+        layout_source: how the caller gave the layout (``kv_cache_layout``, or
+            ``VLLM_KV_CACHE_LAYOUT`` when it came from the environment), for messages.
+        needs: when given, rules whose transform cannot apply for want of a hint append
+            ``"<rule label>: <hints>"`` here (vLLM 0.11 CPU's flat ``(2, NB, BS*NH*HS)``
+            needs ``block_size`` and ``head_size`` or ``num_kv_heads``).
+
+    A ``block_size`` hint is first matched exactly; only when no reading has that block
+    size is it read as the manager's block size split into kernel blocks (vLLM 0.13+:
+    ``block_size // kernel_block_size`` kernel blocks per block).
     """
-    out = _candidates(tensors, h, check_layout, False)
-    if not out and h.block_size is not None and h.era != "0.11":
-        out = _candidates(tensors, h, check_layout, True)
+    opts = dict(check_layout=check_layout, evidence=evidence, layout_source=layout_source, needs=needs)
+    out = _candidates(tensors, h, False, **opts)
+    if not [r for r in out if not r.candidate.against] and h.block_size is not None and h.era != "0.11":
+        out = _candidates(tensors, h, True, **opts)
     return out
 
 
-def _candidates(tensors: list[torch.Tensor], h: VllmHints, check_layout: bool, kernel_split: bool) -> list[Reading]:
+def _candidates(
+    tensors: list[torch.Tensor],
+    h: VllmHints,
+    kernel_split: bool,
+    *,
+    check_layout: bool,
+    evidence: bool,
+    layout_source: str,
+    needs: list[str] | None,
+) -> list[Reading]:
     out: list[Reading] = []
     t0 = tensors[0]
     for rule in RULES:
@@ -883,27 +936,91 @@ def _candidates(tensors: list[torch.Tensor], h: VllmHints, check_layout: bool, k
             fn = TRANSFORMS[rule.transform]
             views = [fn(t, h) for t in tensors]
             if any(v is None for v in views):
+                missing = _missing_hints(rule, t0, h)
+                if needs is not None and missing:
+                    needs.append(f"{rule.label}: needs {' and '.join(missing)}")
                 continue
         else:
             views = list(tensors)
         for key in rule.layouts:
+            against: dict[str, str] = {}
             if check_layout and not _layout_ok(rule, key, h):
-                continue
+                if not evidence:
+                    continue
+                against = _against(h, layout_source)
+            found = []
             r = _reading(rule, key, views, rule.logical, h, "", kernel_split)
             if r is not None:
-                out.append(r)
-            # a tensor already permuted to this layout's physical order
+                found.append(r)
+            # the tensor already permuted to this layout's physical order
             order = rule.layouts[key]
             phys = tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
-            if not rule.physical_ok or "/" in key or order[0] != "NL" or phys == rule.logical:
-                continue
-            hinted = check_layout and h.kv_cache_layout is not None and _layout_ok(rule, key, h)
-            sz_l, sz_p = _sizes(rule.logical, views[0]), _sizes(phys, views[0])
-            undecided = sz_l is not None and sz_l == sz_p
-            if hinted or undecided or h.block_size is not None or h.num_kv_heads is not None:
-                r = _reading(rule, key, views, phys, h, " (tensor already in physical order)", kernel_split)
+            # vLLM 0.33 reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
+            # _LAYOUT_COMPAT_ALIASES): a twin of another member is not what such a hint names
+            alias_only = check_layout and h.kv_cache_layout in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != h.layout33
+            if rule.physical_ok and "/" not in key and order[0] == "NL" and phys != rule.logical and not alias_only:
+                r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split)
                 if r is not None:
-                    out.append(r)
+                    found.append(r)
+            for r in found:
+                r.candidate.against = dict(against)
+            out.extend(found)
     # among readings that turn out byte-identical, the first wins: prefer the tensor's own axis order
     out.sort(key=lambda r: not r.as_given)
+    return out
+
+
+def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
+    """The hints a rule's transform needs and did not get (only the flat CPU layout needs any)."""
+    if rule.transform != "paged" or t.shape[0] != 2:
+        return []
+    out = [] if h.block_size is not None else ["block_size"]
+    if h.head_size is None and h.num_kv_heads is None:
+        out.append("head_size (or num_kv_heads)")
+    return out
+
+
+def bare_candidates(
+    t: torch.Tensor, h: VllmHints, *, check_layout: bool = True, evidence: bool = False, layout_source: str = "kv_cache_layout"
+) -> list[Reading]:
+    """Readings of one tensor that is a whole cross-layer cache, as a cross-layer connector
+    is handed it: the buffer vLLM allocates in the layout's physical order before it takes
+    per-layer views (0.13-0.2x ``allocate_uniform_kv_caches``: e.g. ``[NB, NL, 2, BS, NH, HS]``
+    for FlashAttention NHD; 0.26 ``[NB, NL, BS, NH, 2*HS]``; 0.33 ``BLHNC`` / ``BLNHC`` /
+    ``BHLNC``). The tensor must be in memory order; its axes are then the format's."""
+    out: list[Reading] = []
+    if not _ordered(t):
+        return out
+    for rule in RULES:
+        if rule.transform or not _rule_ok(rule, h):
+            continue
+        for key, order in rule.layouts.items():
+            if order[0] == "NL" or len(order) != t.dim():
+                continue
+            against: dict[str, str] = {}
+            if check_layout and not _layout_ok(rule, key, h):
+                if not evidence:
+                    continue
+                against = _against(h, layout_source)
+            tokens = _fmt_tokens(order)
+            sz = _sizes(tokens, t)
+            if sz is None:
+                continue
+            dtype, esz = _element_dtype(t, h, rule)
+            if not _sizes_ok(rule, sz, t, esz, h):
+                continue
+            decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
+            decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+            params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
+            cand = Candidate(
+                format=physical_name(order),
+                kv_caches=t,
+                dtype=dtype,
+                params=params,
+                note=f"vLLM {rule.label}, layout {key}: the whole cross-layer buffer",
+                decided_by=decided,
+                label=f"{rule.label}, {key}, one cross-layer tensor",
+                against=against,
+            )
+            out.append(Reading(cand, rule, key, True))
     return out

@@ -285,7 +285,8 @@ def test_dsv32_mla_and_indexer_share_one_buffer(layout, cache_dtype, semantic):
     per = kvcore.detect_per_layer(
         {**mla, **idx}, "vllm", hints={"vllm_version": "0.33.0", "attention_backend": "FLASHMLA_SPARSE", "cache_dtype": cache_dtype}
     )
-    assert {lay.format.name for lay in per} == {lay.format.name, ilay.format.name}
+    assert list(per) == [*mla, *idx]  # a dict in: the same keys out
+    assert {x.format.name for x in per.values()} == {lay.format.name, ilay.format.name}
 
 
 @pytest.mark.parametrize("version", ["0.11.0", "0.33.0"])

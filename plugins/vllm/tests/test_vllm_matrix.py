@@ -25,7 +25,7 @@ def test_matrix_has_one_case_per_row():
     assert len(ROWS) == len(MATRIX)
     assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} == set(CASES)
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
-    assert {c.name for c in registered_fixtures("vllm")} == set(CASES)
+    assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | {"vllm-ascend-pairs"}  # + kvcore_vllm.pairs
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -69,10 +69,12 @@ def test_dtypes_round_trip(name, dtype, semantic):
 
 
 def _few_hints(name: str, full: dict, sizes: dict) -> dict:
-    """Only what the tensors cannot show: the device family, the backend where two backends
-    of one device read one shape differently, run-time settings (IPEX, the 0.11 ROCm
-    variable), a padded head, 0.33's one-head MLA view."""
+    """Only what the tensors cannot show: that they are as vLLM allocated them (a contiguous
+    tensor is also an HND/NHD cache already permuted into memory order), the device family,
+    the backend where two backends of one device read one shape differently, run-time
+    settings (IPEX, the 0.11 ROCm variable), a padded head, 0.33's one-head MLA view."""
     hints = {k: full[k] for k in ("device_type", "use_ipex", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION") if k in full}
+    hints["tensor_order"] = "allocated"
     if "TORCH_SDPA" in name:
         hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
     if "PALLAS" in name:
@@ -152,7 +154,7 @@ def test_v033_fp8_views():
     kv = allocate(
         "0.33.0", "FLASHINFER", "LBHNC", num_layers=2, num_blocks=4, block_size=8, num_kv_heads=2, head_size=16, cache_dtype="fp8_e5m2"
     )
-    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2"})
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2", "tensor_order": "allocated"})
     assert (lay.format.name, lay.dtype, lay.head_size) == ("NL_X_NB_NH_BS_CS", torch.float8_e5m2, 16)
 
 
@@ -175,7 +177,7 @@ def test_dict_input_keeps_layer_order():
     assert list(shuffled)[2] == "model.layers.10.self_attn.attn"
     for i in range(12):
         kv_view(kv, i, 0).fill_(i)
-    lay = kvcore.detect(shuffled, "vllm")
+    lay = kvcore.detect(shuffled, "vllm", {"kv_cache_layout": "NHD"})
     assert lay.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(12))
     out = kvcore.gather(lay, torch.tensor([0, 17]))
     assert out[0, :, 0, 0].tolist() == [float(i) for i in range(12)]
