@@ -18,8 +18,10 @@ The work is split in *segments*: the longest runs that are contiguous on both si
 whole token row of all heads for NHD-like planes, one head for HND-like planes, one chunk
 for chunked heads). Item ``r`` of a (layer, plane) is token ``r // n_segs``, segment
 ``r % n_segs``; a program moves ``BLOCK_R`` items, ``BLOCK_E`` units of ``W`` bytes at a
-time. ``ALIGN`` (bytes) divides every address the launch computes, so the compiler may
-use vector loads and stores of up to 16 bytes.
+time. ``ALIGN`` (bytes) divides every address and segment length the launch computes, so
+the compiler may use vector loads and stores of up to 16 bytes. The block size and which
+address terms exist (several segments per row, token groups, chunked heads) are
+compile-time constants: the common layouts compile to a few integer operations per row.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ def _copy_rows(
     s_index,
     s_layer,
     s_token,
-    block_size,
     GATHER: tl.constexpr,
     UT: tl.constexpr,
     W: tl.constexpr,
@@ -66,6 +67,10 @@ def _copy_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     NFC: tl.constexpr,
+    BS: tl.constexpr,
+    ONE_SEG: tl.constexpr,
+    GROUPED: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pair = pair0 + pid // n_tiles
@@ -75,33 +80,48 @@ def _copy_rows(
     d = desc_ptr + j * NFC
     blk_stride = tl.load(d + 0)
     tok_stride = tl.load(d + 1)
-    tg = tl.load(d + 2)
-    tg_stride = tl.load(d + 3)
     head = tl.load(d + 4)
-    chunk = tl.load(d + 5)
-    nc = tl.load(d + 6)
     cb = tl.load(d + 7)
-    n_segs = tl.load(d + 8)
-    seg_units = tl.load(d + 9) // W
     s_idx = tl.load(d + 10)
     s_off = tl.load(d + 11)
     s_head = tl.load(d + 12)
+    # every segment length is a multiple of ALIGN bytes (the host checked): say so, so
+    # that the mask below stays constant over whole vectors
+    seg_units = tl.multiple_of(tl.load(d + 9) // W, ALIGN // W)
     base = tl.load(bases_ptr + layer * num_planes + j)
 
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    t = r // n_segs
-    s = r - t * n_segs
+    if ONE_SEG:  # one segment per token row (NHD-like rows, MLA): item = token
+        t = r
+        h = r * 0
+    else:
+        n_segs = tl.load(d + 8)
+        t = r // n_segs
+        h = r - t * n_segs  # the segment; a head unless the heads are chunked
     in_range = t < T
     slot = tl.load(slots_ptr + t, mask=in_range, other=-1)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0)
-    blk = slot // block_size
-    o = slot - blk * block_size
-    g = o // tg
-    h = s // nc
-    c = s - h * nc
-    cache_row = base + blk * blk_stride + g * tg_stride + (o - g * tg) * tok_stride + h * head + c * chunk
-    stage_row = stage_addr + s_idx * s_index + layer * s_layer + t * s_token + s_off + h * s_head + c * cb
+    blk = slot // BS
+    o = slot - blk * BS
+    if GROUPED:  # the block's tokens split in groups (BSC/BSE)
+        tg = tl.load(d + 2)
+        g = o // tg
+        tokoff = g * tl.load(d + 3) + (o - g * tg) * tok_stride
+    else:
+        tokoff = o * tok_stride
+    cache_row = base + blk * blk_stride + tokoff
+    stage_row = stage_addr + s_idx * s_index + layer * s_layer + t * s_token + s_off
+    if CHUNKED:  # a head's run split in chunks strided apart (x-split K, transposed V)
+        nc = tl.load(d + 6)
+        s = h
+        h = s // nc
+        c = s - h * nc
+        cache_row += h * head + c * tl.load(d + 5)
+        stage_row += h * s_head + c * cb
+    else:
+        cache_row += h * head
+        stage_row += h * s_head
     # rows past T or of skipped slots are masked; their addresses stay aligned (slot 0)
     stage_row = tl.where(in_range, stage_row, stage_addr)
     cache_row = tl.multiple_of(cache_row, ALIGN)
@@ -119,7 +139,7 @@ def _copy_rows(
             tl.store(cp[:, None] + e[None, :], v, mask=m)
 
 
-_DO_NOT_SPECIALIZE = ("T", "num_planes", "n_tiles", "pair0", "stage_addr", "s_index", "s_layer", "s_token", "block_size")
+_DO_NOT_SPECIALIZE = ("T", "num_planes", "n_tiles", "pair0", "stage_addr", "s_index", "s_layer", "s_token")
 _JITTED: dict[bool, object] = {}
 
 UNIT_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}

@@ -146,7 +146,7 @@ def _segments(p: Plane) -> _Segments:
 class _Group:
     """The planes staged into one buffer: one launch."""
 
-    __slots__ = ("key", "classic", "desc", "bases", "align", "num_planes", "max_segs", "max_seg_bytes")
+    __slots__ = ("key", "classic", "desc", "bases", "align", "num_planes", "max_segs", "max_seg_bytes", "grouped", "chunked")
 
     def __init__(self, key: str, classic: bool, planes: list[Plane], table: StrideTable, device: torch.device):
         self.key = key
@@ -154,6 +154,7 @@ class _Group:
         self.num_planes = len(planes)
         rows, align_vals = [], []
         self.max_segs, self.max_seg_bytes = 1, 1
+        self.grouped = self.chunked = False
         for p in planes:
             s, st = p.strides, p.staging
             seg = _segments(p)
@@ -180,6 +181,8 @@ class _Group:
                 align_vals.append(s.head)
             if seg.n_chunks > 1:
                 align_vals.append(s.chunk)
+            self.grouped = self.grouped or grouped
+            self.chunked = self.chunked or seg.n_chunks > 1
             self.max_segs = max(self.max_segs, seg.n_segs)
             self.max_seg_bytes = max(self.max_seg_bytes, seg.seg_bytes)
         addrs = [[t.untyped_storage().data_ptr() + off for (t, off) in (p.bases[li] for p in planes)] for li in range(table.num_layers)]
@@ -192,9 +195,10 @@ class _Group:
 class _Prepared:
     """Per-table launch arguments, computed once per stride table."""
 
-    __slots__ = ("groups", "probe", "__weakref__")
+    __slots__ = ("groups", "probe", "calls", "__weakref__")
 
     def __init__(self, table: StrideTable):
+        self.calls: dict[tuple, tuple] = {}
         t0 = table.planes[0].bases[0][0]
         self.probe = (t0, t0.untyped_storage().data_ptr(), t0.untyped_storage().nbytes())
         groups = []
@@ -208,6 +212,12 @@ class _Prepared:
 _CACHE: OrderedDict[int, tuple[weakref.ref, _Prepared]] = OrderedDict()
 
 
+def _fresh(prep: _Prepared) -> bool:
+    t, ptr, nbytes = prep.probe
+    st = t.untyped_storage()
+    return st.data_ptr() == ptr and st.nbytes() == nbytes
+
+
 def _prepared(table: StrideTable) -> _Prepared:
     """The launch arguments of ``table``, cached while the table lives and its first
     plane's storage is the one they were computed against.
@@ -216,11 +226,8 @@ def _prepared(table: StrideTable) -> _Prepared:
         TransferError: a plane's storage was freed since detection.
     """
     hit = _CACHE.get(id(table))
-    if hit is not None and hit[0]() is table:
-        t, ptr, nbytes = hit[1].probe
-        st = t.untyped_storage()
-        if st.data_ptr() == ptr and st.nbytes() == nbytes:
-            return hit[1]
+    if hit is not None and hit[0]() is table and _fresh(hit[1]):
+        return hit[1]
     for p in table.planes:
         for t, _ in p.bases:
             if t.untyped_storage().nbytes() == 0:
@@ -230,6 +237,15 @@ def _prepared(table: StrideTable) -> _Prepared:
     while len(_CACHE) > _MAX_CACHED:
         _CACHE.popitem(last=False)
     return prep
+
+
+def _same_device(dev: torch.device) -> bool:
+    """The launch goes to ``dev`` without switching the current device."""
+    if dev.index is None or dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return dev.index == torch.cuda.current_device()
+    return dev.type == "xpu" and dev.index == torch.xpu.current_device()
 
 
 def _device_ctx(dev: torch.device):
@@ -368,8 +384,34 @@ class TritonKernel:
         if plan.num_valid == 0 or plan.slots.numel() == 0:
             return
         table = plan.table
+        dev = table.device
+        # CPU tensors run only in the interpreter (the checked path refuses them otherwise)
+        interp = interpreting() if dev.type == "cpu" else False
+        slots = plan.slots
+        # the fast path: this table, staged the same way as before (same buffers, strides,
+        # token count, devices): launch the arguments computed then
+        hit = _CACHE.get(id(table))
+        if hit is not None and hit[0]() is table and _fresh(hit[1]):
+            sig = _signature(plan.staging, slots, interp)
+            calls = hit[1].calls.get(sig)
+            if calls is not None:
+                fn = _FN[interp]
+                if _same_device(dev):
+                    for grid, args, kw in calls:
+                        fn[grid](slots, *args, GATHER=gather, **kw)
+                else:
+                    with _device_ctx(dev):
+                        for grid, args, kw in calls:
+                            fn[grid](slots, *args, GATHER=gather, **kw)
+                return
+        self._run_checked(plan, gather)
+
+    def _run_checked(self, plan: TransferPlan, gather: bool) -> None:
+        table = plan.table
+        interp = interpreting()
         bufs = self._check(plan)
         fn, mod = _program()
+        _FN[interp] = fn
         prep = _prepared(table)
         dev = table.device
         # pageable host staging of a CUDA cache: through a device buffer (pinned: zero-copy)
@@ -385,37 +427,50 @@ class TritonKernel:
         slots = plan.slots if plan.slots.is_contiguous() else plan.slots.contiguous()
         T = slots.numel()
         # every launch is cut before the first one runs: a refusal writes nothing
-        launches = [(g, launch_params(g, work[g.key], T, table.num_layers)) for g in prep.groups]
+        calls = []
+        for g in prep.groups:
+            lp = launch_params(g, work[g.key], T, table.num_layers)
+            kw = dict(
+                UT=mod.UNIT_TYPES[lp.unit],
+                W=lp.unit,
+                ALIGN=lp.align,
+                BLOCK_R=lp.block_r,
+                BLOCK_E=lp.block_e,
+                NFC=mod.NF,
+                BS=table.block_size,
+                ONE_SEG=g.max_segs == 1,
+                GROUPED=g.grouped,
+                CHUNKED=g.chunked,
+                num_warps=_NUM_WARPS,
+            )
+            for pair0, n in lp.chunks:
+                args = (T, g.bases, g.desc, g.num_planes, lp.n_tiles, pair0, lp.addr, lp.s_index, lp.s_layer, lp.s_token)
+                calls.append(((n * lp.n_tiles,), args, kw))
         for host, tmp in bounce:
             tmp.copy_(host)  # scatter reads it; a gather leaves its skipped rows as they were
         with _device_ctx(dev):
-            for g, lp in launches:
-                for pair0, n in lp.chunks:
-                    fn[(n * lp.n_tiles,)](
-                        slots,
-                        T,
-                        g.bases,
-                        g.desc,
-                        g.num_planes,
-                        lp.n_tiles,
-                        pair0,
-                        lp.addr,
-                        lp.s_index,
-                        lp.s_layer,
-                        lp.s_token,
-                        table.block_size,
-                        GATHER=gather,
-                        UT=mod.UNIT_TYPES[lp.unit],
-                        W=lp.unit,
-                        ALIGN=lp.align,
-                        BLOCK_R=lp.block_r,
-                        BLOCK_E=lp.block_e,
-                        NFC=mod.NF,
-                        num_warps=_NUM_WARPS,
-                    )
+            for grid, args, kw in calls:
+                fn[grid](slots, *args, GATHER=gather, **kw)
         for host, tmp in bounce:
             if gather:
                 host.copy_(tmp)
+        if not bounce and slots is plan.slots:
+            if len(prep.calls) >= _MAX_CACHED:
+                prep.calls.clear()
+            prep.calls[_signature(plan.staging, slots, interp)] = tuple(calls)
+
+
+_FN: dict[bool, object] = {}
+
+
+def _signature(staging, slots: torch.Tensor, interp: bool) -> tuple:
+    """What fixes a transfer's launch arguments besides the table: the staging buffers'
+    addresses, shapes, strides, dtypes and devices, the slots' count, device and dtype."""
+    if isinstance(staging, torch.Tensor):
+        st = (staging.data_ptr(), staging.shape, staging.stride(), staging.dtype, staging.device)
+    else:
+        st = tuple((k, v.data_ptr(), v.shape, v.stride(), v.dtype, v.device) for k, v in staging.items())
+    return (st, slots.shape, slots.dtype, slots.device, interp, _TILE_BYTES, _NUM_WARPS)
 
 
 @dataclass(frozen=True)
