@@ -23,9 +23,10 @@ vLLM (read from the released wheels' ``.py`` files):
 * **0.24.0** ``platforms/xpu.py``: NHD still forced (in ``get_attn_backend_cls``); MLA
   models get ``TRITON_MLA`` (``(NB, BS, 576)``, ``NL_X_NB_BS_HS``), sparse MLA
   ``XPU_MLA_SPARSE`` (``mla/xpu_mla_sparse.py::get_kv_cache_shape`` ``(NB, BS, 576)``).
-* **0.33.0** ``platforms/xpu.py``: NHD is no longer forced; the layout comes from vLLM's
-  generic ``KVCacheLayout`` resolution (``v1/attention/backends/utils.py::resolve_kv_cache_layout``,
-  default ``LBNHC``). ``flash_attn.py::FlashAttentionBackend.get_supported_kernel_block_sizes``
+* **0.26.0 - 0.33.0** ``platforms/xpu.py`` (read in 0.26.0, 0.29.0, 0.31.0, 0.33.0): NHD is
+  no longer forced; 0.33's layout comes from vLLM's generic ``KVCacheLayout`` resolution
+  (``v1/attention/backends/utils.py::resolve_kv_cache_layout``, default ``LBNHC``).
+* **0.33.0**: ``flash_attn.py::FlashAttentionBackend.get_supported_kernel_block_sizes``
   is ``MultipleOf(64)`` on XPU and ``get_preferred_block_size`` at least 64;
   ``mla/flashattn_mla.py::XPUFlashAttnMLABackend`` (head size 576, ``MultipleOf(64)``);
   ``mla/xpu_mla_sparse.py::XPUMLASparseBackend`` (576, bf16/fp16 only, blocks aligned to
