@@ -616,10 +616,20 @@ class Spec:
                 block whose bytes are not contiguous.
         """
         fmt = self.format
-        if self.syntax.list_levels != ("NL",) or self.syntax.axes != ("NB", "BSV", "BSS"):
-            raise GeometryError(f"format {fmt.name}: blocked-scale records are a layer list of [NB, BS, W] byte tensors (NL_X_NB_BSV_BSS)")
-        ref_path, ref = self.leaves[0]
-        for path, t in self.leaves:
+        leaves = self.leaves
+        if self.syntax.list_levels == () and self.syntax.axes == ("NB", "NL", "BSV", "BSS"):
+            # block-outermost (cross-layer) pages: one [NB, NL, BS, W] tensor, layer l is its [:, l] view
+            t4 = leaves[0][1]
+            if t4.dim() != 4:
+                raise GeometryError(f"format {fmt.name}: kv_caches should be [NB, NL, BS, W] bytes, got {_describe_tensor(t4)}")
+            leaves = [((layer,), t4[:, layer]) for layer in range(int(t4.shape[1]))]
+        elif self.syntax.list_levels != ("NL",) or self.syntax.axes != ("NB", "BSV", "BSS"):
+            raise GeometryError(
+                f"format {fmt.name}: blocked-scale records are a layer list of [NB, BS, W] byte tensors (NL_X_NB_BSV_BSS) "
+                "or one block-outermost [NB, NL, BS, W] tensor (NB_NL_BSV_BSS)"
+            )
+        ref_path, ref = leaves[0]
+        for path, t in leaves:
             if t.dim() != 3:
                 raise GeometryError(f"format {fmt.name}: kv_caches{list(path)} should be [NB, BS, W] bytes, got {_describe_tensor(t)}")
             if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
@@ -646,11 +656,11 @@ class Spec:
                 "values and scales are laid out block-wise, not per token"
             )
         vals, block = w - scale, int(ref.stride(0))
-        nl = len(self.leaves)
+        nl = len(leaves)
         self.num_layers_, self.kv_size_, self.num_heads_, self.head_size_ = nl, 1, 1, w
         self.num_blocks_, self.block_size_, self.num_slots_ = nb, bs, nb * bs
         self.axis_sizes = {"NL": nl, "NB": nb, "BS": bs, "VALS": vals, "SCALES": scale}
-        bases = tuple((t, t.storage_offset() * t.element_size()) for _, t in self.leaves)
+        bases = tuple((t, t.storage_offset() * t.element_size()) for _, t in leaves)
         self.table = StrideTable(
             num_layers=nl,
             block_size=bs,

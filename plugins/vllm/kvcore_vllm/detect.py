@@ -90,6 +90,10 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("head_size")
     if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm")):
         keys.append("device_type")
+    # settings vLLM reads at run time that no tensor shows (IPEX importable, an env var)
+    for field, name in (("use_ipex", "use_ipex"), ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")):
+        if differs(lambda r, f=field: dict(r.rule.requires).get(f)):
+            keys.append(name)
     return list(dict.fromkeys(keys))
 
 

@@ -64,14 +64,14 @@ LAYOUT_FAMILY = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
 BACKEND_FAMILY = {
     "FLASH_ATTN": "FLASH_ATTN",
     "FLASH_ATTN_VLLM_V1": "FLASH_ATTN",
-    "ROCM_AITER_FA": "FLASH_ATTN",
+    "ROCM_AITER_FA": "ROCM_AITER_FA",
     "FLEX_ATTENTION": "FLEX_ATTENTION",
     "FLASHINFER": "FLASHINFER",
     "FLASHINFER_VLLM_V1": "FLASHINFER",
     "TRITON_ATTN": "TRITON_ATTN",
     "TRITON_ATTN_VLLM_V1": "TRITON_ATTN",
     "ROCM_ATTN": "ROCM_ATTN",
-    "ROCM_AITER_UNIFIED_ATTN": "TRITON_ATTN",
+    "ROCM_AITER_UNIFIED_ATTN": "ROCM_AITER_UNIFIED",
     "TREE_ATTN": "FLASH_ATTN",
     "FLASHMLA": "MLA",
     "FLASHMLA_SPARSE": "MLA",
@@ -174,6 +174,13 @@ class VllmHints(BaseModel):
         vllm_version: ``"0.11.0"``, ``"0.24"``...; selects that era's rules only.
         device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``; ``cpu`` selects vLLM's CPU
             backend rules, ``tpu`` the Pallas rules, ``xpu`` forces NHD.
+        use_ipex: vLLM 0.11 ``TORCH_SDPA``: whether ``intel_extension_for_pytorch`` was
+            importable in the engine (``cpu_attn.py::_use_ipex``): with it K and V are
+            ``(NB, NH, BS, HS)``, without it K is stored in 16-byte chunks. An fp8 cache
+            implies it (vLLM refuses fp8 without IPEX).
+        prefill_decode_attention: vLLM 0.11 ``ROCM_ATTN``: the engine's
+            ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION`` (pass it under that name, or set the
+            variable): on, K/V are read by ``split_kv_cache``; off, by ``unbind(0)``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
@@ -197,6 +204,21 @@ class VllmHints(BaseModel):
     dtype: Any = None
     vllm_version: str | None = None
     device_type: str | None = None
+    use_ipex: bool | None = None
+    prefill_decode_attention: bool | None = None
+
+    @field_validator("use_ipex", "prefill_decode_attention", mode="before")
+    @classmethod
+    def _flag(cls, v, info):
+        if v is None or isinstance(v, bool):
+            return v
+        s = str(v).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off", ""):
+            return False
+        name = "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" if info.field_name == "prefill_decode_attention" else info.field_name
+        raise DetectionError(f"vLLM hint {name}={v!r} must be a bool (True/False, 1/0)")
 
     @field_validator("kv_cache_layout", mode="before")
     @classmethod
@@ -351,6 +373,10 @@ def parse_hints(hints: Any) -> VllmHints:
             val = getattr(obj, attr, None)
             if field not in d and val is not None:
                 d[field] = val
+    if "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in d:
+        d["prefill_decode_attention"] = d.pop("VLLM_V1_USE_PREFILL_DECODE_ATTENTION")
+    elif "prefill_decode_attention" not in d and os.environ.get("VLLM_V1_USE_PREFILL_DECODE_ATTENTION") is not None:
+        d["prefill_decode_attention"] = os.environ["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"]
     if "kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT"):
         d["kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
     # the core passes hints meant for every plugin; keep ours, refuse misspellings of ours
@@ -358,7 +384,8 @@ def parse_hints(hints: Any) -> VllmHints:
     generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}
     unknown = set(d) - known - generic
     if unknown:
-        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(known | {'cache_config', 'vllm_config'})}")
+        accepted = (known - {"prefill_decode_attention"}) | {"cache_config", "vllm_config", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"}
+        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
     if "page_size" in d and "block_size" not in d:
         d["block_size"] = d["page_size"]
     return VllmHints(**{k: v for k, v in d.items() if k in known})

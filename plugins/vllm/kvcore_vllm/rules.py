@@ -64,6 +64,8 @@ _XL = "vllm/v1/worker/kv_connector_model_runner_mixin.py::allocate_uniform_kv_ca
 _V33 = "vllm/v1/kv_cache_interface.py::create_kv_cache_views; vllm/v1/kv_cache_layout.py::KVCacheLayout"
 _CPU = "vllm/v1/attention/backends/cpu_attn.py"
 _PALLAS = "vllm/v1/attention/backends/pallas.py::PallasAttentionBackend.get_kv_cache_shape"
+_ROCM = "vllm/v1/attention/backends/rocm_attn.py"
+_SPLIT = "PagedAttention.split_kv_cache (K (NB, NH, HS/x, BS, x), x = 16 // element_size; V (NB, NH, HS, BS))"
 _IDX = "vllm/v1/attention/backends/mla/indexer.py; vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache"
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -92,6 +94,10 @@ class Rule:
         physical_ok: a tensor already permuted to a layout's physical order is a valid
             reading when the layout hint names it (or sizes cannot tell).
         mla: MLA latent (no K/V axis); blocked: blocked-scale records.
+        requires: ``(hint field, value)`` pairs: a setting vLLM reads at run time that the
+            tensors cannot show (``use_ipex``, ``prefill_decode_attention``); the rule is
+            out when the hint says otherwise, and two rules that differ only here make
+            detection raise AmbiguousLayoutError naming that hint.
     """
 
     label: str
@@ -107,6 +113,7 @@ class Rule:
     mla: bool = False
     blocked: bool = False
     backends_label: tuple[str, ...] = field(default=())
+    requires: tuple[tuple[str, bool], ...] = ()
 
 
 def _src(version: str, file: str) -> Source:
@@ -117,7 +124,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         label="FlashAttention K/V-major (2, NB, BS, NH, HS)",
         eras=("0.11", "0.13"),
-        families=("FLASH_ATTN", "FLEX_ATTENTION"),
+        families=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=5,
         logical=_o("TWO NB BS NH HS"),
         layouts={
@@ -129,12 +136,31 @@ RULES: tuple[Rule, ...] = (
             "HND/mamba": _o("NL NB TWO NH BS HS"),
         },
         sources=(
-            _src("0.11.0", _FA + " (l.78), get_kv_cache_stride_order HND (0,1,3,2,4)"),
-            _src("0.11.0", _FLEX + " (l.86)"),
+            _src("0.11.0", _FA + ", get_kv_cache_stride_order HND (0,1,3,2,4); forward kv_cache.unbind(0)"),
+            _src("0.11.0", _FLEX + "; rocm_aiter_fa.py::AiterFlashAttentionBackend.get_kv_cache_shape (no stride order)"),
+            _src("0.13.0", "vllm/v1/attention/backends/rocm_aiter_unified_attn.py::get_kv_cache_shape; forward unbind(0)"),
             _src("0.11.0", "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (Mamba hybrids)"),
         ),
         physical_ok=True,
-        backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "XPU"),
+        backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "XPU"),
+    ),
+    Rule(
+        label="ROCm 0.11 unified attention (2, NB, BS, NH, HS) read by unbind(0)",
+        eras=("0.11",),
+        families=("ROCM_ATTN",),
+        rank=5,
+        logical=_o("TWO NB BS NH HS"),
+        layouts={"*": _o("NL TWO NB BS NH HS")},
+        sources=(
+            _src(
+                "0.11.0",
+                _ROCM + "::RocmAttentionImpl.forward: kv_cache.unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION "
+                "(also under AITER unified attention)",
+            ),
+        ),
+        gate="rocm",
+        requires=(("prefill_decode_attention", False),),
+        backends_label=("ROCM_ATTN",),
     ),
     Rule(
         label="FlashAttention cross-layer (0.13-0.23)",
@@ -153,41 +179,45 @@ RULES: tuple[Rule, ...] = (
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
-        sources=(_src("0.11.0", _FI + " (l.184), HND stride order (0,1,3,2,4)"), _src("0.24.0", _FI)),
+        sources=(_src("0.11.0", _FI + ", HND stride order (0,1,3,2,4); kv_cache[:, 0] / [:, 1]"), _src("0.24.0", _FI)),
         physical_ok=True,
         backends_label=("FLASHINFER",),
     ),
     Rule(
-        label="FlashInfer cross-layer (0.13-0.23)",
-        eras=("0.13",),
+        label="FlashInfer cross-layer (0.13-0.24)",
+        eras=("0.13", "0.24"),
         families=("FLASHINFER",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB TWO NH NL BS HS")},
-        sources=(_src("0.13.0", _XL + "; FlashInfer stride order NHD (1,0,2,3,4,5), HND (1,2,4,0,3,5)"),),
+        sources=(_src("0.13.0", _XL + "; FlashInfer stride order NHD (1,0,2,3,4,5), HND (1,2,4,0,3,5)"), _src("0.24.0", _FI)),
         backends_label=("FLASHINFER",),
     ),
     Rule(
-        label="Triton blocks-first (NB, 2, BS, NH, HS)",
-        eras=("0.11", "0.13", "0.24"),
+        label="Triton blocks-first (NB, 2, BS, NH, HS), no stride order",
+        eras=("0.11", "0.13"),
         families=("TRITON_ATTN",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD": _o("NL NB TWO BS NH HS")},
-        sources=(_src("0.11.0", _TR + " (l.169), no stride order: NHD only"), _src("0.24.0", _TR)),
+        sources=(_src("0.11.0", _TR + ", no stride order: NHD only; forward unbind(1)"),),
         physical_ok=True,
         backends_label=("TRITON_ATTN",),
     ),
     Rule(
         label="0.24 blocks-first (NB, 2, BS, NH, HS)",
         eras=("0.24",),
-        families=("FLASH_ATTN",),
+        families=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
-        sources=(_src("0.24.0", _FA + " (l.140)"),),
+        sources=(
+            _src("0.24.0", _FA + ", stride order HND (0,1,3,2,4); forward unbind(1)"),
+            _src("0.24.0", _TR + ", stride order HND (0,1,3,2,4)"),
+            _src("0.24.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py: (NB, 2, BS, NH, HS), no stride order, unbind(1)"),
+        ),
         physical_ok=True,
-        backends_label=("FLASH_ATTN",),
+        backends_label=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="0.24 FlexAttention (NB, 2, BS, NH, HS), stride order (0,2,1,3,4)",
@@ -195,31 +225,43 @@ RULES: tuple[Rule, ...] = (
         families=("FLEX_ATTENTION",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD": _o("NL NB BS TWO NH HS")},
-        sources=(_src("0.24.0", _FLEX + ", stride order (0,2,1,3,4)"),),
+        layouts={"NHD": _o("NL NB BS TWO NH HS"), "NHD/cross": _o("NB NL BS TWO NH HS")},
+        sources=(_src("0.24.0", _FLEX + ", stride order (0,2,1,3,4), cross-layer (1,0,3,2,4,5); forward unbind(1)"),),
         physical_ok=True,
         backends_label=("FLEX_ATTENTION",),
     ),
     Rule(
-        label="0.24 cross-layer",
+        label="0.24 cross-layer (FlashAttention, Triton)",
         eras=("0.24",),
-        families=("FLASH_ATTN",),
+        families=("FLASH_ATTN", "TRITON_ATTN"),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB NH NL TWO BS HS")},
-        sources=(_src("0.24.0", _XL + "; FA stride order NHD (1,0,2,3,4,5), HND (1,4,0,2,3,5)"),),
-        backends_label=("FLASH_ATTN",),
+        sources=(_src("0.24.0", _XL + "; FA and Triton stride order NHD (1,0,2,3,4,5), HND (1,4,0,2,3,5)"),),
+        backends_label=("FLASH_ATTN", "TRITON_ATTN"),
     ),
     Rule(
         label="0.26 packed K|V (NB, NH, BS, 2*HS)",
         eras=("0.26",),
-        families=GPU_FAMILIES,
+        families=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=4,
         logical=_o("NB NH BS CS"),
-        layouts={"NHD": _o("NL NB BS NH CS"), "HND": _o("NL NB NH BS CS"), "NHD/cross": _o("NB NL BS NH CS")},
-        sources=(_src("0.26.0", _FA + " (l.131), stride order NHD (0,2,1,3), HND identity; cross-layer NHD (1,0,3,2,4)"),),
+        layouts={
+            "NHD": _o("NL NB BS NH CS"),
+            "HND": _o("NL NB NH BS CS"),
+            "NHD/cross": _o("NB NL BS NH CS"),
+            "HND/cross": _o("NB NH NL BS CS"),
+        },
+        sources=(
+            _src(
+                "0.26.0",
+                _FA + ", stride order NHD (0,2,1,3), HND identity; cross-layer NHD (1,0,3,2,4), HND (1,2,0,3,4); "
+                "forward transpose(1, 2).split(head_size, -1)",
+            ),
+            _src("0.26.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py: (NB, NH, BS, 2*HS), no stride order"),
+        ),
         physical_ok=True,
-        backends_label=GPU_FAMILIES,
+        backends_label=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="0.33 FlexAttention view [NB, NH, BS, C], LBNHC only",
@@ -228,8 +270,18 @@ RULES: tuple[Rule, ...] = (
         rank=4,
         logical=_o("NB NH BS CS"),
         layouts={"LBNHC": _o("NL NB BS NH CS")},
-        sources=(_src("0.33.0", _FLEX + "; supported_kv_cache_layouts() = (LBNHC,) (l.130)"),),
+        sources=(_src("0.33.0", _FLEX + "; supported_kv_cache_layouts() = (LBNHC,)"),),
         backends_label=("FLEX_ATTENTION",),
+    ),
+    Rule(
+        label="0.33 ROCm AITER views [NB, NH, BS, C], LBHNC / LHBNC",
+        eras=("0.33",),
+        families=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={"LBHNC": _o("NL NB NH BS CS"), "LHBNC": _o("NL NH NB BS CS")},
+        sources=(_src("0.33.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py::supported_kv_cache_layouts (LBHNC, LHBNC)"),),
+        backends_label=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="0.33 KVCacheLayout views [NB, NH, BS, C]",
@@ -245,49 +297,74 @@ RULES: tuple[Rule, ...] = (
             "BLNHC": _o("NB NL BS NH CS"),
             "BHLNC": _o("NB NH NL BS CS"),
         },
-        sources=(_src("0.33.0", _V33 + " (l.418); vllm/v1/worker/utils.py::allocate_kv_cache (l.564)"),),
+        sources=(_src("0.33.0", _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache"),),
         backends_label=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
     ),
     Rule(
-        label="CPU 0.11 paged (2, NB, BS*NH*HS)",
+        label="CPU 0.11 TORCH_SDPA without IPEX (2, NB, BS*NH*HS) read by split_kv_cache",
         eras=("0.11",),
         families=("CPU",),
         rank=3,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"HND": _o("NL TWO NB NH HS BS")},
-        sources=(_src("0.11.0", _CPU + "::_PagedAttention.get_kv_cache_shape (l.751) / split_kv_cache"),),
+        layouts={"*": _o("NL TWO NB NH HS BS")},
+        sources=(
+            _src("0.11.0", _CPU + "::_PagedAttention.get_kv_cache_shape / split_kv_cache (K (NB, NH, HS/x, BS, x), V (NB, NH, HS, BS))"),
+        ),
         transform="paged",
         gate="cpu",
+        requires=(("use_ipex", False),),
         backends_label=("TORCH_SDPA",),
     ),
     Rule(
-        label="ROCm paged (2, NB, BS, NH, HS) read by split_kv_cache",
-        eras=("0.11", "0.13"),
+        label="CPU 0.11 TORCH_SDPA with IPEX (2, NB, BS*NH*HS) viewed (NB, NH, BS, HS)",
+        eras=("0.11",),
+        families=("CPU",),
+        rank=3,
+        logical=_o("TWO NB NH BS HS"),
+        layouts={"*": _o("NL TWO NB NH BS HS")},
+        sources=(_src("0.11.0", _CPU + "::_IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)"),),
+        transform="paged_ipex",
+        gate="cpu",
+        requires=(("use_ipex", True),),
+        backends_label=("TORCH_SDPA",),
+    ),
+    Rule(
+        label="ROCm prefill-decode paged (2, NB, BS, NH, HS) read by split_kv_cache",
+        eras=("0.11",),
         families=("ROCM_ATTN",),
         rank=5,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"NHD": _o("NL TWO NB NH HS BS")},
-        sources=(
-            _src(
-                "0.11.0",
-                "vllm/v1/attention/backends/rocm_attn.py::RocmAttentionBackend.get_kv_cache_shape; RocmAttentionImpl.forward "
-                "PagedAttention.split_kv_cache (K (NB, NH, HS/x, BS, x), V (NB, NH, HS, BS))",
-            ),
-        ),
+        layouts={"*": _o("NL TWO NB NH HS BS")},
+        sources=(_src("0.11.0", _ROCM + "::RocmAttentionImpl.forward with VLLM_V1_USE_PREFILL_DECODE_ATTENTION=1: " + _SPLIT),),
+        transform="paged5",
+        gate="rocm",
+        requires=(("prefill_decode_attention", True),),
+        backends_label=("ROCM_ATTN",),
+    ),
+    Rule(
+        label="ROCm paged (2, NB, BS, NH, HS) read by split_kv_cache",
+        eras=("0.13", "0.24", "0.26"),
+        families=("ROCM_ATTN",),
+        rank=5,
+        logical=_o("TWO NB NH HS BS"),
+        layouts={"*": _o("NL TWO NB NH HS BS")},
+        sources=(_src("0.13.0", _ROCM + "::RocmAttentionImpl.forward: " + _SPLIT), _src("0.24.0", _ROCM), _src("0.26.0", _ROCM)),
         transform="paged5",
         gate="rocm",
         backends_label=("ROCM_ATTN",),
     ),
     Rule(
-        label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS]",
+        label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS] read by split_kv_cache",
         eras=("0.33",),
         families=("ROCM_ATTN",),
         rank=4,
-        logical=_o("NB TWO BS NH HS"),
-        layouts={"LBHNC": _o("NL NB TWO BS NH HS"), "LHBNC": _o("NL TWO NB BS NH HS")},
+        logical=_o("NB TWO NH HS BS"),
+        layouts={"LBHNC": _o("NL NB TWO NH HS BS"), "LHBNC": _o("NL TWO NB NH HS BS")},
         sources=(
             _src(
-                "0.33.0", "vllm/v1/attention/backends/rocm_attn.py::RocmAttentionBackend.customize_spec (num_head_slots=2, C = NH*HS*dtype)"
+                "0.33.0",
+                _ROCM + "::RocmAttentionBackend.customize_spec (num_head_slots=2, C = NH*HS*dtype); forward "
+                "split_kv_cache(kv_cache.transpose(0, 1), ...)",
             ),
         ),
         transform="head_slots",
@@ -301,29 +378,25 @@ RULES: tuple[Rule, ...] = (
         rank=5,
         logical=_o("TWO NB NH BS HS"),
         layouts={"HND": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape"),),
+        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape; forward unbind(0)"),),
         gate="cpu",
         backends_label=("CPU_ATTN",),
     ),
     Rule(
-        label="CPU 0.24-0.26 packed (NB, NH, BS, 2*HS)",
-        eras=("0.24", "0.26"),
-        families=("CPU",),
-        rank=4,
-        logical=_o("NB NH BS CS"),
-        layouts={"HND": _o("NL NB NH BS CS")},
-        sources=(_src("0.24.0", _CPU + "::get_kv_cache_shape, get_required_kv_cache_layout() == 'HND'"),),
-        gate="cpu",
-        backends_label=("CPU_ATTN",),
-    ),
-    Rule(
-        label="CPU 0.33 LBHNC, per (block, head) BS K-rows then BS V-rows",
-        eras=("0.33",),
+        label="CPU 0.24-0.33 [NB, NH, BS, 2*HS]: per (block, head) BS K-rows then BS V-rows",
+        eras=("0.24", "0.26", "0.33"),
         families=("CPU",),
         rank=4,
         logical=_o("NB NH TWO BS HS"),
-        layouts={"LBHNC": _o("NL NB NH TWO BS HS")},
-        sources=(_src("0.33.0", _CPU + " (l.82 supported_kv_cache_layouts; l.420-425 view [B,H,2N,D].chunk(2, dim=2))"),),
+        layouts={"HND": _o("NL NB NH TWO BS HS")},
+        sources=(
+            _src(
+                "0.24.0",
+                _CPU + "::CPUAttentionBackend.get_kv_cache_shape (NB, NH, BS, 2*HS); forward view(NB, NH, 2*BS, -1).chunk(2, dim=2)",
+            ),
+            _src("0.26.0", _CPU + " (same)"),
+            _src("0.33.0", _CPU + "; supported_kv_cache_layouts() = (LBHNC,)"),
+        ),
         transform="kv_rows",
         gate="cpu",
         backends_label=("CPU_ATTN",),
@@ -346,9 +419,10 @@ RULES: tuple[Rule, ...] = (
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
-        layouts={"*": _o("NL NB BS HS")},
+        layouts={"*": _o("NL NB BS HS"), "*/cross": _o("NB NL BS HS")},
         sources=(
             _src("0.11.0", _MLA + " (l.284)"),
+            _src("0.13.0", _XL + "; MLA stride order (1,0,2,3) over (L, NB, BS, 576) (0.13-0.26)"),
             _src("0.11.0", "vllm/v1/attention/backends/mla/flashmla_sparse.py::get_kv_cache_shape (l.74) fp8_ds_mla (NB, BS, 656) uint8"),
             _src("0.33.0", "vllm/model_executor/layers/attention/mla_attention.py::MLAAttention.bind_kv_cache (l.748) squeeze(1)"),
             _src("0.33.0", "mla_attention.py l.1371: state_content_bytes 656 (fp8_ds_mla), 352 (nvfp4_ds_mla) per stored state"),
@@ -396,7 +470,14 @@ RULES: tuple[Rule, ...] = (
         families=("MLA",),
         rank=4,
         logical=_o("NB BS HS"),
-        layouts={"LBNHC": _o("NL NB BSV BSS"), "LBHNC": _o("NL NB BSV BSS"), "LHBNC": _o("NL NB BSV BSS")},
+        layouts={
+            "LBNHC": _o("NL NB BSV BSS"),
+            "LBHNC": _o("NL NB BSV BSS"),
+            "LHBNC": _o("NL NB BSV BSS"),
+            "BLHNC": _o("NB NL BSV BSS"),
+            "BLNHC": _o("NB NL BSV BSS"),
+            "BHLNC": _o("NB NL BSV BSS"),
+        },
         sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec state_content_bytes (mla_attention.py l.1371)"),),
         transform="squeeze_head",
         gate="",
@@ -461,9 +542,11 @@ def _t_paged5(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
 
 
 def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # ROCm 0.33: [NB, 2, BS, C] with C = NH*HS: split C into (NH, HS) by the hints (else one head of C)
+    # ROCm 0.33: [NB, 2, BS, C], C = NH*HS; each head slot's BS*C run is read by split_kv_cache as
+    # V (NH, HS, BS) (K in 16-byte chunks, the spec's concern) -> V's view [NB, 2, NH, HS, BS].
+    # NH by the hints, else one head of C: the bytes of a slot's run do not depend on NH.
     b, two, n, c = t.shape
-    if t.stride(3) != 1:
+    if two != 2 or (c > 1 and t.stride(3) != 1) or (n > 1 and t.stride(2) != c):
         return None
     if h.num_kv_heads:
         nh = h.num_kv_heads
@@ -473,7 +556,28 @@ def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
         nh = 1
     if c % nh:
         return None
-    return t.unflatten(3, (nh, c // nh))
+    d = c // nh
+    return torch.as_strided(t, (b, two, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
+
+
+def _t_paged_ipex(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.11 CPU with IPEX: (2, B, N*H*D) -> (2, B, H, N, D) (_IPEXPagedAttention.split_kv_cache)
+    two, b, flat = t.shape
+    n = h.block_size
+    if n is None or flat % n or t.stride(2) != 1:
+        return None
+    per = flat // n
+    if h.num_kv_heads and h.head_size:
+        nh, d = h.num_kv_heads, h.head_size
+    elif h.num_kv_heads:
+        nh, d = h.num_kv_heads, per // h.num_kv_heads
+    elif h.head_size:
+        nh, d = per // h.head_size, h.head_size
+    else:
+        return None
+    if nh * d != per:
+        return None
+    return torch.as_strided(t, (two, b, nh, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
 
 
 def _t_pallas(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
@@ -494,6 +598,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] 
     "pallas": _t_pallas,
     "paged5": _t_paged5,
     "head_slots": _t_head_slots,
+    "paged_ipex": _t_paged_ipex,
 }
 
 
@@ -618,6 +723,12 @@ def _rule_ok(rule: Rule, h: VllmHints) -> bool:
         return False
     if h.is_mla is False and rule.mla:
         return False
+    for key, want in rule.requires:
+        got = getattr(h, key)
+        if got is not None and got != want:
+            return False
+        if key == "use_ipex" and want is False and (h.cache_dtype or "").startswith("fp8"):
+            return False  # TorchSDPABackendImpl: an FP8 KV cache requires intel_extension_for_pytorch
     dev = h.device_type
     if rule.gate == "gpu" and dev in ("cpu", "tpu"):
         return False
@@ -641,10 +752,14 @@ def _sizes(tokens: Sequence[str], t: torch.Tensor) -> dict[str, int] | None:
     return out
 
 
-def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints) -> bool:
+def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints, kernel_split: bool = False) -> bool:
     isz = t.element_size()
     if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
-        return False
+        # 0.13+: the manager's block_size may be split into kernel blocks of the tensor's BS
+        # (gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views)
+        # kernel blocks are multiples of 16 tokens (get_supported_kernel_block_sizes: MultipleOf(16), 32, 64...)
+        if not (kernel_split and sz["BS"] % 16 == 0 and h.block_size % sz["BS"] == 0):
+            return False
     if h.num_kv_heads is not None:
         if rule.mla and h.num_kv_heads != 1:
             return False
@@ -662,7 +777,9 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
         return w in INDEXER_WIDTHS or h.cache_dtype in (None, "auto", "fp8_ds_mla")
     if rule.mla:
         if h.head_size is not None:
-            return width == h.head_size
+            # model_config.get_head_size() is 576 for the 656 B fp8_ds_mla record: the engine's own truth
+            record = h.cache_dtype == "fp8_ds_mla" and h.head_size == 576 and sz[last] * isz == FP8_DS_MLA_BYTES
+            return width == h.head_size or record
         if width in MLA_WIDTHS:
             return True
         if t.dtype == torch.int8 and esz == 1:  # a 0.33 byte view of unknown element dtype: 576 elements of 1, 2 or 4 bytes
@@ -681,7 +798,9 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
     return True
 
 
-def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str) -> Reading | None:
+def _reading(
+    rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str, kernel_split: bool = False
+) -> Reading | None:
     """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``."""
     order = rule.layouts[key]
     t0 = views[0]
@@ -689,8 +808,10 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
     if sz is None:
         return None
     dtype, esz = _element_dtype(t0, h, rule)
-    if not _sizes_ok(rule, sz, t0, esz, h):
+    if not _sizes_ok(rule, sz, t0, esz, h, kernel_split):
         return None
+    if kernel_split and "BS" in sz and sz["BS"] != h.block_size:
+        note += f" (block_size {h.block_size} is the manager's: the kernel reads blocks of {sz['BS']} tokens)"
     as_given = False
     if order[0] == "NL":
         perm = [tokens.index(tok) for tok in _fmt_tokens(order[1:])]
@@ -742,8 +863,17 @@ def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool 
     """Every reading of ``tensors`` (one per layer, in layer order) that a rule allows.
 
     With ``check_layout=False`` the kv_cache_layout hint is ignored (used to explain a
-    hint that the strides contradict).
+    hint that the strides contradict). A ``block_size`` hint is first matched exactly; only
+    when no reading has that block size is it read as the manager's block size split into
+    kernel blocks (vLLM 0.13+: ``block_size // kernel_block_size`` kernel blocks per block).
     """
+    out = _candidates(tensors, h, check_layout, False)
+    if not out and h.block_size is not None and h.era != "0.11":
+        out = _candidates(tensors, h, check_layout, True)
+    return out
+
+
+def _candidates(tensors: list[torch.Tensor], h: VllmHints, check_layout: bool, kernel_split: bool) -> list[Reading]:
     out: list[Reading] = []
     t0 = tensors[0]
     for rule in RULES:
@@ -759,7 +889,7 @@ def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool 
         for key in rule.layouts:
             if check_layout and not _layout_ok(rule, key, h):
                 continue
-            r = _reading(rule, key, views, rule.logical, h, "")
+            r = _reading(rule, key, views, rule.logical, h, "", kernel_split)
             if r is not None:
                 out.append(r)
             # a tensor already permuted to this layout's physical order
@@ -771,7 +901,7 @@ def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool 
             sz_l, sz_p = _sizes(rule.logical, views[0]), _sizes(phys, views[0])
             undecided = sz_l is not None and sz_l == sz_p
             if hinted or undecided or h.block_size is not None or h.num_kv_heads is not None:
-                r = _reading(rule, key, views, phys, h, " (tensor already in physical order)")
+                r = _reading(rule, key, views, phys, h, " (tensor already in physical order)", kernel_split)
                 if r is not None:
                     out.append(r)
     # among readings that turn out byte-identical, the first wins: prefer the tensor's own axis order

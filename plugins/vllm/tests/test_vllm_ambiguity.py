@@ -57,7 +57,7 @@ def test_nh1_mla_view_vs_one_kv_head(semantic):
 
 
 def test_bs_equals_nh_without_stride_evidence(semantic):
-    g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=4, head_size=8)
+    g = dict(num_layers=2, num_blocks=5, block_size=16, num_kv_heads=16, head_size=8)
     nhd = allocate("0.11.0", "FLASH_ATTN", "NHD", **g)  # contiguous: also an HND tensor already in physical order
     _ambiguous(nhd, None, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS", deciding=("kv_cache_layout",))
     lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "NHD"})
@@ -65,7 +65,7 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
     semantic(lay, nhd, kv_view)
     lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"})  # read as the physical HND tensor it also is
     assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
-    assert lay.stride_table().planes[0].head == 4 * 8 * 2  # heads are now the outer axis
+    assert lay.stride_table().planes[0].head == 16 * 8 * 2  # heads are now the outer axis
     # vLLM's own HND allocation: the strides decide, no hint needed
     hnd = allocate("0.11.0", "FLASH_ATTN", "HND", **g)
     lay = kvcore.detect(hnd, "vllm")
@@ -73,13 +73,15 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
     semantic(lay, hnd, kv_view)
 
 
-def test_packed_kv_across_versions_cpu(semantic):
+def test_cpu_rows_are_one_layout_from_024_to_033(semantic):
+    """vLLM 0.24-0.33 CPU_ATTN: (NB, NH, BS, 2*HS) read as view(NB, NH, 2*BS, HS).chunk(2, dim=2):
+    one layout (BS K rows, then BS V rows), never the GPU's packed [K | V] row."""
     g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
-    v26 = allocate("0.26.0", "CPU_ATTN", "HND", **g)
-    _ambiguous(v26, {"device_type": "cpu"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_NH_TWO_BS_HS", deciding=("vllm_version",))
-    lay = kvcore.detect(v26, "vllm", {"device_type": "cpu", "vllm_version": "0.26.0"})
-    assert lay.format.name == "NL_X_NB_NH_BS_CS"
-    semantic(lay, v26, kv_view)
+    for version in ("0.24.0", "0.26.0"):
+        kv = allocate(version, "CPU_ATTN", "HND", **g)
+        lay = kvcore.detect(kv, "vllm", {"device_type": "cpu"})
+        assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+        semantic(lay, kv, kv_view)
     v33 = allocate("0.33.0", "CPU_ATTN", "LBHNC", **g)
     lay = kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0"})
     assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
@@ -88,7 +90,7 @@ def test_packed_kv_across_versions_cpu(semantic):
 
 def test_nh2_packed_gpu_is_not_ambiguous_across_gpu_versions():
     # 0.26 (NB, NH, BS, 2*HS) and 0.33 [NB, NH, BS, C] place bytes identically: one answer
-    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
     lay = kvcore.detect(kv, "vllm")
     assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
 
@@ -117,17 +119,21 @@ def test_physical_order_tensor_needs_the_layout_hint():
 
 
 def test_wrong_size_hint_says_what_fits():
-    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
     with pytest.raises(kvcore.DetectionError, match="block_size"):
-        kvcore.detect(kv, "vllm", {"block_size": 16})
+        kvcore.detect(kv, "vllm", {"block_size": 24})
 
 
 def test_rocm_paged_vs_flash_attention(semantic):
     g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=16)
-    kv = allocate("0.11.0", "ROCM_ATTN", "NHD", **g)  # same shape as FlashAttention's, bytes in the paged layout
+    kv = allocate("0.13.0", "ROCM_ATTN", "NHD", **g)  # same shape as FlashAttention's, bytes in the paged layout
     assert kvcore.detect(kv, "vllm").format.name == "NL_X_TWO_NB_BS_NH_HS"  # no ROCm signal: CUDA FlashAttention
     _ambiguous(kv, {"device_type": "rocm"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS", deciding=("attention_backend",))
-    lay = kvcore.detect(kv, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_ATTN"})
+    # without the version, 0.11's ROCM_ATTN (unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION) also fits
+    _ambiguous(
+        kv, {"device_type": "rocm", "attention_backend": "ROCM_ATTN"}, deciding=("vllm_version", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")
+    )
+    lay = kvcore.detect(kv, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_ATTN", "vllm_version": "0.13.0"})
     assert lay.format.name == "NL_X_TWO_NB_NH_HS_BS"
     semantic(lay, kv, kv_view)
 
@@ -136,12 +142,12 @@ def test_nh2_packed_vs_rocm_head_slots(semantic):
     """[NB, 2, BS, C]: two KV heads with K|V packed per head, or ROCm 0.33's K slot and V slot."""
     g = dict(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
     packed = allocate("0.33.0", "FLASH_ATTN", "LBHNC", **g)
-    _ambiguous(packed, {"device_type": "rocm"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_TWO_BS_NH_HS", deciding=("attention_backend",))
+    _ambiguous(packed, {"device_type": "rocm"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_TWO_NH_HS_BS", deciding=("attention_backend",))
     lay = kvcore.detect(packed, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_AITER_FA"})
     assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
     semantic(lay, packed, kv_view)
     slots = allocate("0.33.0", "ROCM_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=16)
     assert next(iter(slots.values())).shape == (3, 2, 4, 16)  # one KV head: the same shape as two packed heads of 8
     lay = kvcore.detect(slots, "vllm", {"attention_backend": "ROCM_ATTN", "num_kv_heads": 1})
-    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_TWO_BS_NH_HS", 1, 16)
+    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_TWO_NH_HS_BS", 1, 16)
     semantic(lay, slots, kv_view)

@@ -76,9 +76,10 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
 
 
 def test_nvfp4_ds_mla_records(semantic):
-    kv = allocate("0.11.0", "FLASHMLA", "NHD", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
+    # vLLM 0.33 flashmla_sparse.py: nvfp4_ds_mla is a 352 B record per token (NoPE, RoPE, then its own scales)
+    kv = allocate("0.33.0", "FLASHMLA_SPARSE", "LBNHC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
                   cache_dtype="nvfp4_ds_mla")  # fmt: skip
-    assert next(iter(kv.values())).shape == (3, 4, 352)
+    assert next(iter(kv.values())).shape == (3, 1, 4, 352)
     err = None
     with pytest.raises(kvcore.AmbiguousLayoutError) as ei:  # per-token record, or LMCache's blocked-scale page
         kvcore.detect(kv, "vllm")

@@ -1,0 +1,185 @@
+"""Detection checks, per fixture (on the CPU).
+
+* ``detect``: detection of the engine's allocation returns the fixture's format.
+* ``render``: the concrete rendering is the normalised tensors' real shape.
+* ``geometry``: every accessor equals the declared sizes.
+* ``ambiguity[PROBE]``: look-alike geometries (:data:`PROBES`) answer right (the gather moves
+  the bytes the engine's view says) or raise AmbiguousLayoutError naming every candidate.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcore import registry
+from kvcore.detection import detect
+from kvcore.errors import AmbiguousLayoutError, GeometryError, KVCoreError
+from kvcore.grammar import render_concrete
+from kvcore.testing.checks.common import (
+    _compare,
+    _detect,
+    _esize,
+    _expect_gather,
+    _filled,
+    _make,
+    _seed,
+    _sentinel_like,
+    _sizes_str,
+    _slots,
+    _staged,
+    _widest,
+)
+from kvcore.testing.fixtures import FixtureCase
+from kvcore.testing.results import CheckFailure, CheckSkip
+from kvcore.transfer import gather
+
+
+def check_detect(case: FixtureCase, device: torch.device) -> str:
+    dtype = _widest(case.dtypes)
+    kv, hints = _make(case, case.sizes, dtype, device)
+    layout = _detect(case, kv, hints)
+    return layout.describe()
+
+
+def check_render(case: FixtureCase) -> str:
+    dtype = _widest(case.dtypes)
+    kv, hints = _make(case, case.sizes, dtype, torch.device("cpu"))
+    layout = _detect(case, kv, hints)
+    syn = layout.format.syntax
+    node = layout.kv_caches
+    real = []
+    for _ in syn.list_levels:
+        real.append(str(len(node)))
+        node = node[0]
+    shown = layout.describe()
+    dims = [str(int(s)) for s in node.shape]
+    if syn.blocked_scale:
+        # a block's value and scale records render as BSxVALS, BSxSCALES: compare the axes before them
+        k = syn.axes.index("BSV")
+        head = shown.rsplit("[", 1)[1].rstrip("]").split(", ")[:k]
+        if shown.rsplit("[", 1)[0] != " x ".join(real + [""]) or head != dims[:k]:
+            raise CheckFailure(
+                f"describe() renders {shown!r} but the normalised tensors are {' x '.join(real + ['[' + ', '.join(dims) + ']'])!r}"
+            )
+        return shown
+    want = " x ".join(real + ["[" + ", ".join(dims) + "]"])
+    if shown != want:
+        raise CheckFailure(f"describe() renders {shown!r} but the normalised tensors are {want!r}")
+    concrete = render_concrete(syn, layout.sizes())
+    if concrete != shown:
+        raise CheckFailure(f"render_concrete gives {concrete!r}, describe() {shown!r}")
+    return shown
+
+
+def check_geometry(case: FixtureCase) -> str | None:
+    dtype = _widest(case.dtypes)
+    kv, hints = _make(case, case.sizes, dtype, torch.device("cpu"))
+    layout = _detect(case, kv, hints)
+    s = case.sizes
+    got: dict[str, Any] = {}
+    bad = []
+    for key in ("num_layers", "num_blocks", "block_size", "num_heads", "head_size", "page_buffer_size"):
+        if key not in s:
+            continue
+        try:
+            got[key] = getattr(layout, key)
+        except GeometryError:
+            if layout.format.fused_nbbs and key in ("num_blocks", "block_size"):
+                continue  # a fused NBBS axis has no blocks; page_buffer_size answers
+            raise
+        if got[key] != s[key]:
+            bad.append(f"{key}: declared {s[key]}, layout says {got[key]}")
+    derived = {
+        "kv_size": (layout.kv_size, layout.format.kv_size),
+        "hidden_dim": (layout.hidden_dim, layout.num_heads * layout.head_size),
+        "dtype": (layout.dtype, dtype),
+        "device": (layout.device.type, "cpu"),
+        "tokens_per_layer": (layout.tokens_per_layer, layout.page_buffer_size),
+        "elements_per_layer": (layout.elements_per_layer, layout.kv_size * layout.page_buffer_size * layout.hidden_dim),
+    }
+    if not layout.format.fused_nbbs:
+        derived["page_buffer_size"] = (layout.page_buffer_size, layout.num_blocks * layout.block_size)
+    bad += [f"{k}: {a} != {b}" for k, (a, b) in derived.items() if a != b]
+    notes = []
+    try:
+        d = layout.shape_desc()
+    except GeometryError as e:
+        d = None
+        notes.append(f"no PageBufferShapeDesc ({str(e).split(';')[0]})")
+    want_d = {
+        "kv_size": layout.kv_size,
+        "nl": layout.num_layers,
+        "nh": layout.num_heads,
+        "hs": layout.head_size,
+        "element_size": _esize(dtype),
+    }
+    if d is not None:
+        bad += [f"shape_desc().{k}: {getattr(d, k)} != {v}" for k, v in want_d.items() if getattr(d, k) != v]
+    if d is not None and d.nb * d.bs != layout.page_buffer_size:
+        bad.append(f"shape_desc() nb*bs = {d.nb * d.bs} != page_buffer_size {layout.page_buffer_size}")
+    ptrs = layout.data_ptrs()
+    if not ptrs or not all(isinstance(p, int) and p > 0 for p in ptrs):
+        bad.append(f"data_ptrs() = {ptrs!r}")
+    try:
+        json.dumps(layout.summary())
+    except TypeError as e:
+        bad.append(f"summary() is not JSON-able: {e}")
+    if bad:
+        raise CheckFailure(f"{layout.format.name} {layout.describe()}: " + "; ".join(bad))
+    return "; ".join(notes) or None
+
+
+PROBES: dict[str, Callable[[dict], dict | None]] = {
+    "NH=1": lambda s: {**s, "num_heads": 1},
+    "NH=2": lambda s: {**s, "num_heads": 2},
+    "BS=NH": lambda s: {**s, "num_heads": s["block_size"]},
+    "NB=2": lambda s: {**s, "num_blocks": 2},
+    "NL=2": lambda s: {**s, "num_layers": 2},
+}
+
+
+def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str | None:
+    fmt = registry.get_format(case.format)
+    if probe.startswith("NH") or probe == "BS=NH":
+        if not fmt.syntax.has("NH"):
+            raise CheckSkip(f"{case.format} has no head axis (NH is 1 by construction)")
+    sizes = PROBES[probe](dict(case.sizes))
+    if probe == "BS=NH" and sizes["num_heads"] > 64:
+        raise CheckSkip(f"block_size {case.sizes['block_size']} is too many heads for a quick probe")
+    dtype = _widest(case.dtypes)
+    try:
+        kv, hints = case.make(dict(sizes), dtype, device)
+    except GeometryError as e:
+        raise CheckSkip(f"the engine does not allocate {_sizes_str(sizes)}: {e}") from None
+    try:
+        layout = detect(kv, case.engine, hints)
+    except AmbiguousLayoutError as e:
+        if len(e.candidates) < 2:
+            raise CheckFailure(
+                f"AmbiguousLayoutError names {len(e.candidates)} candidate(s); it must name every fitting format: {e}"
+            ) from None
+        return f"ambiguous as it should be unless hinted: {', '.join(e.candidates)} (hints {', '.join(e.hints) or '-'})"
+    except KVCoreError as e:
+        raise CheckFailure(f"probe {_sizes_str(sizes)}: detect raised {type(e).__name__}: {e}") from None
+    # any answer must move the bytes the engine's view says
+    pl, enc = _filled(case, kv, layout, hints)
+    slots = _slots(layout, _seed(case.name, probe), count=16, negatives=1)
+    out = _sentinel_like(layout, len(slots))
+    before = _staged(out)
+    gather(layout, slots, out)
+    layers = list(range(layout.num_layers))
+    _compare(
+        f"probe {_sizes_str(sizes)} detected as {layout.format.name} {layout.describe()}, and its gather is wrong",
+        _staged(out),
+        _expect_gather(enc, layers, slots, before),
+        layers,
+        slots,
+        layout,
+        enc,
+    )
+    same = "" if layout.format.name == case.format else f" as {layout.format.name} (same bytes)"
+    return f"answered {layout.describe()}{same}"
