@@ -19,9 +19,9 @@ whole token row of all heads for NHD-like planes, one head for HND-like planes, 
 for chunked heads). Item ``r`` of a (layer, plane) is token ``r // n_segs``, segment
 ``r % n_segs``; a program moves ``BLOCK_R`` items, ``BLOCK_E`` units of ``W`` bytes at a
 time. ``ALIGN`` (bytes) divides every address and segment length the launch computes, so
-the compiler may use vector loads and stores of up to 16 bytes. The block size and which
-address terms exist (several segments per row, token groups, chunked heads) are
-compile-time constants: the common layouts compile to a few integer operations per row.
+the compiler may use vector loads and stores of up to 16 bytes. Which address terms exist
+(several segments per row, token groups, chunked heads) are compile-time constants: the
+common layouts compile to a few integer operations per row.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def _copy_rows(
     s_index,
     s_layer,
     s_token,
+    block_size,
     GATHER: tl.constexpr,
     UT: tl.constexpr,
     W: tl.constexpr,
@@ -67,7 +68,6 @@ def _copy_rows(
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     NFC: tl.constexpr,
-    BS: tl.constexpr,
     ONE_SEG: tl.constexpr,
     GROUPED: tl.constexpr,
     CHUNKED: tl.constexpr,
@@ -102,8 +102,8 @@ def _copy_rows(
     slot = tl.load(slots_ptr + t, mask=in_range, other=-1)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0)
-    blk = slot // BS
-    o = slot - blk * BS
+    blk = slot // block_size
+    o = slot - blk * block_size
     if GROUPED:  # the block's tokens split in groups (BSC/BSE)
         tg = tl.load(d + 2)
         g = o // tg
@@ -139,7 +139,7 @@ def _copy_rows(
             tl.store(cp[:, None] + e[None, :], v, mask=m)
 
 
-_DO_NOT_SPECIALIZE = ("T", "num_planes", "n_tiles", "pair0", "stage_addr", "s_index", "s_layer", "s_token")
+_DO_NOT_SPECIALIZE = ("T", "num_planes", "n_tiles", "pair0", "stage_addr", "s_index", "s_layer", "s_token", "block_size")
 _JITTED: dict[bool, object] = {}
 
 UNIT_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}

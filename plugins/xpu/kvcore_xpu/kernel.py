@@ -56,6 +56,7 @@ _MAX_PROGRAMS = 2**31 - 1  # one launch's 1-D grid
 _TILE_BYTES = int(os.environ.get("KVCORE_TRITON_TILE_BYTES", "16384"))
 _NUM_WARPS = int(os.environ.get("KVCORE_TRITON_WARPS", "4"))
 _MAX_BLOCK_E = 512  # units per segment step
+_MIN_PROGRAMS = int(os.environ.get("KVCORE_TRITON_MIN_PROGRAMS", "2048"))
 
 
 def interpreting() -> bool:
@@ -429,7 +430,8 @@ class TritonKernel:
         # every launch is cut before the first one runs: a refusal writes nothing
         calls = []
         for g in prep.groups:
-            lp = launch_params(g, work[g.key], T, table.num_layers)
+            # the interpreter runs programs one by one: as few as possible there
+            lp = launch_params(g, work[g.key], T, table.num_layers, 1 if interp else None)
             kw = dict(
                 UT=mod.UNIT_TYPES[lp.unit],
                 W=lp.unit,
@@ -437,14 +439,13 @@ class TritonKernel:
                 BLOCK_R=lp.block_r,
                 BLOCK_E=lp.block_e,
                 NFC=mod.NF,
-                BS=table.block_size,
                 ONE_SEG=g.max_segs == 1,
                 GROUPED=g.grouped,
                 CHUNKED=g.chunked,
                 num_warps=_NUM_WARPS,
             )
             for pair0, n in lp.chunks:
-                args = (T, g.bases, g.desc, g.num_planes, lp.n_tiles, pair0, lp.addr, lp.s_index, lp.s_layer, lp.s_token)
+                args = (T, g.bases, g.desc, g.num_planes, lp.n_tiles, pair0, lp.addr, lp.s_index, lp.s_layer, lp.s_token, table.block_size)
                 calls.append(((n * lp.n_tiles,), args, kw))
         for host, tmp in bounce:
             tmp.copy_(host)  # scatter reads it; a gather leaves its skipped rows as they were
@@ -454,7 +455,8 @@ class TritonKernel:
         for host, tmp in bounce:
             if gather:
                 host.copy_(tmp)
-        if not bounce and slots is plan.slots:
+        # cached only for device staging: host memory is checked (pinned or not) every call
+        if slots is plan.slots and all(b.device == dev for b in bufs.values()):
             if len(prep.calls) >= _MAX_CACHED:
                 prep.calls.clear()
             prep.calls[_signature(plan.staging, slots, interp)] = tuple(calls)
@@ -470,7 +472,7 @@ def _signature(staging, slots: torch.Tensor, interp: bool) -> tuple:
         st = (staging.data_ptr(), staging.shape, staging.stride(), staging.dtype, staging.device)
     else:
         st = tuple((k, v.data_ptr(), v.shape, v.stride(), v.dtype, v.device) for k, v in staging.items())
-    return (st, slots.shape, slots.dtype, slots.device, interp, _TILE_BYTES, _NUM_WARPS)
+    return (st, slots.shape, slots.dtype, slots.device, interp, _TILE_BYTES, _NUM_WARPS, _MIN_PROGRAMS)
 
 
 @dataclass(frozen=True)
@@ -483,7 +485,9 @@ class LaunchParams:
         unit: bytes moved per integer (8, 4, 2 or 1): the widest that divides every address,
             stride, offset and run of the launch.
         align: the largest power of two up to 16 dividing every address the launch forms.
-        block_e: units per step along a segment; block_r: (token, segment) items per program.
+        block_e: units per step along a segment; block_r: (token, segment) items per program
+            (about ``KVCORE_TRITON_TILE_BYTES`` per program, fewer when the launch would
+            otherwise have under ``KVCORE_TRITON_MIN_PROGRAMS`` programs).
         n_tiles: programs per (layer, plane) pair; chunks: ``(first pair, pairs)`` per launch.
     """
 
@@ -499,7 +503,7 @@ class LaunchParams:
     chunks: tuple[tuple[int, int], ...]
 
 
-def launch_params(g: _Group, buf: torch.Tensor, T: int, num_layers: int) -> LaunchParams:
+def launch_params(g: _Group, buf: torch.Tensor, T: int, num_layers: int, min_programs: int | None = None) -> LaunchParams:
     esz = buf.element_size()
     if g.classic:
         s_index, s_layer, s_token = buf.stride(0) * esz, buf.stride(1) * esz, buf.stride(2) * esz
@@ -509,9 +513,14 @@ def launch_params(g: _Group, buf: torch.Tensor, T: int, num_layers: int) -> Laun
     align = _gcd_all((addr, s_index, s_layer, s_token), g.align)
     unit = 8 if align % 8 == 0 else 4 if align % 4 == 0 else 2 if align % 2 == 0 else 1
     block_e = _block_e(g.max_seg_bytes // unit)
-    block_r = max(1, min(1024, _pow2_floor(max(1, _TILE_BYTES // (block_e * unit)))))
-    n_tiles = max(1, -(-(T * g.max_segs) // block_r))
+    # about _TILE_BYTES per program (a segment longer than block_e takes several steps) ...
+    block_r = max(1, min(1024, _pow2_floor(max(1, _TILE_BYTES // max(g.max_seg_bytes, block_e * unit)))))
     pairs = num_layers * g.num_planes
+    # ... but enough programs to keep every multiprocessor busy on small transfers
+    min_programs = _MIN_PROGRAMS if min_programs is None else min_programs
+    while block_r > 1 and pairs * -(-(T * g.max_segs) // block_r) < min_programs:
+        block_r //= 2
+    n_tiles = max(1, -(-(T * g.max_segs) // block_r))
     if n_tiles > _MAX_PROGRAMS:
         raise TransferError(
             f"{NAME}: {T} tokens need {n_tiles} programs per (layer, plane), more than one launch holds; move fewer tokens per call"

@@ -345,6 +345,8 @@ def test_unit_width_is_the_widest_every_address_allows(interp):
     lp = launch_params(g, aligned, 10, 2)
     assert (lp.unit, lp.align) == (8, 16)
     assert lp.block_e * lp.unit == 256 and lp.n_tiles == math.ceil(10 / lp.block_r)
+    # a small transfer is spread over one program per row; the interpreter asks for few
+    assert lp.block_r == 1 and launch_params(g, aligned, 10, 2, min_programs=1).n_tiles == 1
     # a view one element in: every address is only 2-byte aligned, so units are int16
     big = torch.empty(2 * 2 * 10 * 128 + 1, dtype=torch.bfloat16)
     big.zero_()
@@ -360,6 +362,31 @@ def test_unit_width_is_the_widest_every_address_allows(interp):
     REFERENCE.gather(TransferPlan(tb, slots, ref, 9))
     KERNEL.gather(TransferPlan(tb, slots, odd, 9))
     assert torch.equal(odd.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "name,shape,nl,tokens,want",
+    [
+        # Llama-3-8B per rank (32 layers, 8 heads of 128, bf16) and a DeepSeek MLA latent
+        # (61 layers, 576): (unit bytes, units per step, items per program, programs per pair)
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 8192, (8, 256, 8, 1024)),
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 256, (8, 256, 8, 32)),
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 16, 128), 32, 8192, (8, 32, 64, 1024)),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 8192, (8, 32, 8, 1024)),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 256, (8, 32, 4, 64)),
+    ],
+)
+def test_launch_shape_of_the_benchmark_geometries(name, shape, nl, tokens, want):
+    """16 KB per program at 8192 tokens (every row a whole segment for NHD and MLA, one
+    head per segment for HND), at least 2048 programs at 256 tokens."""
+    caches = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(nl)]
+    lay = kvcore.build_layout(name, caches)
+    tb = lay.stride_table()
+    g = _Group("kv", True, list(tb.planes), tb, tb.device)
+    staging = torch.empty(lay.staging_shape(tokens), dtype=torch.bfloat16, device="meta")
+    lp = launch_params(g, staging, tokens, nl)
+    assert (lp.unit, lp.block_e, lp.block_r, lp.n_tiles) == want
+    assert lp.align == 16 and lp.chunks == ((0, nl * len(tb.planes)),)
 
 
 def test_one_launch_moves_all_layers_and_planes(interp, monkeypatch):

@@ -134,3 +134,32 @@ def test_conformance_suite_with_the_triton_kernel_on_every_fixture(monkeypatch):
         "staging_views",
         "agrees_with_reference",
     }
+
+
+def test_xpu_fixtures_are_the_engine_allocations_at_xpu_geometry():
+    """One fixture per XPU path whose engine plugin is installed, each of a format that
+    plugin registers, at the XPU block/page sizes and dtypes."""
+    from kvcore.testing.fixtures import fixtures
+
+    loaded = {i.name for i in kvcore.plugins() if not i.error}
+    cases = {c.name: c for c in fixtures("xpu")}
+    want = set()
+    if "vllm" in loaded:
+        want |= {"xpu-vllm-0.11-FLASH_ATTN", "xpu-vllm-0.11-TRITON_ATTN-fp8", "xpu-vllm-0.33-FLASH_ATTN-LBNHC"}
+    if "sglang" in loaded:
+        want |= {
+            "xpu-sglang-0.5.23-intel_xpu-mha-page128",
+            "xpu-sglang-0.5.23-intel_xpu-mla-page32",
+            "xpu-sglang-0.5.23-dsa-indexer-page128",
+        }
+    assert set(cases) == want
+    names = {f.name for f in kvcore.formats()}
+    for c in cases.values():
+        assert c.format in names
+        assert c.sizes["block_size"] in (32, 64, 128) and c.source
+    if "vllm" in loaded:
+        fa = cases["xpu-vllm-0.11-FLASH_ATTN"]
+        kv, hints = fa.make(fa.sizes, torch.bfloat16, torch.device("cpu"))
+        assert hints["device_type"] == "xpu" and "kv_cache_layout" not in hints  # NHD is the platform's, not a hint
+        assert kvcore.detect(kv, "vllm", hints).format.name == fa.format == "NL_X_TWO_NB_BS_NH_HS"
+        assert cases["xpu-vllm-0.11-TRITON_ATTN-fp8"].dtypes[2] == torch.float8_e5m2
