@@ -15,6 +15,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 from __future__ import annotations
 
 from kvcore.detection import Candidate, detect, detect_per_layer, resolve
+from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
     DetectionError,
@@ -26,13 +27,16 @@ from kvcore.errors import (
 )
 from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
+from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
+from kvcore.layout_copy import copy
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
     formats,
     get_format,
+    hints,
     plugins,
     register_plugin,
     unregister_plugin,
@@ -49,6 +53,7 @@ __all__ = [
     "DetectionError",
     "FormatError",
     "GeometryError",
+    "Hint",
     "KVCoreError",
     "KVCorePluginWarning",
     "KVFormat",
@@ -61,6 +66,7 @@ __all__ = [
     "StrideTable",
     "TransferError",
     "build_layout",
+    "copy",
     "detect",
     "detect_per_layer",
     "disable_plugins",
@@ -68,13 +74,16 @@ __all__ = [
     "gather",
     "gather_blocks",
     "get_format",
+    "hints",
     "hookimpl",
     "parse_format",
     "plugins",
+    "recv",
     "register_plugin",
     "resolve",
     "scatter",
     "scatter_blocks",
+    "send",
     "slots_for_blocks",
     "unregister_plugin",
 ]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvcore import registry
-from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError, KVCoreError
+from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError
 from kvcore.layout import Detection, KVLayout, build_layout
 
 __all__ = [
@@ -143,20 +143,9 @@ def _detectors() -> list[str]:
 
 
 def _ask(host: Any, container: Any, engine: str, hints: dict[str, Any]) -> Detection | None:
-    """Call the ``kvcore_detect`` hooks; a plugin that crashes is a DetectionError, not a crash."""
-    try:
-        det = host.pm.hook.kvcore_detect(kv_caches=container, engine=engine, hints=hints)
-    except KVCoreError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        asked = ", ".join(_detectors()) or "none"
-        raise DetectionError(
-            f"a kvcore plugin failed while detecting for engine {engine!r}: {type(e).__name__}: {e}\n"
-            f"tensors:\n{describe_input(container)}\nplugins asked: {asked}"
-        ) from e
-    if det is not None and not isinstance(det, Detection):
-        raise DetectionError(f"a kvcore_detect hook for engine {engine!r} returned {det!r}; it must return a kvcore.Detection or None")
-    return det
+    """Ask the plugins' ``kvcore_detect`` hooks, one plugin at a time: one that crashes,
+    returns garbage or returns copies is named and skipped (:func:`kvcore.registry.ask_detect`)."""
+    return registry.ask_detect(container, engine, hints)
 
 
 def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from kvcore.errors import FormatError, GeometryError, KVCoreError, PluginError
+from kvcore.errors import FormatError, GeometryError, KVCoreError
 from kvcore.formats import KVFormat
 from kvcore.grammar import parse
 from kvcore.spec import Spec, StrideTable
@@ -348,9 +348,10 @@ def build_layout(
     Raises:
         FormatError: a malformed format name (naming the bad token).
         GeometryError: the tensors do not fit the format (wrong nesting, rank, literal
-            axis size, zero-size axis, aliasing strides, geometry past the storage), or
-            a plugin's spec failed on them.
-        PluginError: a ``kvcore_spec`` hook returned something that is not a Spec subclass.
+            axis size, zero-size axis, aliasing strides, geometry past the storage), are
+            quantized tensors (``torch.quint8``...), or a plugin's spec failed on them.
+        PluginError: a ``kvcore_spec`` hook raised or returned something that is not a
+            Spec subclass (the message names the plugin).
     """
     from kvcore import registry
 
@@ -362,11 +363,8 @@ def build_layout(
             fmt = KVFormat(name=format, description="(not registered by any plugin)")
     else:
         fmt = format
-    spec_cls = registry.host().pm.hook.kvcore_spec(format=fmt) or Spec
-    if not (isinstance(spec_cls, type) and issubclass(spec_cls, Spec)):
-        raise PluginError(
-            f"a kvcore_spec hook returned {spec_cls!r} for format {fmt.name}; it must return a subclass of kvcore.Spec or None"
-        )
+    registry.refuse_quantized(kv_caches, "kv_caches", GeometryError)
+    spec_cls = registry.spec_for(fmt) or Spec  # a plugin's bad answer is a PluginError naming it
     try:
         spec = spec_cls(fmt, kv_caches, dtype=dtype, params=params)
     except KVCoreError:

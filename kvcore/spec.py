@@ -289,6 +289,49 @@ class StrideTable:
             planes=tuple(replace(p, bases=tuple(p.bases[i] for i in layers)) for p in self.planes),
         )
 
+    def select_heads(self, start: int, stop: int) -> StrideTable:
+        """The table of heads ``start .. stop-1`` only (a tensor-parallel slice of the KV heads).
+
+        A derived table, no copy: every plane's bases move ``start * head`` bytes and its
+        ``num_heads`` becomes ``stop - start``; strides are unchanged. Staged rows shrink to
+        the selected heads (a plane's heads keep their ``offset`` and ``head_stride`` inside
+        the row, so interleaved planes stay interleaved). ``(0, num_heads)`` returns ``self``.
+
+        Raises:
+            GeometryError: ``start``/``stop`` are not integers with ``0 <= start < stop``, a
+                plane has fewer than ``stop`` heads (an MLA latent has one head: it is moved
+                whole), or a staging buffer holds planes of different head counts or head
+                strides (their rows cannot shrink by whole heads).
+        """
+        for v in (start, stop):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise GeometryError(f"a head range is two integers (start, stop), got ({start!r}, {stop!r})")
+        if not 0 <= start < stop:
+            raise GeometryError(f"head range ({start}, {stop}) is empty or negative; it needs 0 <= start < stop")
+        if start == 0 and all(p.num_heads == stop for p in self.planes):
+            return self
+        for p in self.planes:
+            if p.num_heads < stop:
+                raise GeometryError(
+                    f"head range ({start}, {stop}) reaches past plane {p.role}, which has {p.num_heads} head(s) "
+                    f"(valid ranges lie in 0..{p.num_heads})"
+                )
+        n = stop - start
+        buffers = []
+        for b in self.buffers:
+            staged = [p for p in self.planes if p.staging.buffer == b.key]
+            kinds = {(p.num_heads, p.staging.head_stride) for p in staged}
+            if len(kinds) != 1:
+                raise GeometryError(
+                    f"staging buffer {b.key!r} holds planes of different head counts or head strides "
+                    f"({', '.join(f'{p.role}: {p.num_heads} x {p.staging.head_stride} B' for p in staged)}); "
+                    "its rows cannot shrink to a head range"
+                )
+            nh, hstride = kinds.pop()
+            buffers.append(replace(b, row_bytes=b.row_bytes - (nh - n) * hstride))
+        planes = tuple(replace(p, num_heads=n, bases=tuple((t, off + start * p.strides.head) for t, off in p.bases)) for p in self.planes)
+        return replace(self, planes=planes, buffers=tuple(buffers))
+
     def signature(self) -> tuple:
         """What fixes the mapping (layer, plane, slot, head, byte) → memory address: two
         tables with one signature move the same bytes. The stride of an axis of extent 1

@@ -44,3 +44,33 @@ def test_each_check_is_in_the_one_family_module_that_documents_it():
         mod = fams[documented[0]]
         fn = getattr(mod, f"check_{name}", None)
         assert callable(fn) and getattr(suite, f"check_{name}") is fn, f"check_{name} is not defined in {mod.__name__}"
+
+
+def test_kvcore_testing_fixtures_is_the_module_not_a_function():
+    import kvcore.testing
+    import kvcore.testing.fixtures as mod
+
+    assert kvcore.testing.fixtures is mod and not callable(kvcore.testing.fixtures)
+    assert callable(kvcore.testing.registered_fixtures)
+
+
+def test_fixture_hooks_are_called_through_pluggy_including_specname(core_only):
+    import kvcore
+    from kvcore.testing import FixtureCase, registered_fixtures
+
+    def case(name):
+        return FixtureCase(name, "e", "NL_X_NB_BS_HS", lambda *a: ([], {}), lambda *a: None, sizes={})
+
+    class TwoHooks:
+        @kvcore.hookimpl
+        def kvcore_register_fixtures(self, register):
+            register(case("first"))
+
+        @kvcore.hookimpl(specname="kvcore_register_fixtures")
+        def more_fixtures(self, register):
+            register(case("second"))
+
+    kvcore.register_plugin(TwoHooks(), name="two")
+    assert sorted(c.name for c in registered_fixtures("two")) == ["first", "second"]
+    by_plugin, _ = suite._fixtures_by_plugin()
+    assert sorted(c.name for c in by_plugin["two"]) == ["first", "second"]

@@ -20,6 +20,13 @@ instance (pluggy accepts any object with hook methods); register one at a time::
 * :class:`EagerKernel` — a correct layout with a kernel that copies first and validates
   afterwards: it refuses a row-strided staging buffer with TransferError, but only after
   it has written the cache (scatter) or the buffer (gather).
+* :class:`LogicalName` — the engine writes HND blocks; the plugin hands back the engine's
+  logical NHD view (a correct ``permute``) under the NHD name. Every byte moves right, but
+  a name is the physical order: ``physical_order`` fails (the name must say HND).
+* :class:`IgnoresEngine` — a correct detector that never checks ``engine``: it answers for
+  every engine (``engine_scoped`` fails).
+* :class:`UndeclaredHints` — a fixture that detects with a hint the plugin never declares
+  (``hints_declared`` fails: ``kvcore hints toyllm`` could not tell a user about it).
 """
 
 from __future__ import annotations
@@ -141,4 +148,29 @@ class EagerKernel(ToyPlugin):
         register(_EagerReference())
 
 
-__all__ = ["FORMAT", "ToyPlugin", "SwappedKV", "TransposedHeads", "EagerKernel"]
+class LogicalName(ToyPlugin):
+    """Broken: HND memory under the NHD name (the views are right, the name is not physical)."""
+
+    hnd = True
+
+    def normalise(self, kv_caches):
+        return [t.transpose(3, 4) for t in kv_caches]  # [1, 2, NB, BS, NH, HS] over [1, 2, NB, NH, BS, HS] memory
+
+
+class IgnoresEngine(ToyPlugin):
+    """Broken: the detector answers whatever engine the caller names."""
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        return Detection(format=FORMAT, kv_caches=self.normalise(kv_caches), note="toyllm")  # the bug: no engine check
+
+
+class UndeclaredHints(ToyPlugin):
+    """Broken: the fixture detects with a hint nothing declares for the engine."""
+
+    def allocate(self, sizes, dtype, device):
+        kv, _ = super().allocate(sizes, dtype, device)
+        return kv, {"toy_layout": "NHD"}
+
+
+__all__ = ["FORMAT", "ToyPlugin", "SwappedKV", "TransposedHeads", "EagerKernel", "LogicalName", "IgnoresEngine", "UndeclaredHints"]

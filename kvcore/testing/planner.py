@@ -19,8 +19,16 @@ from kvcore.testing.checks.common import (
     devices,
 )
 from kvcore.testing.checks.context import _Ctx
-from kvcore.testing.checks.detection import PROBES, check_ambiguity, check_detect, check_geometry, check_render
-from kvcore.testing.checks.fixture import check_fixture_contract
+from kvcore.testing.checks.detection import (
+    PROBES,
+    check_ambiguity,
+    check_detect,
+    check_engine_scoped,
+    check_geometry,
+    check_physical_order,
+    check_render,
+)
+from kvcore.testing.checks.fixture import check_fixture_contract, check_hints_declared
 from kvcore.testing.checks.format import check_fixtures_exist, check_grammar
 from kvcore.testing.checks.invalid import INVALID, check_invalid
 from kvcore.testing.checks.random import check_agrees_with_reference
@@ -39,10 +47,13 @@ from kvcore.testing.results import CheckFailure, CheckSkip, Options, Task
 #: every check name, in report order (``roundtrip``, ``ambiguity`` and ``invalid`` take a ``[...]`` suffix)
 CHECKS = (
     "load",
+    "engine_scoped",
     "grammar",
     "fixtures_exist",
     "fixture_contract",
+    "hints_declared",
     "detect",
+    "physical_order",
     "render",
     "geometry",
     "ambiguity",
@@ -136,7 +147,9 @@ def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = No
 
     tasks = [
         T("fixture_contract", lambda: check_fixture_contract(case)),
+        T("hints_declared", lambda: check_hints_declared(case)),
         T("detect", lambda: check_detect(case, cpu)),
+        T("physical_order", lambda: check_physical_order(case)),
         T("render", lambda: check_render(case)),
         T("geometry", lambda: check_geometry(case)),
     ]
@@ -159,23 +172,15 @@ def _devices(opts: Options) -> list[torch.device]:
 
 def _fixtures_by_plugin() -> tuple[dict[str, list[FixtureCase]], dict[str, str]]:
     """Each plugin's fixtures, and the error of each plugin whose fixture hook raised."""
-    from kvcore.testing.fixtures import fixtures
+    from kvcore.testing.fixtures import fixtures_by_plugin
 
-    h = registry.host()
-    out: dict[str, list[FixtureCase]] = {}
-    errors: dict[str, str] = {}
-    for p in h.pm.get_plugins():
-        name = h.pm.get_name(p)
-        try:
-            cases = fixtures(name)
-        except Exception as e:  # noqa: BLE001 - one broken plugin must not hide the others' results
-            errors[name] = f"kvcore_register_fixtures raised {type(e).__name__}: {e}"
-            cases = []
+    out, raised = fixtures_by_plugin()
+    errors = {name: f"kvcore_register_fixtures raised {type(e).__name__}: {e}" for name, e in raised.items()}
+    for name, cases in out.items():
         bad = [c for c in cases if not isinstance(c, FixtureCase)]
         if bad:
             errors[name] = f"kvcore_register_fixtures registered {bad[0]!r:.80}, not a kvcore.testing.FixtureCase"
-            cases = [c for c in cases if isinstance(c, FixtureCase)]
-        out[name] = cases
+            out[name] = [c for c in cases if isinstance(c, FixtureCase)]
     return out, errors
 
 
@@ -219,11 +224,14 @@ def plan(plugins: Sequence[str] | None = None, opts: Options | None = None) -> l
             add([Task(name, "", "", "-", "load", lambda err=err: (_ for _ in ()).throw(CheckFailure(f"plugin failed to load: {err}")))])
             continue
         cases = by_plugin.get(name, [])
+        if any(i.plugin_name == name for i in h.pm.hook.kvcore_detect.get_hookimpls()):
+            every_case = [c for cs in by_plugin.values() for c in cs]
+            add([Task(name, "", "", "-", "engine_scoped", functools.partial(check_engine_scoped, name, every_case))])
         if name in fixture_errors:
             err = fixture_errors[name]
             add([Task(name, "", "", "-", "fixtures", lambda err=err: (_ for _ in ()).throw(CheckFailure(err)))])
-        for fname in sorted(f for f, o in h.format_owner.items() if o == name):
-            fmt = h.formats[fname]
+        for fname in sorted(f for f, d in h.declarations.items() if name in d):
+            fmt = h.declarations[fname][name]  # this plugin's own declaration (its sources, engines)
             mine = [c.name for c in cases if c.format == fname]
 
             exists = functools.partial(check_fixtures_exist, name, fname, mine)

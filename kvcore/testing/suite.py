@@ -17,10 +17,13 @@ Checks (one :class:`Result` per plugin, format, fixture, kernel and check):
 
 * per format a plugin registers: ``grammar`` (the name parses and renders, its derived
   facts agree with its declared labels) and ``fixtures_exist`` (at least one fixture);
-* per fixture: ``fixture_contract`` (make/kv_view honour the contract), ``detect``
-  (detection of the engine's allocation returns the fixture's format), ``render`` (the
-  concrete rendering is the tensors' real shape), ``geometry`` (every accessor equals the
-  declared sizes), ``ambiguity[...]`` (look-alike geometries NH=1, NH=2, BS=NH, NB=2,
+* per plugin with a detector: ``engine_scoped`` (it returns None for an engine that is
+  not its own);
+* per fixture: ``fixture_contract`` (make/kv_view honour the contract), ``hints_declared``
+  (every hint it passes is declared), ``detect`` (detection of the engine's allocation
+  returns the fixture's format), ``physical_order`` (the name is the tensors' memory
+  order), ``render`` (the concrete rendering is the tensors' real shape), ``geometry``
+  (every accessor equals the declared sizes), ``ambiguity[...]`` (look-alike geometries NH=1, NH=2, BS=NH, NB=2,
   NL=2 answer right or raise AmbiguousLayoutError);
 * per fixture, kernel and device: ``semantic_gather``, ``semantic_scatter``,
   ``roundtrip[dtype]``, ``negative_slots``, ``empty_slots``, ``padded_pool``,
@@ -62,8 +65,17 @@ from kvcore.testing.checks.common import (
     forced_kernel,
 )
 from kvcore.testing.checks.context import _Ctx, _run_scatter
-from kvcore.testing.checks.detection import PROBES, check_ambiguity, check_detect, check_geometry, check_render
-from kvcore.testing.checks.fixture import check_fixture_contract
+from kvcore.testing.checks.detection import (
+    FOREIGN_ENGINE,
+    PROBES,
+    check_ambiguity,
+    check_detect,
+    check_engine_scoped,
+    check_geometry,
+    check_physical_order,
+    check_render,
+)
+from kvcore.testing.checks.fixture import check_fixture_contract, check_hints_declared
 from kvcore.testing.checks.format import check_fixtures_exist, check_grammar
 from kvcore.testing.checks.invalid import INVALID, _expect_refusal, _other_device, _other_dtype, check_invalid
 from kvcore.testing.checks.random import _SHAPE_KEYS, _random_sizes, check_agrees_with_reference

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvcore import Candidate, DetectionError, GeometryError, KVFormat, Source, hookimpl, resolve
+from kvcore import Candidate, DetectionError, GeometryError, Hint, KVFormat, Source, hookimpl, resolve
 from kvcore.testing import FixtureCase
 
 ENGINES = ("trtllm", "tensorrt_llm", "tensorrt-llm")
@@ -70,6 +70,46 @@ def kvcore_register_formats(register):
             attention_backends=["TRTLLM"],
             description="TensorRT-LLM MLA block pool [NB, NL, 1, BS*HS] (kv_factor 1, one latent head)",
             sources=[_POOL, _MLA_SRC],
+        )
+    )
+
+
+@hookimpl
+def kvcore_register_hints(register):
+    """The KVCacheManager facts the flat pool needs (``kvcore hints trtllm``)."""
+    manager = "tensorrt_llm/_torch/pyexecutor/resource_manager.py::KVCacheManager"
+    register(
+        Hint(
+            engine="trtllm", name="num_kv_heads", meaning="KV heads per rank (KVCacheManager.num_kv_heads)", type="int > 0", source=manager
+        )
+    )
+    register(
+        Hint(
+            engine="trtllm",
+            name="tokens_per_block",
+            meaning="tokens per block (KvCacheConfig.tokens_per_block, a power of two > 1)",
+            type="int > 0",
+            default="required: the pool's last axis does not show it",
+            source="tensorrt_llm/llmapi/llm_args.py::KvCacheConfig.tokens_per_block",
+        )
+    )
+    register(
+        Hint(
+            engine="trtllm",
+            name="head_dim",
+            meaning="elements per head (MLA: kv_lora_rank + qk_rope_head_dim)",
+            type="int > 0",
+            source=manager,
+        )
+    )
+    register(
+        Hint(
+            engine="trtllm",
+            name="kv_layout",
+            meaning="the head order inside a block; this plugin describes the HND blocks TRT-LLM's attention kernels write",
+            values=["HND", "NHD"],
+            default="HND",
+            source="cpp/tensorrt_llm/kernels/kvCacheUtils.h::KVBlockArray::getKVLocalIdx",
         )
     )
 

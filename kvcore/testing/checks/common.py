@@ -200,3 +200,13 @@ def _change_where(snap: oracle.Snapshot, pl, enc) -> str:
 
 def _copies(pl: list[list[oracle.Plane]]) -> list[list[oracle.Plane]]:
     return [[v.clone() for v in row] for row in pl]
+
+
+def _describe_value(v: Any) -> str:
+    """Shapes and dtypes, never values: ``Tensor[2, 4, 8] float32``, tuples of them, else a short repr."""
+    if isinstance(v, torch.Tensor):
+        return f"Tensor{list(v.shape)} {_dname(v.dtype)}"
+    if isinstance(v, (tuple, list)):
+        inner = ", ".join(_describe_value(x) for x in list(v)[:4]) + (", ..." if len(v) > 4 else "")
+        return f"{type(v).__name__}({inner})"
+    return f"{type(v).__name__} {v!r:.60}"

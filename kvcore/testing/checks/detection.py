@@ -1,10 +1,17 @@
 """Detection checks, per fixture (on the CPU).
 
 * ``detect``: detection of the engine's allocation returns the fixture's format.
+* ``physical_order``: the detected tensors' axes, in the name's order, are their memory
+  order (a name is the physical order: a logical NHD name over HND memory fails).
 * ``render``: the concrete rendering is the normalised tensors' real shape.
 * ``geometry``: every accessor equals the declared sizes.
 * ``ambiguity[PROBE]``: look-alike geometries (:data:`PROBES`) answer right (the gather moves
   the bytes the engine's view says) or raise AmbiguousLayoutError naming every candidate.
+
+And per plugin with a ``kvcore_detect`` hook:
+
+* ``engine_scoped``: the hook returns None for an engine that is not its own, on every
+  fixture's cache (a detector that ignores ``engine`` would answer for every engine).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from kvcore import registry
 from kvcore.detection import detect
 from kvcore.errors import AmbiguousLayoutError, GeometryError, KVCoreError
 from kvcore.grammar import render_concrete
+from kvcore.testing import oracle
 from kvcore.testing.checks.common import (
     _compare,
     _detect,
@@ -183,3 +191,68 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str 
     )
     same = "" if layout.format.name == case.format else f" as {layout.format.name} (same bytes)"
     return f"answered {layout.describe()}{same}"
+
+
+def check_physical_order(case: FixtureCase) -> str:
+    from kvcore.detection import physical_permutation
+
+    dtype = _widest(case.dtypes)
+    kv, hints = _make(case, case.sizes, dtype, torch.device("cpu"))
+    layout = _detect(case, kv, hints)
+    syn = layout.format.syntax
+    axes = list(getattr(syn, "axes", ()))
+    for i, t in enumerate(oracle.leaves(layout.kv_caches)):
+        named = t.dim() == len(axes)  # a single-plane name: its tokens label the axes
+        names = axes if named else [f"axis {d}" for d in range(t.dim())]
+        dims = [d for d in range(t.dim()) if t.shape[d] > 1]
+        for a, b in zip(dims, dims[1:]):
+            if t.stride(a) < t.stride(b):
+                perm = physical_permutation(t)
+                prefix = "".join(f"{lv}_X_" for lv in getattr(syn, "list_levels", ()))
+                memory = prefix + "_".join(names[d] for d in perm) if named else f"axes {perm}"
+                raise CheckFailure(
+                    f"{layout.format.name} names {names[a]} before {names[b]}, but in the tensors detection returned (tensor {i}, "
+                    f"shape {list(t.shape)}, stride {list(t.stride())}) {names[b]} is outside {names[a]} in memory: a format name is "
+                    f"the physical (memory) order, outermost first. These tensors' memory order is {memory}: detect to the name "
+                    "of that order, with the views permuted into it (HND memory is an HND name even when the engine's tensor "
+                    "shows it as NHD)"
+                )
+    return f"{layout.format.name}: name order is memory order"
+
+
+#: an engine name no plugin serves: every detector must return None for it
+FOREIGN_ENGINE = "kvcore-check-not-an-engine"
+
+
+def check_engine_scoped(plugin: str, cases: list[FixtureCase]) -> str:
+    from kvcore.detection import normalize_container
+
+    impls = [i for i in registry.host().pm.hook.kvcore_detect.get_hookimpls() if i.plugin_name == plugin]
+    if not impls:
+        raise CheckSkip(f"{plugin} has no kvcore_detect hook")
+    tried = 0
+    for case in cases:
+        try:
+            kv, hints = case.make(dict(case.sizes), _widest(case.dtypes), torch.device("cpu"))
+            container, _ = normalize_container(kv)
+        except Exception:  # noqa: BLE001 - the fixture's own checks report a make that fails
+            continue
+        args = {"kv_caches": container, "engine": FOREIGN_ENGINE, "hints": dict(hints or {})}
+        for impl in impls:
+            where = f"on fixture {case.name}'s cache (engine {case.engine!r})"
+            try:
+                answer = impl.function(*[args[a] for a in impl.argnames])
+            except Exception as e:  # noqa: BLE001
+                raise CheckFailure(
+                    f"kvcore_detect(engine={FOREIGN_ENGINE!r}) raised {type(e).__name__}: {e} {where}; a detector must return None "
+                    "for an engine that is not its own (check `engine` first), or it pre-empts the engine's own plugin"
+                ) from None
+            if answer is not None:
+                raise CheckFailure(
+                    f"kvcore_detect(engine={FOREIGN_ENGINE!r}) answered {answer!r:.100} {where}; a detector must return None for an "
+                    "engine that is not its own (check `engine` first), or it answers for every engine"
+                )
+        tried += 1
+    if not tried:
+        raise CheckSkip("no fixture's make succeeded on the CPU")
+    return f"None for engine {FOREIGN_ENGINE!r} on {tried} fixture caches of {len({c.engine for c in cases})} engine(s)"

@@ -1,6 +1,11 @@
-"""``fixture_contract``: a fixture's ``make`` and ``kv_view`` honour the contract of
-:mod:`kvcore.testing.fixtures` (declared sizes, dtypes, a source; ``kv_view`` planes are
-views of the cache of the right shape and dtype)."""
+"""Fixture checks, per fixture (on the CPU).
+
+* ``fixture_contract``: a fixture's ``make`` and ``kv_view`` honour the contract of
+  :mod:`kvcore.testing.fixtures` (declared sizes, dtypes, a source; ``kv_view`` planes are
+  views of the cache of the right shape and dtype).
+* ``hints_declared``: every hint ``make`` returns is declared for the fixture's engine
+  (``kvcore_register_hints``), with a value the declaration accepts.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from kvcore.detection import detect
 from kvcore.errors import KVCoreError
 from kvcore.testing import oracle
 from kvcore.testing.checks.common import (
+    _describe_value,
     _make,
     _widest,
 )
@@ -55,7 +61,7 @@ def check_fixture_contract(case: FixtureCase) -> str | None:
             if not parts or not all(isinstance(p, torch.Tensor) and p.dim() >= 4 for p in parts):
                 raise CheckFailure(
                     f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is not a tensor [NB, BS, NH, *elem] "
-                    f"(or a tuple of segment tensors): {v!r:.80}"
+                    f"(or a tuple of segment tensors): it is {_describe_value(v)}"
                 )
             if any(p.dtype != dtype for p in parts):
                 raise CheckFailure(f"fixture {case.name}: kv_view is {[p.dtype for p in parts]}; it must be the element dtype {dtype}")
@@ -66,5 +72,34 @@ def check_fixture_contract(case: FixtureCase) -> str | None:
                     f"NH={nh} heads of HS={hs} elements at axes 2.."
                 )
             if any(p.untyped_storage().data_ptr() not in storages for p in parts):
-                raise CheckFailure(f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is a copy, not a view of the cache")
+                raise CheckFailure(
+                    f"fixture {case.name}: kv_view(layer={layer}, kv={k}) is not a view of the cache (a copy): writing it would not "
+                    "write the cache, so it cannot be the oracle"
+                )
     return "; ".join(notes) or None
+
+
+def check_hints_declared(case: FixtureCase) -> str:
+    _, hints = _make(case, case.sizes, _widest(case.dtypes), torch.device("cpu"))
+    if not hints:
+        return "no hints"
+    declared = {}
+    for plugin, h in registry.hints(case.engine):
+        for key in (h.name, *h.aliases):
+            declared.setdefault(key, (plugin, h))
+    missing = sorted(k for k in hints if k not in declared)
+    if missing:
+        known = ", ".join(sorted(declared)) or "none"
+        raise CheckFailure(
+            f"fixture {case.name} detects with hint(s) {', '.join(missing)}, which no plugin declares for engine {case.engine!r} "
+            f"(declared: {known}); declare each with kvcore_register_hints, register(kvcore.Hint(engine=..., name=..., "
+            f"meaning=..., values=[...])), so `kvcore hints {case.engine}` tells users what to pass"
+        )
+    for key, value in hints.items():
+        plugin, h = declared[key]
+        if h.values and isinstance(value, str) and value.lower() not in {v.lower() for v in h.values}:
+            raise CheckFailure(
+                f"fixture {case.name} passes {key}={value!r}, but {plugin}'s declaration of hint {h.name!r} accepts only "
+                f"{', '.join(h.values)}: add the value to the declaration"
+            )
+    return f"{len(hints)} hint(s), all declared"

@@ -158,3 +158,104 @@ def element_dtype(storage: torch.dtype, hints: SGLangHints) -> torch.dtype | Non
         f"sglang: the dtype hint says {want} but the KV tensors hold {storage}; SGLang stores a KV pool in its dtype, "
         "or as torch.uint8 for fp8 (fp8_e4m3 / fp8_e5m2). Fix the hint or pass the pool's own tensors"
     )
+
+
+def declared_hints() -> list[Any]:
+    """The hints :class:`SGLangHints` reads, declared for ``kvcore hints sglang``
+    (``kvcore_register_hints``); meanings as in this module's docstring."""
+    from kvcore import Hint
+
+    pool = "python/sglang/srt/mem_cache/memory_pool.py"
+    return [
+        Hint(
+            engine="sglang",
+            name="page_size",
+            aliases=["tokens_per_block", "block_size"],
+            meaning="SGLang's --page-size: splits a device pool's fused token axis into [NB, BS] views; checks the page axis of "
+            "HND and page-first-direct pools",
+            type="int > 0",
+            default="1: the fused token axis stays NBBS",
+            source="python/sglang/srt/server_args.py::ServerArgs.page_size",
+        ),
+        Hint(
+            engine="sglang",
+            name="kv_list_layout",
+            meaning="how a list of per-layer tensors is arranged: k_v = all K layers then all V layers (2*NL tensors, MHA), "
+            "nested = [k_buffer, v_buffer], pairs = one (k, v) per layer",
+            values=["k_v", "nested", "pairs"],
+            default="read from the nesting",
+        ),
+        Hint(
+            engine="sglang",
+            name="layout",
+            aliases=["kv_cache_layout"],
+            meaning="token rows (NHD, SGLang's default), page rows (num_pages, NH, page_size, HS) with SGLANG_USE_HND_KVCACHE "
+            "(HND), or AscendTokenToKVPool's cross-layer tensor (ascend)",
+            values=["NHD", "HND", "ascend"],
+            default="NHD for a 3-D token-row pool; ambiguous 4-D buffers name this hint",
+            source=pool,
+        ),
+        Hint(
+            engine="sglang",
+            name="mem_layout",
+            aliases=["hicache_mem_layout"],
+            meaning="a HiCache host pool's --hicache-mem-layout",
+            values=["layer_first", "page_first", "page_first_direct", "page_head"],
+            default="read from the shape where it can; else this hint is named",
+            source="python/sglang/srt/mem_cache/pool_host/mha.py::MHATokenToKVPoolHost.init_kv_buffer",
+        ),
+        Hint(
+            engine="sglang",
+            name="num_kv_heads",
+            meaning="the pool's head_num (KV heads per rank)",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="head_size",
+            aliases=["head_dim"],
+            meaning="the pool's head_dim (K; MLA: kv_lora_rank + qk_rope_head_dim)",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="v_head_size",
+            aliases=["v_head_dim"],
+            meaning="the pool's v_head_dim when V's head size differs from K's",
+            type="int > 0",
+            default="head_size",
+        ),
+        Hint(
+            engine="sglang",
+            name="num_layers",
+            aliases=["layer_num"],
+            meaning="the pool's layer_num",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="dtype",
+            aliases=["kv_cache_dtype"],
+            meaning="--kv-cache-dtype: fp8 pools are stored as uint8 (store_dtype) and carry fp8 elements",
+            values=list(_DTYPE_NAMES),
+            type="torch.dtype or name",
+            default="the tensors' own dtype",
+            source=f"{pool}::KVCache.__init__",
+        ),
+        Hint(
+            engine="sglang",
+            name="is_mla",
+            meaning="the model uses MLA (MLATokenToKVPool): one latent head",
+            type="bool",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="sglang_version",
+            meaning="informational: layouts are read from the tensors' shapes and strides",
+            type="version string",
+        ),
+    ]

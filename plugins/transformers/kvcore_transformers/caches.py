@@ -54,6 +54,7 @@ from .versions import check_version
 __all__ = [
     "PAGED_FORMAT",
     "LAYER_PAIRS_FORMAT",
+    "LAYER_PAIRS_NHD_FORMAT",
     "PagedGroup",
     "is_paged_cache",
     "is_layered_cache",
@@ -68,6 +69,10 @@ __all__ = [
 PAGED_FORMAT = "NB_NL_TWO_BS_NH_HS"
 #: DynamicCache / StaticCache: NL ``(K, V)`` pairs of ``[batch, NH, seq, HS]``.
 LAYER_PAIRS_FORMAT = "NL_X_TWO_X_NB_NH_BS_HS"
+#: the same pairs while they are still attention's ``key_states.transpose(1, 2)`` views (4.53
+#: ``DynamicCache.update`` after a prefill): memory ``[batch, seq, NH, HS]``, a name being the
+#: physical order.
+LAYER_PAIRS_NHD_FORMAT = "NL_X_TWO_X_NB_BS_NH_HS"
 
 _DTYPES = {
     "float32": torch.float32,

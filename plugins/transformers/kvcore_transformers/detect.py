@@ -5,7 +5,9 @@ Accepted inputs (the plugin answers only for ``engine == "transformers"``):
 * a cache object: ``DynamicCache`` / ``StaticCache`` (both API generations) or a
   continuous-batching ``PagedAttentionCache`` (see :mod:`kvcore_transformers.caches`);
 * what :func:`kvcore_transformers.kv_caches` returns: a list of per-layer ``(K, V)``
-  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS``; or one 6-D
+  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS`` (while the pairs are still
+  attention's ``transpose(1, 2)`` views, tokens outside heads in memory, the physical name
+  ``NL_X_TWO_X_NB_BS_NH_HS`` over views permuted back); or one 6-D
   ``[NB, NL, 2, page_size, NH, HS]`` paged view → ``NB_NL_TWO_BS_NH_HS``;
 * ``[K list, V list]`` (the 4.53 ``key_cache``/``value_cache`` lists as they are): two
   lists of n != 2 tensors can only be that; two lists of two tensors also read as two
@@ -27,9 +29,11 @@ from typing import Any
 import torch
 
 from kvcore import Detection, DetectionError
+from kvcore.detection import physical_permutation
 
 from .caches import (
     LAYER_PAIRS_FORMAT,
+    LAYER_PAIRS_NHD_FORMAT,
     PAGED_FORMAT,
     as_dtype,
     is_layered_cache,
@@ -202,9 +206,22 @@ def _pairs_detection(entries: list, note: str) -> Detection:
     left_out = [i for i, p in enumerate(entries) if p is None]
     if left_out:
         note += f"; layers {left_out} hold no per-token KV and are left out"
+    # a name is the physical order: pairs that are still attention's transpose(1, 2) views
+    # keep tokens outside heads in memory (4.53 DynamicCache.update after a prefill)
+    k0, v0 = pairs[0]
+    orders = {tuple(physical_permutation(k0)), tuple(physical_permutation(v0))}
+    fmt, views = LAYER_PAIRS_FORMAT, [tuple(p) for p in pairs]
+    if orders == {(0, 2, 1, 3)}:
+        fmt, views = LAYER_PAIRS_NHD_FORMAT, [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in pairs]
+        note += "; keys and values are still attention's transposed views: tokens outside heads in memory"
+    elif len(orders) > 1:
+        raise DetectionError(
+            f"the keys ({_shape(k0)}) and values ({_shape(v0)}) of this transformers cache lie in memory in different orders; "
+            "describe them as two key-only layouts (kvcore.build_layout on the keys and on the values)"
+        )
     return Detection(
-        format=LAYER_PAIRS_FORMAT,
-        kv_caches=[tuple(p) for p in pairs],
+        format=fmt,
+        kv_caches=views,
         note=f"transformers {note}; block = batch row, slot = b * seq + position",
         layer_ids=tuple(ids) if left_out else None,
     )

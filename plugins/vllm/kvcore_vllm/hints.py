@@ -389,3 +389,112 @@ def parse_hints(hints: Any) -> VllmHints:
     if "page_size" in d and "block_size" not in d:
         d["block_size"] = d["page_size"]
     return VllmHints(**{k: v for k, v in d.items() if k in known})
+
+
+def declared_hints() -> list[Any]:
+    """The hints :func:`parse_hints` reads, declared for ``kvcore hints vllm``
+    (``kvcore_register_hints``). Accepted values are this module's tables."""
+    from kvcore import Hint
+
+    src = "engine_layouts.md §1.2"
+    return [
+        Hint(
+            engine="vllm",
+            name="kv_cache_layout",
+            meaning="vLLM's KV cache layout: NHD (tokens outside heads) or HND (heads outside tokens) up to 0.26; a 0.33 "
+            "KVCacheLayout member (L=layer, B=block, N=token, H=head, C=channel, outermost first) from 0.33. A layout the "
+            "strides contradict is an error",
+            values=[*LAYOUT_ALIASES, *KV_CACHE_LAYOUTS],
+            default="read from the strides; VLLM_KV_CACHE_LAYOUT, then NHD (0.11) / LBNHC (0.33) when they cannot tell",
+            source="vllm/v1/attention/backends/utils.py::get_kv_cache_layout; 0.33 vllm/v1/kv_cache_layout.py::KVCacheLayout",
+        ),
+        Hint(
+            engine="vllm",
+            name="attention_backend",
+            meaning="the attention backend that allocated the cache; selects its get_kv_cache_shape rule (MLA backends: one latent head)",
+            values=list(BACKENDS),
+            default="read from the shapes; ambiguous shapes name this hint",
+            source="vllm/attention/backends/registry.py",
+        ),
+        Hint(
+            engine="vllm",
+            name="vllm_version",
+            meaning="the vLLM version that allocated the cache; selects that era's layout rules only",
+            type=f"version string ({', '.join(ERAS)} or later; 0.11 and later)",
+            default="every era whose rules fit the tensors",
+        ),
+        Hint(
+            engine="vllm",
+            name="cache_dtype",
+            meaning="vLLM's --kv-cache-dtype: fp8 variants are stored as uint8 and carry fp8 elements",
+            values=list(CACHE_DTYPES),
+            default="auto: the tensors' own dtype",
+            source="vllm/utils/torch_utils.py::STR_DTYPE_TO_TORCH_DTYPE",
+        ),
+        Hint(
+            engine="vllm",
+            name="dtype",
+            meaning="the model dtype: the element dtype of byte (int8/uint8) views of the cache",
+            type="torch.dtype or name",
+            values=list(_MODEL_DTYPES),
+        ),
+        Hint(engine="vllm", name="num_kv_heads", meaning="KV heads per tensor-parallel rank", type="int > 0", default="from the shapes"),
+        Hint(
+            engine="vllm",
+            name="block_size",
+            meaning="tokens per block (CacheConfig.block_size)",
+            type="int > 0",
+            aliases=["page_size"],
+            default=f"from the shapes; 16 (64 on XPU) where they cannot tell ({src})",
+        ),
+        Hint(
+            engine="vllm",
+            name="head_size",
+            meaning="elements per head (MLA: kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V3)",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="vllm",
+            name="device_type",
+            meaning="the platform: cpu selects the CPU backend's rules, tpu the Pallas rules, xpu forces NHD",
+            values=list(DEVICE_TYPES),
+            default="the tensors' device",
+        ),
+        Hint(
+            engine="vllm",
+            name="use_ipex",
+            meaning="vLLM 0.11 TORCH_SDPA: whether intel_extension_for_pytorch was importable in the engine; with it K and V "
+            "are (NB, NH, BS, HS), without it K is stored in 16-byte chunks (an fp8 cache implies it)",
+            type="bool",
+            default="from the cache dtype where it decides; else the shapes name this hint",
+            source="vllm/v1/attention/backends/cpu_attn.py::_use_ipex",
+        ),
+        Hint(
+            engine="vllm",
+            name="VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
+            aliases=["prefill_decode_attention"],
+            meaning="vLLM 0.11 ROCM_ATTN: the engine's environment variable; on, K/V are read by split_kv_cache, off, by unbind(0)",
+            type="bool",
+            default="the variable in this process's environment",
+            source="vllm/v1/attention/backends/rocm_attn.py",
+        ),
+        Hint(
+            engine="vllm",
+            name="cache_config",
+            meaning="vLLM's CacheConfig (or any object with .cache_dtype, .block_size, .kv_cache_layout): fills those hints",
+            type="object",
+        ),
+        Hint(
+            engine="vllm",
+            name="vllm_config",
+            meaning="vLLM's VllmConfig: its cache_config, the model dtype and the model's head size",
+            type="object",
+        ),
+        Hint(
+            engine="vllm",
+            name="layer_groups",
+            meaning="the KV cache groups (lists of layer indices sharing a block table), for kvcore.detect_per_layer",
+            type="list of lists of int",
+        ),
+    ]

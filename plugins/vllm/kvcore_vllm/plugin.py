@@ -39,6 +39,14 @@ def kvcore_spec(format):
 
 
 @hookimpl
+def kvcore_register_hints(register):
+    from kvcore_vllm.hints import declared_hints
+
+    for h in declared_hints():
+        register(h)
+
+
+@hookimpl
 def kvcore_register_fixtures(register):
     from kvcore_vllm.fixtures import fixture_cases
 

@@ -8,7 +8,7 @@ import torch
 from kvcore_vllm.fixtures import MATRIX, MLA_BACKENDS, MULTI_PLANE, case_name, fixture_cases
 
 import kvcore
-from kvcore.testing import fixtures as registered_fixtures
+from kvcore.testing import registered_fixtures
 
 CASES = {c.name: c for c in fixture_cases()}
 ROWS = {case_name(v, b, lay, x, extra): (v, b, lay, x, fmt, extra) for v, b, lay, x, fmt, extra in MATRIX}
@@ -182,7 +182,10 @@ def test_dict_input_keeps_layer_order():
 
 
 def test_formats_listed_with_sources():
-    names = {f.name: f for f in kvcore.formats()}
+    # this plugin's own declarations (another plugin may declare the same name with its sources)
+    names = {
+        f.name: kvcore.registry.declarations(f.name)["vllm"] for f in kvcore.formats() if "vllm" in kvcore.registry.declarations(f.name)
+    }
     for *_, fmt, _extra in MATRIX:
         f = names[fmt]
         assert "vllm" in f.engines and f.sources and all(s.engine == "vllm" and s.version and s.file for s in f.sources)
