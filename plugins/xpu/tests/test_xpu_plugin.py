@@ -93,9 +93,13 @@ def test_kvcore_check_xpu_runs_the_kernel_in_the_interpreter():
     """The CLI path of the CI command, on one fixture: every data check with
     ``triton-xpu@cpu``."""
     pytest.importorskip("triton")
-    from kvcore.testing.fixtures import fixtures
+    from kvcore.testing.fixtures import registered_fixtures
 
-    names = [c.name for p in ("vllm", "sglang") for c in fixtures(p)] if {"vllm", "sglang"} <= {i.name for i in kvcore.plugins()} else []
+    names = (
+        [c.name for p in ("vllm", "sglang") for c in registered_fixtures(p)]
+        if {"vllm", "sglang"} <= {i.name for i in kvcore.plugins()}
+        else []
+    )
     if not names:
         pytest.skip("no engine plugin with fixtures is installed")
     fx = "vllm-0.11-FLASH_ATTN-HND" if "vllm-0.11-FLASH_ATTN-HND" in names else names[0]
@@ -139,10 +143,10 @@ def test_conformance_suite_with_the_triton_kernel_on_every_fixture(monkeypatch):
 def test_xpu_fixtures_are_the_engine_allocations_at_xpu_geometry():
     """One fixture per XPU path whose engine plugin is installed, each of a format that
     plugin registers, at the XPU block/page sizes and dtypes."""
-    from kvcore.testing.fixtures import fixtures
+    from kvcore.testing.fixtures import registered_fixtures
 
     loaded = {i.name for i in kvcore.plugins() if not i.error}
-    cases = {c.name: c for c in fixtures("xpu")}
+    cases = {c.name: c for c in registered_fixtures("xpu")}
     want = set()
     if "vllm" in loaded:
         want |= {"xpu-vllm-0.11-FLASH_ATTN", "xpu-vllm-0.11-TRITON_ATTN-fp8", "xpu-vllm-0.33-FLASH_ATTN-LBNHC"}
