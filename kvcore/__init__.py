@@ -9,12 +9,19 @@ Quick start::
     staged = kvcore.gather(layout, slot_mapping)          # [2, NL, T, NH*HS]
     kvcore.scatter(layout, other_slot_mapping, staged)
 
+A record may have several planes, each its own tensors, strides, width and dtype: a
+multi-plane name ``ROLE=TEMPLATE(+ROLE=TEMPLATE)*`` (``K=NL_X_NB_BS_NH_HS+KS=NL_X_NB_BS_NH``:
+int8 K values beside bf16 per-token-head scales). ``layout.planes`` lists them; when they
+are not exactly K (and V) of one dtype and width, transfers stage a dict
+``{role: [NL, T, NH_p*HS_p]}`` (``layout.staging_shapes``, ``layout.allocate_staging``).
+
 Layouts are declared by plugins (entry-point group ``kvcore``); the core knows no engine.
 """
 
 from __future__ import annotations
 
-from kvcore.detection import Candidate, detect, detect_per_layer, resolve
+from kvcore.detection import TENSOR_ORDER, Candidate, detect, detect_per_layer, memory_ordered, resolve, split_aliases
+from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
     DetectionError,
@@ -26,19 +33,22 @@ from kvcore.errors import (
 )
 from kvcore.formats import KVFormat, Source
 from kvcore.grammar import parse as parse_format
+from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
+from kvcore.layout_copy import copy
 from kvcore.plan import LayoutPlan, plan, synchronize
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
     formats,
     get_format,
+    hints,
     plugins,
     register_plugin,
     unregister_plugin,
 )
-from kvcore.spec import PlaneStrides, Spec, StrideTable
+from kvcore.spec import Plane, PlaneInfo, PlaneStrides, Spec, StagingBuffer, StagingTarget, StrideTable, classic_table
 from kvcore.transfer import gather, gather_blocks, scatter, scatter_blocks, slots_for_blocks
 
 __version__ = "0.1.0"
@@ -50,19 +60,27 @@ __all__ = [
     "DetectionError",
     "FormatError",
     "GeometryError",
+    "Hint",
     "KVCoreError",
     "KVCorePluginWarning",
     "KVFormat",
     "KVLayout",
     "LayoutPlan",
     "PageBufferShapeDesc",
+    "Plane",
+    "PlaneInfo",
     "PlaneStrides",
     "PluginError",
     "Source",
     "Spec",
+    "StagingBuffer",
+    "StagingTarget",
     "StrideTable",
+    "TENSOR_ORDER",
     "TransferError",
     "build_layout",
+    "classic_table",
+    "copy",
     "detect",
     "detect_per_layer",
     "disable_plugins",
@@ -70,15 +88,20 @@ __all__ = [
     "gather",
     "gather_blocks",
     "get_format",
+    "hints",
     "hookimpl",
+    "memory_ordered",
     "parse_format",
     "plan",
     "plugins",
+    "recv",
     "register_plugin",
     "resolve",
     "scatter",
     "scatter_blocks",
+    "send",
     "slots_for_blocks",
+    "split_aliases",
     "synchronize",
     "unregister_plugin",
 ]

@@ -4,6 +4,7 @@ Subcommands (``kvcore COMMAND --help`` explains each, with examples)::
 
     kvcore plugins  [--json]                      what loaded, from where, what it registered
     kvcore formats  [--json] [--engine E]         every registered layout, with its source
+    kvcore hints    [ENGINE] [--json]             the hints an engine's plugins read
     kvcore describe NAME [--sizes NL=32,...]      parse any layout name, render its shape
     kvcore detect   FILE|- [--engine E] [--hints JSON] [--json] [--per-layer]
                                                   detect a cache described in JSON (from a log)
@@ -112,6 +113,7 @@ def _format_dict(fmt: Any) -> dict[str, Any]:
         "description": fmt.description,
         "sources": [{"engine": s.engine, "version": s.version, "file": s.file} for s in fmt.sources],
         "plugin": owner,
+        "plugins": list(registry.declarations(fmt.name)),
     }
 
 
@@ -171,13 +173,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def cmd_formats(args: argparse.Namespace) -> int:
     import kvcore
+    from kvcore import registry
 
     _load_plugins_capturing()
     fmts = kvcore.formats()
     if args.engine:
-        want = args.engine.lower()
         known = sorted({e for f in fmts for e in f.engines})
-        fmts = [f for f in fmts if want in (e.lower() for e in f.engines)]
+        fmts = registry.formats_for_engine(args.engine)  # declared for it, or returned for it by its fixtures
         if not fmts:
             _err(f"no registered format names engine {args.engine!r}; engines with formats: {', '.join(known) or 'none'}")
     if args.json:
@@ -198,16 +200,62 @@ def cmd_formats(args: argparse.Namespace) -> int:
             eng += " / " + ",".join(f.attention_backends)
         if not args.wide:
             eng, src = _clip(eng, 44), _clip(src, 72)
-        rows.append([f.name, f.symbolic, f.kv_size, " ".join(_format_facts(f)), eng, src, d["plugin"]])
-    print(_table(rows, ["name", "shape", "kv", "facts", "engines / backends", "source", "plugin"]))
+        rows.append([f.name, f.symbolic, f.kv_size, " ".join(_format_facts(f)), eng, src, ", ".join(d["plugins"]) or d["plugin"]])
+    print(_table(rows, ["name", "shape", "kv", "facts", "engines / backends", "source", "plugins"]))
     if not args.wide:
         print("\n(engines and sources clipped: --wide shows them whole, --json gives every source)")
     return EXIT_OK
 
 
+# -- hints -------------------------------------------------------------------------------
+
+
+def cmd_hints(args: argparse.Namespace) -> int:
+    from kvcore import registry
+
+    _load_plugins_capturing()
+    declared = registry.hints()
+    engines = sorted({h.engine for _, h in declared})
+    if not args.engine:
+        if args.json:
+            _print_json({e: [h.model_dump() | {"plugin": p} for p, h in declared if h.engine == e] for e in engines})
+            return EXIT_OK
+        if not engines:
+            print("no plugin declares hints: install an engine plugin (e.g. kvcore-vllm); `kvcore plugins` shows what loaded")
+            return EXIT_OK
+        rows = [
+            [e, len([1 for _, h in declared if h.engine == e]), ", ".join(sorted({p for p, h in declared if h.engine == e}))]
+            for e in engines
+        ]
+        print(_table(rows, ["engine", "hints", "plugins"]))
+        print("\n`kvcore hints ENGINE` lists an engine's hints with their meaning and accepted values")
+        return EXIT_OK
+    mine = [(p, h) for p, h in declared if h.engine.lower() == args.engine.lower()]
+    if not mine:
+        raise UsageError(
+            f"no plugin declares hints for engine {args.engine!r}; engines with declared hints: {', '.join(engines) or 'none'}"
+        )
+    if args.json:
+        _print_json([h.model_dump() | {"plugin": p} for p, h in mine])
+        return EXIT_OK
+    print(f"hints for engine {mine[0][1].engine!r} (kvcore.detect(..., engine={mine[0][1].engine!r}, hints={{...}})):\n")
+    for p, h in mine:
+        name = h.name + (f" (also {', '.join(h.aliases)})" if h.aliases else "")
+        print(f"  {name}")
+        print(textwrap.fill(h.meaning, width=100, initial_indent="      ", subsequent_indent="      "))
+        print(textwrap.fill(f"accepts: {h.accepted()}", width=100, initial_indent="      ", subsequent_indent="          "))
+        if h.default:
+            print(textwrap.fill(f"default: {h.default}", width=100, initial_indent="      ", subsequent_indent="          "))
+        if h.source:
+            print(f"      source:  {h.source}")
+        if len({q for q, _ in mine}) > 1:
+            print(f"      plugin:  {p}")
+    return EXIT_OK
+
+
 # -- describe ----------------------------------------------------------------------------
 
-_SIZE_KEYS = ("NL", "NB", "BS", "NBBS", "PBS", "NH", "HS", "CS", "NP", "VALS", "SCALES")
+_SIZE_KEYS = ("NL", "NB", "BS", "BSC", "BSE", "NBBS", "PBS", "NH", "HS", "HSC", "HSE", "CS", "NP", "VALS", "SCALES")
 
 
 def parse_sizes(text: str | None) -> dict[str, int]:
@@ -227,8 +275,8 @@ def parse_sizes(text: str | None) -> dict[str, int]:
             raise UsageError(f"--sizes entry {part!r} must be KEY=VALUE, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
         k, v = (x.strip() for x in part.split("=", 1))
         k = k.upper()
-        if k not in _SIZE_KEYS:
-            raise UsageError(f"--sizes key {k!r} is not a size; use {', '.join(_SIZE_KEYS)}")
+        if k.rsplit(".", 1)[-1] not in _SIZE_KEYS:  # ROLE.TOKEN sizes one plane of a multi-plane name (K.HS=192)
+            raise UsageError(f"--sizes key {k!r} is not a size; use {', '.join(_SIZE_KEYS)} (or ROLE.KEY for one plane, e.g. K.HS)")
         try:
             n = int(v)
         except ValueError:
@@ -248,6 +296,9 @@ def _complete_sizes(syn: Any, sizes: dict[str, int]) -> dict[str, int]:
         s["PBS"] = s["NB"] * s["BS"]
     if "CS" not in s and "HS" in s:
         s["CS"] = 2 * s["HS"]
+    for whole, outer, inner in (("HS", "HSC", "HSE"), ("BS", "BSC", "BSE")):  # chunks / token groups
+        if outer not in s and whole in s and s.get(inner) and s[whole] % s[inner] == 0:
+            s[outer] = s[whole] // s[inner]
     return s
 
 
@@ -303,6 +354,22 @@ def cmd_describe(args: argparse.Namespace) -> int:
         "registered": fmt is not None,
     }
     all_sizes = [d["size"] for d in levels + axes]
+    if syn.multi_plane:  # each plane its own tensors: axes per plane, elements summed over planes
+        from kvcore.grammar import plane_sizes
+
+        out["planes"], all_sizes, counts, shown = [], [], [], []
+        for ps in syn.planes:
+            psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role))
+            shown.append(f"{ps.role}: {ps.syntax.concrete(psz)}")
+            toks = ps.syntax.list_levels + ps.syntax.axes
+            vals = [_axis_value(t, psz) for t in toks]
+            out["planes"].append({"role": ps.role, "template": ps.template, "axes": [{"token": t, "size": v} for t, v in zip(toks, vals)]})
+            all_sizes += vals
+            counts.append(math.prod(vals) if all(v is not None for v in vals) else None)
+        if sizes:
+            out["concrete"] = " + ".join(shown)
+        if sizes and all(c is not None for c in counts):
+            all_sizes = [sum(counts)]
     if sizes and all(v is not None for v in all_sizes):
         elements = math.prod(all_sizes)
         out["elements"] = elements
@@ -316,7 +383,10 @@ def cmd_describe(args: argparse.Namespace) -> int:
             if nl:
                 out["bytes_per_layer"] = elements * esz // nl
     elif sizes:
-        missing = sorted({t for t in syn.list_levels + syn.axes if _axis_value(t, sizes) is None})
+        if syn.multi_plane:
+            missing = sorted({f"{p['role']}.{a['token']}" for p in out["planes"] for a in p["axes"] if a["size"] is None})
+        else:
+            missing = sorted({t for t in syn.list_levels + syn.axes if _axis_value(t, sizes) is None})
         out["missing_sizes"] = missing
     if fmt is not None:
         d = _format_dict(fmt)
@@ -336,7 +406,11 @@ def cmd_describe(args: argparse.Namespace) -> int:
         print(f"concrete   {out['concrete']}")
     if "missing_sizes" in out:
         print(f"           (no size given for {', '.join(out['missing_sizes'])})")
-    print("axes       " + ", ".join(f"{a['token']}={a['role']}" for a in levels + axes))
+    if syn.multi_plane:
+        for p in out["planes"]:
+            print(f"plane {p['role']:<5}" + ", ".join(a["token"] for a in p["axes"]))
+    else:
+        print("axes       " + ", ".join(f"{a['token']}={a['role']}" for a in levels + axes))
     f = out["facts"]
     print(
         f"facts      kv_size={f['kv_size']} mla={f['is_mla']} container={f['container']} hnd={f['is_hnd']} "
@@ -378,14 +452,29 @@ def _human_bytes(n: float) -> str:
 
 
 def _read_json(path: str) -> Any:
+    """The JSON document in ``path`` (``-``: stdin). Every way it can be unreadable is a
+    one-line :class:`UsageError`."""
+    name = "stdin" if path == "-" else path
     try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        if path == "-":
+            raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
     try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{name} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save the description as UTF-8 JSON"
+        ) from None
+    try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"{'stdin' if path == '-' else path} is not valid JSON: {e}") from None
+        raise UsageError(f"{name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise UsageError(f"{name} nests JSON too deeply to read; a KV cache description is a few levels of lists") from None
 
 
 def _parse_hints(text: str | None) -> dict:
@@ -461,20 +550,21 @@ def _leaves_device(node: Any) -> str | None:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    import kvcore
-
     doc = _read_json(args.file)
-    if args.device == "auto":
+    if args.device == "meta":
+        kv_caches, engine, hints = load_tensor_description(doc, device="meta")
+    else:
         # CPU storage that is never written costs address space, not memory, and gives every
         # tensor a real, distinct address (plugins tell aliased layers apart by address);
-        # a cache larger than this machine's address space falls back to meta tensors.
+        # auto: a cache larger than this machine's address space falls back to meta tensors.
         try:
             kv_caches, engine, hints = load_tensor_description(doc, device="cpu")
         except (RuntimeError, MemoryError) as e:
-            _err(f"cannot reserve CPU address space for these tensors ({e}); building them on the meta device instead")
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if args.device == "cpu":
+                raise UsageError(f"cannot reserve CPU address space for these tensors ({why}); use --device meta") from None
+            _err(f"cannot reserve CPU address space for these tensors ({why}); building them on the meta device instead")
             kv_caches, engine, hints = load_tensor_description(doc, device="meta")
-    else:
-        kv_caches, engine, hints = load_tensor_description(doc, device=args.device)
     if _leaves_device(kv_caches) == "meta":
         _err(
             "note: the tensors are on the meta device, where every address is 0: a plugin that compares addresses sees all layers as one memory"
@@ -484,19 +574,22 @@ def cmd_detect(args: argparse.Namespace) -> int:
         raise UsageError('no engine: pass --engine (vllm, sglang, ...) or put "engine" in the JSON')
     hints = {**hints, **_parse_hints(args.hints)}
     _load_plugins_capturing()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _detect_and_print(args, kv_caches, engine, hints)
+        finally:
+            for w in caught:  # a plugin skipped during detection: one line each, not a source-line dump
+                _err(f"warning: {w.message}")
+
+
+def _detect_and_print(args: argparse.Namespace, kv_caches: Any, engine: str, hints: dict) -> int:
+    import kvcore
+    from kvcore.dtypes import described_tensors
+
     try:
-        if args.per_layer:
-            per = kvcore.detect_per_layer(kv_caches, engine, hints=hints)
-            groups: list[Any] = []
-            excluded: list[int] = []
-            for i, lay in enumerate(per):
-                if lay is None:
-                    excluded.append(i)
-                elif all(lay is not g for g in groups):
-                    groups.append(lay)
-            result: Any = {"groups": [_layout_dict(g) for g in groups], "excluded_layers": excluded}
-        else:
-            result = _layout_dict(kvcore.detect(kv_caches, engine, hints))
+        with described_tensors():  # tensors built from a description: this process is no evidence of the engine's platform
+            result = _detect_result(kv_caches, engine, hints, args.per_layer)
     except kvcore.DetectionError as e:
         if args.json:
             _print_json(
@@ -525,6 +618,31 @@ def cmd_detect(args: argparse.Namespace) -> int:
     else:
         _print_layout(result)
     return EXIT_OK
+
+
+def _detect_result(kv_caches: Any, engine: str, hints: dict, per_layer: bool) -> Any:
+    """What ``kvcore detect`` prints: one layout, or (``--per-layer``) its groups."""
+    import kvcore
+
+    if not per_layer:
+        return _layout_dict(kvcore.detect(kv_caches, engine, hints))
+    per = kvcore.detect_per_layer(kv_caches, engine, hints=hints)
+    # a mapping comes back as a mapping with its keys: report positions in its order and the names
+    entries = list(per.items()) if isinstance(per, dict) else list(enumerate(per))
+    groups: list[Any] = []
+    excluded: list[int] = []
+    excluded_names: list[str] = []
+    for i, (key, lay) in enumerate(entries):
+        if lay is None:
+            excluded.append(i)
+            if isinstance(per, dict):
+                excluded_names.append(str(key))
+        elif all(lay is not g for g in groups):
+            groups.append(lay)
+    result: dict[str, Any] = {"groups": [_layout_dict(g) for g in groups], "excluded_layers": excluded}
+    if isinstance(per, dict):
+        result["excluded_layer_names"] = excluded_names
+    return result
 
 
 # -- doctor ------------------------------------------------------------------------------
@@ -579,6 +697,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         k = _serving_kernel(rows, d["type"])
         specific = [r["name"] for r in rows if d["type"] in r["device_types"] and r["formats"] != "all" and r["available"]]
         serving[d["type"]] = {"kernel": k["name"], "why": k["why"], "format_specific": specific}
+    for dt in sorted({t for r in rows if r["priority"] > 0 for t in r["device_types"]} - set(serving)):  # kernels for absent devices
+        ks = [r["name"] for r in rows if dt in r["device_types"] and r["priority"] > 0]
+        serving[dt] = {"kernel": None, "why": f"no {dt} device present; kernels for it: {', '.join(ks)}", "format_specific": []}
     compilers = {}
     for c in ("c++", "g++", "clang++", "nvcc", "hipcc", "icpx", "ninja"):
         p = shutil.which(c)
@@ -635,7 +756,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print("\nserving (the kernel a transfer on each device type gets, for any format)")
     for dev, sv in serving.items():
         extra = f"; format-specific kernels: {', '.join(sv['format_specific'])}" if sv["format_specific"] else ""
-        print(f"  {dev:<6} {sv['kernel'] or '-'}{extra}")
+        print(f"  {dev:<6} {sv['kernel'] or '- (' + sv['why'] + ')'}{extra}")
     print("\ncompilers  " + ", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()))
     if env:
         print("env        " + " ".join(f"{k}={v}" for k, v in env.items()))
@@ -773,10 +894,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "fact comes from (engine version file), and the plugin that registers it.",
         epilog="examples:\n  kvcore formats\n  kvcore formats --engine vllm\n  kvcore formats --json",
     )
-    p.add_argument("--engine", help="only formats this engine allocates")
+    p.add_argument("--engine", help="only the formats this engine's detector can return (declared for it, or by its fixtures)")
     p.add_argument("--wide", action="store_true", help="do not clip the engines and source columns")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_formats)
+
+    p = sub.add_parser(
+        "hints",
+        help="the hints an engine's plugins read: meaning, accepted values, default",
+        formatter_class=_Formatter,
+        description="List the hints kvcore.detect(..., engine=ENGINE, hints={...}) understands, as the engine's plugins "
+        "declare them (kvcore_register_hints): each hint's meaning, accepted values or type, aliases, default and the engine "
+        "source that defines it. Without ENGINE: the engines that declare hints.",
+        epilog="examples:\n  kvcore hints\n  kvcore hints vllm\n  kvcore hints sglang --json\n\nan engine no plugin declares hints for exits 2",
+    )
+    p.add_argument("engine", nargs="?", help="engine name (vllm, sglang, transformers, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_hints)
 
     p = sub.add_parser(
         "describe",

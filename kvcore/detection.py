@@ -8,11 +8,39 @@ views.
 Plugins decide with :func:`resolve`: each candidate (format + normalised views) is
 built into a layout; candidates whose stride tables are identical move the same bytes
 and are one answer; candidates that address memory differently are a real ambiguity,
-and :class:`~kvcore.AmbiguousLayoutError` names them and the hint that decides.
+and :class:`~kvcore.AmbiguousLayoutError` names them and the hints that would decide
+(never a hint the caller already gave).
+
+Tensor order: as allocated, or already in memory order
+------------------------------------------------------
+A format name is the **physical** (memory) order of the cache. Tensors reach kvcore in
+one of two ways: **as the engine allocated them** (the engine's logical shape; when the
+engine permuted its allocation, the strides show it, e.g. vLLM's HND caches) or **already
+permuted into memory order** by the caller (some connectors do: the shape's order is the
+memory order). A tensor whose strides are permuted can only be the first. A contiguous
+tensor can be either, and when the two readings give different geometry (an NHD
+allocation ``[.., BS, NH, HS]`` is also an HND cache ``[.., NH, BS, HS]`` handed over in
+memory order, with BS and NH swapped) nothing in the bytes decides: a hint must.
+
+Plugins mark each :class:`Candidate` with ``order``: ``None`` (the reading holds either
+way: its views are the tensor's own axes and those are in memory order), ``"allocated"``
+(a reading of the engine's logical axes through permuted strides) or ``"physical"`` (the
+tensor read as already in memory order). The generic hint :data:`TENSOR_ORDER`
+(``hints={"tensor_order": "allocated"}`` or ``"physical"``), which every engine accepts,
+states which one the caller passed. Without it:
+
+* readings of both kinds that place bytes differently raise
+  :class:`~kvcore.AmbiguousLayoutError` (naming ``tensor_order`` and the geometry hints
+  that decide, e.g. ``num_kv_heads``, ``block_size``);
+* when only an in-memory-order reading fits the hints, while the strides show an
+  as-allocated reading that a hint rules out (a plugin passes it as a candidate with
+  ``against={hint: value}``), the hint contradicts the strides: :class:`~kvcore.DetectionError`
+  naming both (``tensor_order="physical"`` says the in-memory-order reading is meant).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 from collections import OrderedDict
@@ -23,20 +51,43 @@ from typing import Any
 import torch
 
 from kvcore import registry
-from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError, KVCoreError
+from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError
 from kvcore.layout import Detection, KVLayout, build_layout
 
 __all__ = [
     "detect",
     "detect_per_layer",
     "normalize_container",
+    "tensors_in",
     "Candidate",
     "resolve",
     "physical_permutation",
+    "memory_ordered",
+    "split_aliases",
+    "tensor_order",
     "describe_input",
+    "TENSOR_ORDER",
+    "TENSOR_ORDERS",
+    "GEOMETRY_HINTS",
 ]
 
 log = logging.getLogger("kvcore.detection")
+
+#: The hint every engine accepts that states how the tensors' axes relate to memory.
+TENSOR_ORDER = "tensor_order"
+#: Its values: ``"allocated"`` (as the engine allocated them: its logical shape, strides
+#: show any permutation) and ``"physical"`` (already permuted into memory order).
+TENSOR_ORDERS = ("allocated", "physical")
+_ORDER_ALIASES = {
+    "allocated": "allocated",
+    "as_allocated": "allocated",
+    "logical": "allocated",
+    "physical": "physical",
+    "memory": "physical",
+    "memory_order": "physical",
+}
+#: Default names of the hints that fix a layout's geometry (layout attribute -> hint).
+GEOMETRY_HINTS: dict[str, str] = {"block_size": "block_size", "num_heads": "num_kv_heads", "head_size": "head_size"}
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
 
@@ -49,10 +100,13 @@ def _layer_key(name: str) -> int | None:
     return int(nums[0]) if nums else None
 
 
-def normalize_container(kv_caches: Any) -> tuple[Any, list[str] | None]:
-    """Dicts become lists in layer order (the layer index parsed from names such as
-    ``model.layers.7.self_attn.attn``; insertion order where names carry none); tuples
-    and lists are kept. Returns ``(container, layer_names or None)``.
+def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any, list[str] | None]:
+    """Dicts become lists, tuples and lists are kept. Returns ``(container, layer_names or None)``.
+
+    With ``sort_dicts`` (what :func:`detect` does) a dict's entries are put in layer order,
+    the layer index parsed from names such as ``model.layers.7.self_attn.attn`` (insertion
+    order where names carry none); without it (:func:`detect_per_layer`) they keep the
+    dict's own order.
 
     An object that is not a container (an engine's cache object) is returned as it is,
     for the engine's plugin to unwrap.
@@ -66,7 +120,7 @@ def normalize_container(kv_caches: Any) -> tuple[Any, list[str] | None]:
             raise DetectionError("kv_caches is an empty dict; pass the engine's per-layer KV cache tensors")
         items = list(kv_caches.items())
         keys = [_layer_key(str(k)) for k, _ in items]
-        if all(k is not None for k in keys):
+        if sort_dicts and all(k is not None for k in keys):
             order = sorted(range(len(items)), key=lambda i: (keys[i], i))
             items = [items[i] for i in order]
         names = [str(k) for k, _ in items]
@@ -137,26 +191,85 @@ def _hints_dict(hints: Any) -> dict[str, Any]:
     raise DetectionError(f"hints must be a dict or a pydantic model, got {type(hints).__name__}")
 
 
+def tensor_order(hints: Mapping[str, Any] | None) -> str | None:
+    """The value of the generic :data:`TENSOR_ORDER` hint: ``"allocated"``, ``"physical"``
+    or None (not given). Also accepts ``"logical"`` / ``"as_allocated"`` and ``"memory"``
+    / ``"memory_order"``.
+
+    Raises:
+        DetectionError: any other value.
+    """
+    if not hints or hints.get(TENSOR_ORDER) is None:
+        return None
+    v = hints[TENSOR_ORDER]
+    key = str(v).strip().lower() if isinstance(v, str) else None
+    if key not in _ORDER_ALIASES:
+        raise DetectionError(
+            f"hint {TENSOR_ORDER}={v!r} is not known: use 'allocated' (the tensors as the engine allocated them; their strides "
+            "show the memory order) or 'physical' (the tensors were already permuted so that their axes are in memory order)"
+        )
+    return _ORDER_ALIASES[key]
+
+
+# -- one detect() call's context: the caller's hints and the readings plugins rejected ------
+
+
+@dataclass
+class _Call:
+    hints: dict[str, Any]
+    rejected: list[str] = field(default_factory=list)
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("kvcore_detect_call", default=None)
+
+
 def _detectors() -> list[str]:
     h = registry.host()
     return sorted(getattr(i, "plugin_name", None) or h.pm.get_name(i.plugin) for i in h.pm.hook.kvcore_detect.get_hookimpls())
 
 
-def _ask(host: Any, container: Any, engine: str, hints: dict[str, Any]) -> Detection | None:
-    """Call the ``kvcore_detect`` hooks; a plugin that crashes is a DetectionError, not a crash."""
+def _ask(host: Any, container: Any, engine: str, hints: dict[str, Any]) -> tuple[Detection | None, list[str]]:
+    """Ask the plugins' ``kvcore_detect`` hooks, one plugin at a time: one that crashes,
+    returns garbage or returns copies is named and skipped (:func:`kvcore.registry.ask_detect`).
+
+    Returns:
+        (the detection or None, the readings the plugins tried that did not fit, with why:
+        :func:`resolve` records them for this call).
+    """
+    call = _Call(hints=dict(hints))
+    token = _CALL.set(call)
     try:
-        det = host.pm.hook.kvcore_detect(kv_caches=container, engine=engine, hints=hints)
-    except KVCoreError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        asked = ", ".join(_detectors()) or "none"
-        raise DetectionError(
-            f"a kvcore plugin failed while detecting for engine {engine!r}: {type(e).__name__}: {e}\n"
-            f"tensors:\n{describe_input(container)}\nplugins asked: {asked}"
-        ) from e
-    if det is not None and not isinstance(det, Detection):
-        raise DetectionError(f"a kvcore_detect hook for engine {engine!r} returned {det!r}; it must return a kvcore.Detection or None")
-    return det
+        det = registry.ask_detect(container, engine, hints)
+    finally:
+        _CALL.reset(token)
+    return det, call.rejected
+
+
+def _advice(container: Any, rejected: Sequence[str]) -> str:
+    """What the caller can do about a cache nothing recognised: the readings tried and why
+    they failed, layers that differ (-> detect_per_layer), an empty pool."""
+    lines: list[str] = []
+    if rejected:
+        shown = list(dict.fromkeys(rejected))
+        lines.append("readings tried, and why they do not fit:")
+        lines += [f"  - {r}" for r in shown[:8]]
+        if len(shown) > 8:
+            lines.append(f"  ... and {len(shown) - 8} more")
+    if isinstance(container, (list, tuple)) and len(container) > 1:
+        sigs = {_signature(x) for x in container}
+        if len(sigs) > 1:
+            lines.append(
+                f"the {len(container)} entries are not alike ({len(sigs)} different shapes, strides or dtypes): a model whose "
+                "layers differ (hybrid attention, an MLA indexer beside the latent cache, per-group head sizes, Mamba layers) "
+                "is detected group by group with kvcore.detect_per_layer(kv_caches, engine, hints=...)"
+            )
+    empty = sorted({tuple(t.shape) for t in tensors_in(container) if t.numel() == 0})
+    if empty:
+        lines.append(
+            f"tensors of shape {list(empty[0])} hold no elements: a pool with 0 blocks (or 0 tokens, heads or elements) is not "
+            "a KV cache kvcore can describe; detect it after the engine allocated its blocks"
+        )
+    return ("\n" + "\n".join(lines)) if lines else ""
 
 
 def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
@@ -164,45 +277,79 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
 
     Args:
         kv_caches: the engine's cache: a list or tuple (nested as the engine keeps it),
-            or a dict keyed by layer name (vLLM), of ``torch.Tensor``.
+            or a dict keyed by layer name (vLLM; put in layer order, see
+            :func:`normalize_container`), of ``torch.Tensor``; or one tensor (a
+            cross-layer pool), or an engine's cache object its plugin unwraps.
         engine: ``"vllm"``, ``"sglang"``, ``"transformers"``, ... — the plugin that answers.
         hints: a dict or pydantic model of facts the tensors cannot show (the engine's
-            documented precedence applies; see each plugin's docs).
+            documented precedence applies; see each plugin's docs). Every engine also
+            accepts :data:`TENSOR_ORDER` (``"allocated"`` / ``"physical"``).
     Returns:
-        a :class:`KVLayout` over views of the caller's tensors (no copies).
+        a :class:`KVLayout` over views of the caller's tensors (no copies). Entries that
+        are one memory (vLLM's KV-sharing layers) stay one layer each;
+        ``layout.aliases`` says which layer shares which one's memory.
     Raises:
         DetectionError: no plugin recognises it (the message lists the tensors' shapes,
-            strides and dtypes, the engine and the plugins asked), or a plugin's
+            strides and dtypes, the engine, the plugins asked and the readings they tried
+            with why each failed), a hint contradicts the strides, or a plugin's
             ``kvcore_detect`` crashed or returned something that is not a Detection.
-        AmbiguousLayoutError: two formats fit and no hint decides (names both and the hint).
+        AmbiguousLayoutError: two formats fit and no hint decides (names both and the hints).
     """
     container, names = normalize_container(kv_caches)
     h = _hints_dict(hints)
+    _check_order_statement(container, h)
     host = registry.host()
-    det = _ask(host, container, engine, h)
+    det, rejected = _ask(host, container, engine, h)
     if det is None:
         asked = ", ".join(_detectors()) or "none (no engine plugin is installed)"
         raise DetectionError(
             f"{_unknown_engine(engine)}no kvcore plugin recognises this KV cache for engine {engine!r} (hints {h or 'none'}).\n"
             f"tensors:\n{describe_input(container)}\n"
             f"plugins asked: {asked}. Check the engine name, add hints (kv_cache_layout, attention_backend, "
-            "block_size, num_kv_heads...), or install the engine's plugin."
+            "block_size, num_kv_heads...), or install the engine's plugin." + _advice(container, rejected)
         )
     if det.format is None:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
-    n_layer_names = names if names is not None else None
-    try:
-        layout = build_layout(
-            det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine, layer_ids=det.layer_ids
-        )
-    except GeometryError as e:
-        raise DetectionError(
-            f"engine {engine!r}: detected {det.format} but the tensors do not fit it: {e}\ntensors:\n{describe_input(container)}"
-        ) from e
-    if n_layer_names is not None and len(n_layer_names) == layout.num_layers:
-        layout.layer_names = tuple(n_layer_names)
+    layout = _build(det, engine, container, f"engine {engine!r}: detected {det.format}")
+    if names is not None:
+        if det.layer_ids is not None and all(0 <= i < len(names) for i in layout.layer_ids):
+            layout.layer_names = tuple(names[i] for i in layout.layer_ids)
+        elif det.layer_ids is None and len(names) == layout.num_layers:
+            layout.layer_names = tuple(names)
     log.debug("detected %s %s for engine %s (%s)", layout.format.name, layout.describe(), engine, det.note)
     return layout
+
+
+def _check_order_statement(container: Any, hints: Mapping[str, Any]) -> None:
+    """``tensor_order="physical"`` says every tensor's axes are in memory order: a tensor
+    whose strides are permuted contradicts it, whatever the engine (a DetectionError
+    naming the tensor). A bad value of the hint is an error too."""
+    if tensor_order(hints) != "physical":
+        return
+    for i, t in enumerate(tensors_in(container)):
+        if not memory_ordered(t):
+            raise DetectionError(
+                f"the hint {TENSOR_ORDER}='physical' says the tensors' axes are in memory order, but tensor {i} "
+                f"(shape {list(t.shape)}, stride {list(t.stride())}) is a permuted view: its memory order is axes "
+                f"{physical_permutation(t)}. Drop the hint (the strides say how the engine allocated it), or permute the "
+                "tensors into memory order first"
+            )
+
+
+def _build(det: Detection, engine: str, shown: Any, what: str) -> KVLayout:
+    try:
+        return build_layout(
+            det.format,
+            det.kv_caches,
+            dtype=det.dtype,
+            params=det.params,
+            note=det.note,
+            engine=engine,
+            layer_ids=det.layer_ids,
+            aliases=det.aliases,
+        )
+    except GeometryError as e:
+        raise DetectionError(f"{what} but the tensors do not fit it: {e}\ntensors:\n{describe_input(shown)}") from e
 
 
 def _unknown_engine(engine: str) -> str:
@@ -224,49 +371,42 @@ def _signature(x: Any) -> Any:
 def detect_per_layer(
     kv_caches: Any,
     engine: str,
-    layer_groups: Sequence[Sequence[int]] | None = None,
+    layer_groups: Sequence[Sequence[int | str]] | None = None,
     hints: Any = None,
-) -> list[KVLayout | None]:
-    """Detect a hybrid model's cache: one :class:`KVLayout` per layer, in layer order.
+) -> list[KVLayout | None] | dict[Any, KVLayout | None]:
+    """Detect a hybrid model's cache: one :class:`KVLayout` per entry, in the input's order.
+
+    The result has the input's shape: **a dict in gives a dict out** with the same keys in
+    the same order (``result[name]`` is the layout holding layer ``name``); a list or tuple
+    in gives a list in input order (``zip(kv_caches, result)`` pairs each entry with its
+    layout). Nothing is sorted or dropped: an entry that is not KV is ``None``.
 
     Layers are grouped by the engine's groups when given (``layer_groups``: lists of
-    layer indices sharing a block table), then by tensor shape, stride and dtype; each
-    group is detected on its own, so mixed head sizes, rank-3 indexer caches beside
-    rank-5 attention caches, and per-group block sizes each get their own format.
-    Layers of one group share one layout (``layout.layer_ids`` lists them). Entries a
-    plugin recognises as not KV (Mamba state) are ``None``, with the reason logged.
+    entry positions in the input's order -- for a dict, positions in its order or its
+    keys), then by tensor shape, stride and dtype; each group is detected on its own, so
+    mixed head sizes, rank-3 indexer caches beside rank-5 attention caches, and per-group
+    block sizes each get their own format. Layers of one group share one layout:
+    ``layout.layer_ids`` lists their input positions and, for a dict, ``layout.layer_names``
+    their keys. Entries that are the same memory (KV-sharing layers that point several
+    names at one tensor) stay one layer each; ``layout.aliases`` says which layer shares
+    which one's memory. Entries a plugin recognises as not KV (Mamba state) are ``None``,
+    with the reason logged.
 
     Raises:
         DetectionError / AmbiguousLayoutError: for a group nothing recognises (or
-            recognises twice), a plugin that crashed, or ``layer_groups`` naming a layer
-            out of range or in two groups.
+            recognises twice), a plugin that crashed, or ``layer_groups`` naming an entry
+            that does not exist or putting one in two groups.
     """
-    container, names = normalize_container(kv_caches)
+    as_dict = isinstance(kv_caches, Mapping)
+    keys = list(kv_caches.keys()) if as_dict else None
+    container, names = normalize_container(kv_caches, sort_dicts=False)
     if not isinstance(container, (list, tuple)):
         return [detect(container, engine, hints)]
     n = len(container)
-    groups: list[list[int]]
-    if layer_groups is None:
-        groups = [list(range(n))]
-    else:
-        try:
-            groups = [list(g) for g in layer_groups]
-        except TypeError:
-            raise DetectionError(
-                f"layer_groups must be a list of lists of layer indices (the engine's KV cache groups), got {layer_groups!r}"
-            ) from None
-        seen = [i for g in groups for i in g]
-        bad = [i for i in seen if isinstance(i, bool) or not isinstance(i, int) or not (0 <= i < n)]
-        if bad:
-            raise DetectionError(f"layer_groups names layers {bad} but kv_caches has {n} layers (0..{n - 1})")
-        twice = sorted({i for i in seen if seen.count(i) > 1})
-        if twice:
-            raise DetectionError(f"layer_groups puts layers {twice} in more than one group; each layer belongs to one group")
-        rest = [i for i in range(n) if i not in set(seen)]
-        if rest:
-            groups.append(rest)
+    groups = _groups(layer_groups, n, keys)
     out: list[KVLayout | None] = [None] * n
     h = _hints_dict(hints)
+    _check_order_statement(container, h)
     host = registry.host()
     for g in groups:
         by_sig: OrderedDict[Any, list[int]] = OrderedDict()
@@ -274,29 +414,65 @@ def detect_per_layer(
             by_sig.setdefault(_signature(container[i]), []).append(i)
         for idxs in by_sig.values():
             sub = [container[i] for i in idxs]
-            det = _ask(host, sub, engine, h)
+            det, rejected = _ask(host, sub, engine, h)
             if det is None:
                 asked = ", ".join(_detectors()) or "none"
                 raise DetectionError(
                     f"{_unknown_engine(engine)}no kvcore plugin recognises layers {idxs} for engine {engine!r}.\n"
-                    f"tensors:\n{describe_input(sub)}\nplugins asked: {asked}"
+                    f"tensors:\n{describe_input(sub)}\nplugins asked: {asked}" + _advice(sub, rejected)
                 )
             if det.format is None:
                 log.info("layers %s excluded: %s", idxs, det.excluded or det.note)
                 continue
-            try:
-                layout = build_layout(det.format, det.kv_caches, dtype=det.dtype, params=det.params, note=det.note, engine=engine)
-            except GeometryError as e:
+            layout = _build(det, engine, sub, f"engine {engine!r}: layers {idxs} detected as {det.format}")
+            ids = list(det.layer_ids) if det.layer_ids is not None else list(range(len(idxs)))
+            if len(ids) != layout.num_layers or not all(0 <= j < len(idxs) for j in ids):
                 raise DetectionError(
-                    f"engine {engine!r}: layers {idxs} detected as {det.format} but the tensors do not fit it: {e}\n"
-                    f"tensors:\n{describe_input(sub)}"
-                ) from e
-            if layout.num_layers == len(idxs):
-                layout.layer_ids = tuple(idxs)
-                if names is not None:
-                    layout.layer_names = tuple(names[i] for i in idxs)
-            for i in idxs:
+                    f"engine {engine!r}: layers {idxs} detected as {det.format} with {layout.num_layers} layers, but the plugin "
+                    f"says they are entries {ids} of the {len(idxs)} it was given"
+                )
+            layout.layer_ids = tuple(idxs[j] for j in ids)
+            if names is not None:
+                layout.layer_names = tuple(names[i] for i in layout.layer_ids)
+            for i in layout.layer_ids:
                 out[i] = layout
+    if as_dict:
+        return dict(zip(keys, out))
+    return out
+
+
+def _groups(layer_groups: Any, n: int, keys: list[Any] | None) -> list[list[int]]:
+    if layer_groups is None:
+        return [list(range(n))]
+    pos = {k: i for i, k in enumerate(keys)} if keys is not None else {}
+    try:
+        groups = [list(g) for g in layer_groups]
+    except TypeError:
+        raise DetectionError(
+            f"layer_groups must be a list of lists of layer positions (the engine's KV cache groups), got {layer_groups!r}"
+        ) from None
+    out: list[list[int]] = []
+    bad: list[Any] = []
+    for g in groups:
+        row = []
+        for i in g:
+            if keys is not None and not isinstance(i, int) and i in pos:
+                row.append(pos[i])
+            elif isinstance(i, bool) or not isinstance(i, int) or not (0 <= i < n):
+                bad.append(i)
+            else:
+                row.append(i)
+        out.append(row)
+    if bad:
+        what = f"kv_caches has {n} entries (positions 0..{n - 1}" + (", or its keys)" if keys is not None else ")")
+        raise DetectionError(f"layer_groups names layers {bad} but {what}")
+    seen = [i for g in out for i in g]
+    twice = sorted({i for i in seen if seen.count(i) > 1})
+    if twice:
+        raise DetectionError(f"layer_groups puts layers {twice} in more than one group; each layer belongs to one group")
+    rest = [i for i in range(n) if i not in set(seen)]
+    if rest:
+        out.append(rest)
     return out
 
 
@@ -306,61 +482,283 @@ def detect_per_layer(
 @dataclass
 class Candidate:
     """One way to read the tensors: a format, the views that match it, and which hint
-    value selects it (for the ambiguity message)."""
+    value selects it (for the ambiguity message).
+
+    Attributes:
+        format: the format name.
+        kv_caches: views of the caller's tensors nested as the format says.
+        dtype: the element dtype when the tensors are a byte view of it.
+        params: facts the name cannot carry (``head_size`` of a packed CS axis, ...).
+        note: how this reading was reached (the layout's ``note``).
+        decided_by: hint name -> the value that selects this reading.
+        label: a short human name for messages.
+        order: ``None`` (the reading holds whether the tensors are as allocated or in
+            memory order), ``"allocated"`` (it reads the engine's logical axes through
+            permuted strides) or ``"physical"`` (it reads the tensors as already permuted
+            into memory order); see the module docstring.
+        against: hint name -> the caller's value, for a reading the strides show but that
+            hint rules out. Such a candidate is evidence, never an answer: when nothing
+            else fits, :func:`resolve` raises a DetectionError naming the hint and this
+            reading.
+    """
 
     format: str
-    kv_caches: Any
-    dtype: torch.dtype | None = None
+    kv_caches: Any  # multi-plane formats: {role: container}
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None  # multi-plane formats: one dtype or {role: dtype}
     params: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     decided_by: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    order: str | None = None
+    against: dict[str, Any] = field(default_factory=dict)
 
     def detection(self) -> Detection:
         return Detection(format=self.format, kv_caches=self.kv_caches, dtype=self.dtype, params=self.params, note=self.note)
 
+    def name(self) -> str:
+        return f"{self.format} [{self.label}]" if self.label else self.format
 
-def resolve(candidates: Sequence[Candidate], *, engine: str, deciding_hints: Sequence[str] = ()) -> Detection | None:
+
+def _geometry(lay: KVLayout, attr: str) -> Any:
+    try:
+        return getattr(lay, attr)
+    except GeometryError:
+        return None
+
+
+def _geometry_line(lay: KVLayout) -> str:
+    parts = [f"NL={lay.num_layers}"]
+    for short, attr in (("NB", "num_blocks"), ("BS", "block_size"), ("NH", "num_heads"), ("HS", "head_size")):
+        v = _geometry(lay, attr)
+        if v is not None:
+            parts.append(f"{short}={v}")
+    if lay.dtype != lay.storage_dtype:
+        parts.append(f"dtype={str(lay.dtype).replace('torch.', '')}")
+    return ", ".join(parts)
+
+
+def _order_note(c: Candidate) -> str:
+    if c.order == "physical" and "memory order" not in c.label and "physical order" not in c.label:
+        return " (if the tensors were already permuted into memory order)"
+    return ""
+
+
+def resolve(
+    candidates: Sequence[Candidate],
+    *,
+    engine: str,
+    deciding_hints: Sequence[str] = (),
+    hints: Mapping[str, Any] | None = None,
+    geometry_hints: Mapping[str, str] | None = None,
+    required: bool = False,
+) -> Detection | None:
     """Pick the one meaning of the tensors among ``candidates``.
 
-    Candidates that do not build (their geometry does not fit the tensors) drop out.
-    Those left are grouped by their stride table's signature: one group means one
-    answer (the first candidate of it). Several groups mean the same tensors can be read
-    two ways that move different bytes: :class:`AmbiguousLayoutError`.
+    Candidates that do not build (their geometry does not fit the tensors) drop out; the
+    reason of each is kept and shown in the final error (``required=True`` here, else in
+    :func:`detect`'s "nothing recognises" message). The ``tensor_order`` hint (see the
+    module docstring) drops the readings of the other order. Those left are grouped by
+    what they move (stride table, K/V count and element dtype): one group means one answer
+    (the first candidate of it). Several groups mean the same tensors can be read two ways
+    that move different bytes: :class:`AmbiguousLayoutError`, naming the candidates and
+    the hints that would decide -- ``deciding_hints``, the ``decided_by`` keys whose values
+    differ, the geometry hints (``geometry_hints``) whose values differ between the
+    readings, and ``tensor_order`` when it would decide -- minus every hint the caller
+    already gave.
 
+    Args:
+        candidates: the readings, in order of preference among byte-identical ones.
+        engine: for messages.
+        deciding_hints: hints the plugin knows decide between these candidates.
+        hints: the caller's hints as the plugin understands them (names it accepts);
+            default: the hints of the current :func:`detect` call.
+        geometry_hints: layout attribute (``block_size``, ``num_heads``, ``head_size``,
+            ``num_layers``, ``num_blocks``) -> the plugin's hint for it; default
+            :data:`GEOMETRY_HINTS`.
+        required: raise instead of returning None when no candidate fits.
     Returns:
         a Detection, or None when no candidate fits.
+    Raises:
+        AmbiguousLayoutError: see above.
+        DetectionError: a hint contradicts the strides (a candidate with ``against`` is
+            all the strides allow), ``tensor_order`` contradicts them, or (``required``)
+            nothing fits.
     """
-    built: list[tuple[Candidate, Any]] = []
+    call = _CALL.get()
+    given = dict(hints) if hints is not None else (dict(call.hints) if call is not None else {})
+    given = {k: v for k, v in given.items() if v is not None}
+    order = tensor_order(given)
+    geo = dict(GEOMETRY_HINTS if geometry_hints is None else geometry_hints)
+    built: list[tuple[Candidate, KVLayout]] = []
+    rejected: list[str] = []
     for c in candidates:
         try:
             lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
         except GeometryError as e:
             log.debug("candidate %s rejected: %s", c.format, e)
+            rejected.append(f"{c.name()}: {e}")
             continue
         built.append((c, lay))
-    if not built:
+    if call is not None:
+        call.rejected.extend(rejected)
+    live = [(c, lay) for c, lay in built if not c.against]
+    evidence = [(c, lay) for c, lay in built if c.against]
+    if order is not None:
+        fits = [(c, lay) for c, lay in live if c.order in (None, order)]
+        if live and not fits:
+            raise _order_contradiction(engine, order, live)
+        live = fits
+        evidence = [(c, lay) for c, lay in evidence if c.order in (None, order)]
+    if not live:
+        if evidence:
+            raise _hint_contradiction(engine, evidence, [])
+        if required:
+            why = "\n".join(f"  - {r}" for r in rejected) or "  - no candidate reading was offered"
+            raise DetectionError(f"{engine}: these tensors fit none of the layouts tried:\n{why}")
         return None
-    groups: OrderedDict[tuple, list[tuple[Candidate, Any]]] = OrderedDict()
-    for c, lay in built:
-        sig = (lay.kv_size, lay.stride_table().signature())
+    if order is None and all(c.order == "physical" for c, _ in live):
+        shown = [(c, lay) for c, lay in evidence if c.order != "physical"]
+        if shown:
+            raise _hint_contradiction(engine, shown, live)
+    groups: OrderedDict[tuple, list[tuple[Candidate, KVLayout]]] = OrderedDict()
+    for c, lay in live:
+        sig = (lay.kv_size, lay.dtype, lay.stride_table().signature())
         groups.setdefault(sig, []).append((c, lay))
     if len(groups) == 1:
-        return built[0][0].detection()
-    firsts = [v[0] for v in groups.values()]
+        return live[0][0].detection()
+    raise _ambiguity(engine, list(groups.values()), deciding_hints, given, geo, order)
+
+
+def _ambiguity(
+    engine: str,
+    groups: list[list[tuple[Candidate, KVLayout]]],
+    deciding_hints: Sequence[str],
+    given: Mapping[str, Any],
+    geo: Mapping[str, str],
+    order: str | None,
+) -> AmbiguousLayoutError:
+    firsts = [g[0] for g in groups]
+    keys: list[str] = list(deciding_hints)
+    all_keys = list(dict.fromkeys(k for c, _ in firsts for k in c.decided_by))
+    for k in all_keys:
+        if len({repr(c.decided_by.get(k)) for c, _ in firsts}) > 1:
+            keys.append(k)
+    for attr, hint in geo.items():
+        if len({_geometry(lay, attr) for _, lay in firsts}) > 1:
+            keys.append(hint)
+    by_order: dict[int, str] = {}  # group -> the tensor_order value that leaves it alone
+    if order is None:
+        only: dict[int, str] = {}
+        for i, g in enumerate(groups):
+            orders = {c.order for c, _ in g}
+            if None not in orders and len(orders) == 1:
+                only[i] = orders.pop()
+        alloc = [i for i in range(len(groups)) if only.get(i) != "physical"]
+        phys = [i for i in range(len(groups)) if only.get(i) != "allocated"]
+        if len(alloc) == 1 and alloc != phys:
+            by_order[alloc[0]] = "allocated"
+        if len(phys) == 1 and alloc != phys:
+            by_order[phys[0]] = "physical"
+        if by_order:
+            keys.append(TENSOR_ORDER)
+    keys = [k for k in dict.fromkeys(keys) if k not in given]
     lines = []
-    for c, lay in firsts:
-        dec = ", ".join(f"{k}={v!r}" for k, v in c.decided_by.items())
-        lab = f" [{c.label}]" if c.label else ""
-        lines.append(f"  {c.format}{lab}: {lay.describe()}" + (f" (selected by {dec})" if dec else ""))
-    keys = list(dict.fromkeys(list(deciding_hints) + [k for c, _ in firsts for k in c.decided_by]))
-    raise AmbiguousLayoutError(
-        f"{engine}: these tensors fit {len(firsts)} layouts that place bytes differently, and no hint decides:\n"
+    for i, (c, lay) in enumerate(firsts):
+        sel = {k: v for k, v in c.decided_by.items() if k not in given}
+        if i in by_order and TENSOR_ORDER in keys:
+            sel[TENSOR_ORDER] = by_order[i]
+        dec = ", ".join(f"{k}={v!r}" for k, v in sel.items())
+        lines.append(f"  {c.name()}: {lay.describe()} ({_geometry_line(lay)}){_order_note(c)}" + (f"; selected by {dec}" if dec else ""))
+    said = f" (hints given: {', '.join(f'{k}={v!r}' for k, v in given.items())})" if given else ""
+    return AmbiguousLayoutError(
+        f"{engine}: these tensors fit {len(firsts)} layouts that place bytes differently, and no hint given decides{said}:\n"
         + "\n".join(lines)
-        + f"\nPass one of these hints to decide: {', '.join(keys) or '(see the plugin docs)'}",
+        + f"\nPass one of these hints to decide: {', '.join(keys) or '(none of the hints this plugin knows decides; see its docs)'}",
         candidates=[c.format for c, _ in firsts],
         hints=keys,
     )
+
+
+def _describe_candidates(items: Sequence[tuple[Candidate, KVLayout]]) -> str:
+    return "; ".join(f"{c.name()} {lay.describe()} ({_geometry_line(lay)})" for c, lay in items)
+
+
+def _hint_contradiction(
+    engine: str, evidence: Sequence[tuple[Candidate, KVLayout]], physical: Sequence[tuple[Candidate, KVLayout]]
+) -> DetectionError:
+    said = dict(p for c, _ in evidence for p in c.against.items())
+    hint = ", ".join(f"{k}={v!r}" for k, v in said.items())
+    msg = f"{engine}: the hints say {hint}, but the tensors' strides show {_describe_candidates(evidence)}, which {hint} rules out."
+    if physical:
+        msg += (
+            f" Read as already permuted into memory order they would fit the hints as {_describe_candidates(physical)}:"
+            f" if that is what you passed, add the hint {TENSOR_ORDER}='physical'."
+        )
+    msg += " Otherwise fix the hint, or pass the tensors as the engine allocated them."
+    tensors = [t for c, _ in evidence[:1] for t in tensors_in(c.kv_caches)]
+    if tensors:
+        msg += f"\ntensors:\n{describe_input(tensors)}"
+    return DetectionError(msg)
+
+
+def _order_contradiction(engine: str, order: str, live: Sequence[tuple[Candidate, KVLayout]]) -> DetectionError:
+    other = "physical" if order == "allocated" else "allocated"
+    if order == "physical":
+        what = "the tensors' axes are already in memory order, but their strides are permuted"
+    else:
+        what = "the tensors are as the engine allocated them, but no reading of the engine's allocation fits"
+    return DetectionError(
+        f"{engine}: the hint {TENSOR_ORDER}={order!r} says {what}; they read only as {TENSOR_ORDER}={other!r}: "
+        f"{_describe_candidates(live)}. Drop or fix the hint."
+    )
+
+
+def memory_ordered(t: torch.Tensor) -> bool:
+    """True when ``t``'s axes are in memory order: the strides of the axes longer than 1
+    do not increase from the outermost axis in. Such a tensor may have been handed over
+    as allocated or already permuted into memory order; a tensor that is not memory
+    ordered was certainly not permuted into memory order."""
+    prev = None
+    for n, s in zip(t.shape, t.stride()):
+        if n <= 1:
+            continue
+        if prev is not None and s > prev:
+            return False
+        prev = s
+    return True
+
+
+def split_aliases(entries: Sequence[Any]) -> tuple[list[Any], dict[int, int]]:
+    """Entries that are the very same memory as an earlier one (the same tensor, or the
+    same view: storage, offset, shape, stride, dtype; nested lists compared leaf by leaf),
+    as KV-sharing layers register one cache under several names.
+
+    Returns:
+        (the distinct entries in order, ``{entry index: index of the earlier entry it
+        repeats}``) -- what a plugin returns as ``Detection(kv_caches=distinct, aliases=...)``
+        so that the layout keeps one layer per entry.
+    """
+
+    def key(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.is_meta:  # meta tensors have no addresses: only the same object is the same memory
+                return ("object", id(x))
+            return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        if isinstance(x, (list, tuple)):
+            return ("L", tuple(key(y) for y in x))
+        return ("object", id(x))
+
+    seen: dict[Any, int] = {}
+    distinct: list[Any] = []
+    aliases: dict[int, int] = {}
+    for i, e in enumerate(entries):
+        k = key(e)
+        if k in seen:
+            aliases[i] = seen[k]
+            continue
+        seen[k] = i
+        distinct.append(e)
+    return distinct, aliases
 
 
 def physical_permutation(t: torch.Tensor) -> list[int]:

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from kvcore.errors import FormatError, GeometryError, KVCoreError, PluginError
+from kvcore.errors import FormatError, GeometryError, KVCoreError
 from kvcore.formats import KVFormat
 from kvcore.grammar import parse
-from kvcore.spec import Spec, StrideTable
+from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable
 
 __all__ = ["PageBufferShapeDesc", "KVLayout", "Detection", "build_layout"]
 
@@ -51,8 +51,11 @@ class Detection:
     Attributes:
         format: the format name.
         kv_caches: the container normalised to the format's nesting (views of the
-            caller's tensors, never copies).
-        dtype: the element dtype when the tensors are a byte view of it, else None.
+            caller's tensors, never copies); for a multi-plane format a dict
+            ``{role: container}``, each nested as that plane's template.
+        dtype: the element dtype when the tensors are a byte view of it, else None; for
+            a multi-plane format one dtype for every plane or a dict ``{role: dtype}``
+            (roles left out keep their tensors' dtype).
         params: facts the name cannot carry (``head_size`` of a packed CS axis, ...).
         note: one line on how it was decided (shown by ``kvcore detect``).
         excluded: set (with the reason) for tensors that are not KV (Mamba state);
@@ -60,15 +63,20 @@ class Detection:
         layer_ids: the model's layer indices of the layout's layers, when the plugin
             knows them and they are not 0..NL-1 (one attention-type group of a hybrid
             model's cache); None: 0..NL-1.
+        aliases: ``{layer: earlier layer}`` for layers that are the very same memory as an
+            earlier layer (KV-sharing layers registered under several names; see
+            :func:`kvcore.detection.split_aliases`). ``kv_caches`` then holds only the
+            distinct layers, in order, and the layout still has one layer per entry.
     """
 
     format: str | None
     kv_caches: Any = None
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     excluded: str | None = None
     layer_ids: tuple[int, ...] | None = None
+    aliases: dict[int, int] | None = None
 
 
 class KVLayout:
@@ -77,11 +85,19 @@ class KVLayout:
     Geometry is uniform across the layout's layers (hybrid models get one layout per
     group from :func:`kvcore.detect_per_layer`).
 
+    Layers that are one memory (an engine registering one cache under several layer
+    names) stay one layer each: ``aliases`` maps such a layer to the earlier layer whose
+    memory it is. A gather reads the shared memory once per layer; a scatter writes it
+    once, from the rows of the first of those layers in the selection (the rows of its
+    aliases are not written).
+
     Attributes:
         format: the :class:`KVFormat`.
-        kv_caches: the normalised container (views of the engine's tensors).
+        kv_caches: the normalised container (views of the engine's tensors; distinct
+            memories only when layers alias).
         layer_ids: the model's layer indices this layout covers, in order.
         layer_names: the engine's layer names when the input was a dict, else None.
+        aliases: ``{layer: earlier layer with the same memory}`` (empty when none).
         note: how detection decided.
     """
 
@@ -94,19 +110,35 @@ class KVLayout:
         layer_names: Sequence[str] | None = None,
         note: str = "",
         engine: str | None = None,
+        layer_map: Sequence[int] | None = None,
     ):
         self.format = format
         self.spec = spec
         self.kv_caches = spec.kv_caches
-        self.layer_ids = tuple(layer_ids) if layer_ids is not None else tuple(range(spec.num_layers))
+        self.layer_map = tuple(layer_map) if layer_map is not None else tuple(range(spec.num_layers))
+        self.layer_ids = tuple(layer_ids) if layer_ids is not None else tuple(range(len(self.layer_map)))
         self.layer_names = tuple(layer_names) if layer_names is not None else None
         self.note = note
         self.engine = engine
 
+    @property
+    def aliases(self) -> dict[int, int]:
+        """``{layer: the first earlier layer with the same memory}``; empty when every
+        layer has its own memory."""
+        first: dict[int, int] = {}
+        out: dict[int, int] = {}
+        for i, p in enumerate(self.layer_map):
+            if p in first:
+                out[i] = first[p]
+            else:
+                first[p] = i
+        return out
+
     # -- geometry --------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
-        return self.spec.num_layers
+        """Layers, one per entry the engine registered (aliased layers included)."""
+        return len(self.layer_map)
 
     @property
     def num_blocks(self) -> int:
@@ -125,13 +157,27 @@ class KVLayout:
 
     @property
     def head_size(self) -> int:
-        """Elements per head, per K or V (576 for DeepSeek MLA latents)."""
-        return self.spec.head_size
+        """Elements per head, per K or V (576 for DeepSeek MLA latents); for a multi-plane
+        layout the value planes' (K, V, or KV) head size.
+
+        Raises:
+            GeometryError: a multi-plane layout whose K and V head sizes differ (each
+                plane's is in :attr:`planes`).
+        """
+        hs = self.spec.head_size
+        if hs is None:
+            raise GeometryError(
+                f"format {self.format.name}: its value planes have different head sizes ("
+                + ", ".join(f"{p.role} {p.head_size}" for p in self.planes)
+                + "); read each plane's from layout.planes"
+            )
+        return hs
 
     @property
     def hidden_dim(self) -> int:
-        """``num_heads * head_size``: one token's K (or V) row in elements."""
-        return self.spec.num_heads * self.spec.head_size
+        """``num_heads * head_size``: one token's K (or V) row in elements (raises
+        GeometryError like :attr:`head_size` when K and V widths differ)."""
+        return self.spec.num_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
@@ -139,15 +185,60 @@ class KVLayout:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Element dtype (may differ from the tensors' storage dtype, e.g. int8 views)."""
-        return self.spec.dtype
+        """Element dtype (may differ from the tensors' storage dtype, e.g. int8 views); for
+        a multi-plane layout its value planes' (K, V, or KV) dtype.
+
+        Raises:
+            GeometryError: a multi-plane layout whose value planes differ in dtype (each
+                plane's is in :attr:`planes`).
+        """
+        dt = self.spec.dtype
+        if dt is None:
+            raise GeometryError(
+                f"format {self.format.name}: its value planes have different dtypes ("
+                + ", ".join(f"{p.role} {p.dtype}" for p in self.planes)
+                + "); read each plane's from layout.planes"
+            )
+        return dt
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        return self.spec.storage_dtype
+        """The dtype of the tensors holding the values (see :attr:`dtype`)."""
+        dt = self.spec.storage_dtype
+        if dt is None:
+            raise GeometryError(
+                f"format {self.format.name}: its value planes are stored in different dtypes ("
+                + ", ".join(f"{p.role} {p.storage_dtype}" for p in self.planes)
+                + "); read each plane's from layout.planes"
+            )
+        return dt
+
+    @property
+    def planes(self) -> tuple[PlaneInfo, ...]:
+        """Every plane of the record, as :class:`~kvcore.spec.PlaneInfo` (role, template,
+        dtype, num_heads, head_size, head_bytes, staging buffer): a multi-plane layout's
+        planes in its name's order; a single-plane layout's K and V (``KV`` for an MLA
+        latent; ``VALS``/``SCALES`` for a blocked-scale record)."""
+        return self.spec.plane_info
+
+    @property
+    def staging_buffers(self) -> tuple[StagingBuffer, ...]:
+        """The staging buffers a transfer of this layout fills: one ``"kv"`` buffer
+        ``[kv_size, NL, T, NH*HS]`` (:attr:`classic_staging`), or one per plane, keyed by
+        role, ``[NL, T, NH_p * HS_p]`` in the plane's dtype."""
+        return self.spec.stride_table().buffers
+
+    @property
+    def classic_staging(self) -> bool:
+        """True when a transfer stages one tensor ``[kv_size, NL, T, NH*HS]`` (every
+        single-plane layout, and multi-plane layouts whose planes are exactly K (and V) of
+        one dtype and width); False when it stages a dict ``{role: [NL, T, NH_p*HS_p]}``."""
+        b = self.spec.stride_table().buffers
+        return len(b) == 1 and b[0].key == "kv" and b[0].kv_size is not None
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
         return torch.empty(0, dtype=self.dtype).element_size()
 
     @property
@@ -165,7 +256,11 @@ class KVLayout:
 
     @property
     def elements_per_layer(self) -> int:
-        """Elements one layer holds, K and V together: ``kv_size * slots * NH * HS``."""
+        """Elements one layer holds, K and V together: ``kv_size * slots * NH * HS``; for a
+        multi-plane layout the sum over its planes of ``slots * NH_p * HS_p`` (each in its
+        plane's dtype)."""
+        if self.format.syntax.multi_plane:
+            return sum(self.page_buffer_size * p.hidden_dim for p in self.planes)
         return self.kv_size * self.page_buffer_size * self.hidden_dim
 
     @property
@@ -174,11 +269,56 @@ class KVLayout:
 
     def staging_shape(self, num_tokens: int, layers: Sequence[int] | int | None = None) -> tuple[int, ...]:
         """Staging buffer shape: ``[kv_size, NL, T, NH*HS]``; for one layer (an int)
-        ``[kv_size, T, NH*HS]``. MLA: kv_size 1, NH*HS = HS."""
+        ``[kv_size, T, NH*HS]``. MLA: kv_size 1, NH*HS = HS.
+
+        Raises:
+            GeometryError: the layout stages one buffer per plane (not
+                :attr:`classic_staging`): use :meth:`staging_shapes`.
+        """
+        if not self.classic_staging:
+            raise GeometryError(
+                f"format {self.format.name} stages one buffer per plane ({', '.join(b.key for b in self.staging_buffers)}), "
+                "not one [kv_size, NL, T, NH*HS] tensor: use layout.staging_shapes(num_tokens) or layout.allocate_staging(num_tokens)"
+            )
+        b = self.spec.stride_table().buffers[0]
+        row = b.row_elems
         if isinstance(layers, int):
-            return (self.kv_size, num_tokens, self.hidden_dim)
+            return (b.kv_size, num_tokens, row)
         nl = self.num_layers if layers is None else len(layers)
-        return (self.kv_size, nl, num_tokens, self.hidden_dim)
+        return (b.kv_size, nl, num_tokens, row)
+
+    def staging_shapes(self, num_tokens: int, layers: Sequence[int] | int | None = None) -> dict[str, tuple[int, ...]]:
+        """Every staging buffer's shape, by key: ``{"kv": [kv_size, NL, T, NH*HS]}`` for
+        classic staging, else ``{role: [NL, T, NH_p * HS_p]}`` per plane (``NH_p`` 1 for a
+        plane without heads, ``HS_p`` 1 for a plane without elements). For one layer (an
+        int) the NL axis is left out. Dtypes: :attr:`staging_buffers`."""
+        nl = None if isinstance(layers, int) else (self.num_layers if layers is None else len(layers))
+        out = {}
+        for b in self.spec.stride_table().buffers:
+            shp = b.shape(1 if nl is None else nl, num_tokens)
+            if nl is None:
+                shp = shp[:-3] + shp[-2:]
+            out[b.key] = tuple(shp)
+        return out
+
+    def allocate_staging(
+        self,
+        num_tokens: int,
+        layers: Sequence[int] | int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        pin_memory: bool = False,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Zeroed staging for ``num_tokens`` tokens: one tensor (:attr:`classic_staging`,
+        shape :meth:`staging_shape`) or a dict ``{role: tensor}`` (shapes
+        :meth:`staging_shapes`), each in its buffer's dtype, on ``device`` (default: the
+        cache's), pinned when ``pin_memory`` (host memory for a CUDA cache)."""
+        dev = torch.device(device) if device is not None else self.device
+        out = {}
+        for b in self.spec.stride_table().buffers:
+            shp = self.staging_shapes(num_tokens, layers)[b.key]
+            out[b.key] = torch.zeros(shp, dtype=b.dtype, device=dev, pin_memory=pin_memory)
+        return out["kv"] if self.classic_staging else out
 
     # -- kernels ---------------------------------------------------------------------
     def stride_table(self, layers: Sequence[int] | None = None) -> StrideTable:
@@ -188,7 +328,9 @@ class KVLayout:
             GeometryError: a layer index out of range or repeated.
         """
         t = self.spec.stride_table()
-        return t if layers is None else t.subset(self._layer_selection(layers))
+        if layers is None and self.layer_map == tuple(range(self.spec.num_layers)):
+            return t
+        return t.subset([self.layer_map[i] for i in self._layer_selection(layers)])
 
     def _layer_selection(self, layer_indices: Sequence[int] | None) -> list[int]:
         n = self.num_layers
@@ -214,12 +356,16 @@ class KVLayout:
         the order given (default: all layers): one per layer for layer lists; all K then
         all V for K/V lists (``TWO_X_NL_X_...``); K0, V0, K1, V1, ... for per-layer tuples;
         a single base for one cross-layer tensor. Order as LMCache's
-        ``KVFormatSpec.data_ptrs`` (``lmcache_kv_format.md`` §2.2).
+        ``KVFormatSpec.data_ptrs`` (``lmcache_kv_format.md`` §2.2). Multi-plane layouts:
+        each plane's pointers in the name's plane order (a layer-list plane: one per
+        selected layer; a cross-layer plane: its one tensor).
 
         Raises:
             GeometryError: a layer index out of range or repeated.
         """
         sel = self._layer_selection(layer_indices)
+        if self.format.syntax.multi_plane:
+            return self._plane_data_ptrs(sel)
         by_layer: dict[int, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
         out = []
         for path, t in self.spec.leaves:
@@ -232,10 +378,20 @@ class KVLayout:
             return out
         lv = self.format.syntax.list_levels
         kv_outer = lv.index("NL") > 0  # K list then V list
-        leaves = [(path, t) for li in sel for (path, t) in by_layer.get(li, [])]
+        leaves = [(path, t) for li in sel for (path, t) in by_layer.get(self.layer_map[li], [])]
         if kv_outer:
             leaves.sort(key=lambda pt: pt[0][0])  # stable: K of the selected layers, then V
         return [int(t.data_ptr()) for _, t in leaves]
+
+    def _plane_data_ptrs(self, sel: list[int]) -> list[int]:
+        out = []
+        for pi, p in enumerate(self.format.syntax.planes):
+            leaves = [(path[1:], t) for path, t in self.spec.leaves if path[0] == pi]
+            if "NL" in p.syntax.list_levels:
+                out += [int(leaves[li][1].data_ptr()) for li in sel]
+            else:
+                out += [int(t.data_ptr()) for _, t in leaves]
+        return out
 
     def shape_desc(self, layer_indices: Sequence[int] | None = None) -> PageBufferShapeDesc:
         """A :class:`PageBufferShapeDesc` for ``layer_indices`` (default: all).
@@ -251,6 +407,17 @@ class KVLayout:
                 :meth:`stride_table` describes those, and kvcore's kernels use it.
         """
         nl = len(self._layer_selection(layer_indices))
+        syn0 = self.format.syntax
+        if syn0.multi_plane or syn0.chunked_heads or syn0.token_groups or not self.classic_staging:
+            why = (
+                "a multi-plane record (each plane its own tensors)"
+                if syn0.multi_plane
+                else ("chunked heads (HSC/HSE)" if syn0.chunked_heads else "token groups (BSC/BSE)")
+            )
+            raise GeometryError(
+                f"format {self.format.name} has {why}; a PageBufferShapeDesc describes one [kv_size, NB, BS, NH, HS] page "
+                "buffer per layer and cannot say it. Use stride_table() and layout.planes, which describe any layout"
+            )
         fused = self.format.fused_nbbs
         nb = self.page_buffer_size if fused else self.num_blocks
         bs = 1 if fused else self.block_size
@@ -293,15 +460,31 @@ class KVLayout:
         )
 
     def sizes(self) -> dict[str, int]:
-        """The format's axis sizes as the tensors hold them (``NB``, ``BS``, ``CS``...)."""
-        return dict(self.spec.axis_sizes)
+        """The format's axis sizes as the tensors hold them (``NB``, ``BS``, ``CS``...);
+        ``NL`` counts every layer, aliased ones included."""
+        out = dict(self.spec.axis_sizes)
+        if "NL" in out:
+            out["NL"] = self.num_layers
+        return out
 
     def describe(self) -> str:
         """Concrete shape, e.g. ``32 x [2, 2048, 16, 8, 128]``."""
-        return self.format.concrete(self.spec.axis_sizes)
+        return self.format.concrete(self.sizes())
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-able summary (``kvcore detect`` prints it)."""
+        """A JSON-able summary (``kvcore detect`` prints it): the geometry, every plane
+        (``planes``: role, template, dtype, heads, head size and bytes, staging buffer) and
+        the staging buffers' shapes (``staging``: ``{key: [..., "T", row]}``). A value a
+        multi-plane layout does not have as one number (the head size of K and V of
+        different widths) is None."""
+
+        def value(get: Any) -> Any:
+            try:
+                return get()
+            except GeometryError:
+                return None
+
+        dt, sdt = value(lambda: self.dtype), value(lambda: self.storage_dtype)
         d: dict[str, Any] = {
             "format": self.format.name,
             "symbolic": self.format.symbolic,
@@ -309,14 +492,28 @@ class KVLayout:
             "num_layers": self.num_layers,
             "kv_size": self.kv_size,
             "num_heads": self.num_heads,
-            "head_size": self.head_size,
-            "hidden_dim": self.hidden_dim,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "storage_dtype": str(self.storage_dtype).replace("torch.", ""),
+            "head_size": value(lambda: self.head_size),
+            "hidden_dim": value(lambda: self.hidden_dim),
+            "dtype": str(dt).replace("torch.", "") if dt is not None else None,
+            "storage_dtype": str(sdt).replace("torch.", "") if sdt is not None else None,
             "device": str(self.device),
             "page_buffer_size": self.page_buffer_size,
             "is_hnd": self.format.is_hnd,
+            "planes": [
+                {
+                    "role": p.role,
+                    "template": p.template,
+                    "dtype": str(p.dtype).replace("torch.", ""),
+                    "num_heads": p.num_heads,
+                    "head_size": p.head_size,
+                    "head_bytes": p.head_bytes,
+                    "staging": p.staging,
+                }
+                for p in self.planes
+            ],
+            "staging": {b.key: list(b.shape(self.num_layers, 0)[:-2]) + ["T", b.row_elems] for b in self.staging_buffers},
             "layer_ids": list(self.layer_ids),
+            "aliases": {str(k): v for k, v in self.aliases.items()},
             "note": self.note,
         }
         try:
@@ -326,31 +523,43 @@ class KVLayout:
         return d
 
     def __repr__(self) -> str:
-        return f"KVLayout({self.format.name}, {self.describe()}, dtype={self.dtype}, device={self.device})"
+        dt = self.spec.dtype if self.spec.dtype is not None else {p.role: p.dtype for p in self.planes}
+        return f"KVLayout({self.format.name}, {self.describe()}, dtype={dt}, device={self.device})"
 
 
 def build_layout(
     format: KVFormat | str,
     kv_caches: Any,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None,
     params: dict[str, Any] | None = None,
     layer_ids: Sequence[int] | None = None,
     layer_names: Sequence[str] | None = None,
     note: str = "",
     engine: str | None = None,
+    aliases: dict[int, int] | None = None,
 ) -> KVLayout:
     """Describe ``kv_caches`` as ``format`` without asking any detector.
 
     The spec comes from the ``kvcore_spec`` hook (a plugin's, for exotic formats) or
-    the core's generic :class:`~kvcore.spec.Spec`.
+    the core's generic :class:`~kvcore.spec.Spec`. For a multi-plane format
+    (``K=...+V=...``) ``kv_caches`` is a dict ``{role: container}`` and ``dtype`` may be a
+    dict ``{role: dtype}``.
+
+    ``aliases`` (``{layer: earlier layer}``, over all layers) declares layers that are
+    the same memory as an earlier one; ``kv_caches`` then holds the distinct layers in
+    order (what :func:`kvcore.detection.split_aliases` returns) and the layout has one
+    layer per entry (see :class:`KVLayout`).
 
     Raises:
         FormatError: a malformed format name (naming the bad token).
         GeometryError: the tensors do not fit the format (wrong nesting, rank, literal
-            axis size, zero-size axis, aliasing strides, geometry past the storage), or
-            a plugin's spec failed on them.
-        PluginError: a ``kvcore_spec`` hook returned something that is not a Spec subclass.
+            axis size, zero-size axis, aliasing strides, two (layer, plane) regions sharing
+            a byte, geometry past the storage; planes missing, extra or disagreeing on
+            layers, blocks or heads), are quantized tensors (``torch.quint8``...), or a
+            plugin's spec failed on them.
+        PluginError: a ``kvcore_spec`` hook raised or returned something that is not a
+            Spec subclass (the message names the plugin).
     """
     from kvcore import registry
 
@@ -362,15 +571,40 @@ def build_layout(
             fmt = KVFormat(name=format, description="(not registered by any plugin)")
     else:
         fmt = format
-    spec_cls = registry.host().pm.hook.kvcore_spec(format=fmt) or Spec
-    if not (isinstance(spec_cls, type) and issubclass(spec_cls, Spec)):
-        raise PluginError(
-            f"a kvcore_spec hook returned {spec_cls!r} for format {fmt.name}; it must return a subclass of kvcore.Spec or None"
-        )
+    registry.refuse_quantized(kv_caches, "kv_caches", GeometryError)
+    spec_cls = registry.spec_for(fmt) or Spec  # a plugin's bad answer is a PluginError naming it
     try:
         spec = spec_cls(fmt, kv_caches, dtype=dtype, params=params)
     except KVCoreError:
         raise
     except Exception as e:  # noqa: BLE001 - tensors a spec cannot read are a geometry error, not a crash
         raise GeometryError(f"format {fmt.name}: {spec_cls.__name__} could not read these tensors: {type(e).__name__}: {e}") from e
-    return KVLayout(fmt, spec, layer_ids=layer_ids, layer_names=layer_names, note=note, engine=engine)
+    layer_map = _layer_map(fmt.name, spec.num_layers, aliases) if aliases else None
+    n = len(layer_map) if layer_map is not None else spec.num_layers
+    if layer_ids is not None and len(tuple(layer_ids)) != n:
+        raise GeometryError(f"format {fmt.name}: layer_ids {tuple(layer_ids)} name {len(tuple(layer_ids))} layers, the layout has {n}")
+    return KVLayout(fmt, spec, layer_ids=layer_ids, layer_names=layer_names, note=note, engine=engine, layer_map=layer_map)
+
+
+def _layer_map(name: str, distinct: int, aliases: dict[int, int]) -> tuple[int, ...]:
+    """``aliases`` over ``distinct + len(aliases)`` layers -> each layer's index among the
+    distinct ones (the spec's layers).
+
+    Raises:
+        GeometryError: an alias that is not an earlier layer, or counts that disagree.
+    """
+    n = distinct + len(aliases)
+    out: list[int] = []
+    k = 0
+    for i in range(n):
+        if i in aliases:
+            j = aliases[i]
+            if isinstance(j, bool) or not isinstance(j, int) or not (0 <= j < i):
+                raise GeometryError(f"format {name}: aliases[{i}] = {j!r} must be an earlier layer (0..{i - 1})")
+            out.append(out[j])
+        else:
+            out.append(k)
+            k += 1
+    if k != distinct or any(not isinstance(i, int) or not (0 <= i < n) for i in aliases):
+        raise GeometryError(f"format {name}: aliases {aliases} do not fit {distinct} distinct layers ({n} in all)")
+    return tuple(out)

@@ -74,7 +74,7 @@ class LayoutPlan:
 
     def __init__(self, layout, layers: Sequence[int] | int | None = None):
         from kvcore.kernels import select_kernel
-        from kvcore.transfer import _layers, _scalar_layer
+        from kvcore.transfer import _layers, _scalar_layer, _write_once
 
         layers = _scalar_layer(layers)
         sel = _layers(layout, layers)
@@ -90,6 +90,9 @@ class LayoutPlan:
         self.classic_staging = len(self.table.buffers) == 1 and b0.key == "kv" and b0.kv_size is not None
         self.kernel = None
         self._prep = None
+        # layers that share memory (layout.aliases) are scattered once, from the first of
+        # them: such a selection scatters through the generic path
+        self._scatter_native = _write_once(layout, sel) == [(0, len(sel))]
         if self.device.type == "meta":
             return
         try:
@@ -167,7 +170,7 @@ class LayoutPlan:
                 "scatter needs src, a staging buffer [kv_size, NL, T, NH*HS] (per-plane staging: a dict {role: [NL, T, NH_p*HS_p]})"
             )
         prep = self._prep
-        if prep is None:
+        if prep is None or not self._scatter_native:
             self._generic(False, slot_mapping, src, skip_prefix)
             return
         s = slot_mapping

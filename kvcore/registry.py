@@ -1,13 +1,31 @@
-"""The plugin host: pluggy manager, entry-point discovery, and the registries the
-``register`` callbacks fill.
+"""The plugin host: pluggy manager, entry-point discovery, the registries the ``register``
+callbacks fill, and the isolation that keeps one bad plugin from breaking the others.
 
 Loading is lazy and happens once, on the first question that needs plugins
-(``kvcore.formats()``, ``kvcore.detect(...)``, ...). Each entry point of group
-``kvcore`` is loaded on its own: one that fails to import is skipped with a
+(``kvcore.formats()``, ``kvcore.detect(...)``, ...), under a lock: threads that ask at the
+same time wait for the one load and all see the loaded host. Each entry point of group
+``kvcore`` is loaded on its own: one that fails to import or to register is skipped with a
 :class:`KVCorePluginWarning` naming it and the error, and the rest still load.
 
+One name, one layout. Several plugins may declare the same format name when their
+declarations agree (the same name is the same grammar, so the same layout; an LMDeploy
+plugin may declare a layout vLLM's plugin also declares, and each works without the
+other); their labels (engines, attention backends, sources) are merged. A declaration is
+the :class:`~kvcore.KVFormat` less those labels plus the spec the declaring plugin's
+``kvcore_spec`` gives for it; two plugins whose declarations of one name differ cannot
+both be loaded. The plugin named after an engine its declaration lists (the engine's own
+plugin) keeps the name; otherwise the plugin loaded first does. The other is named and
+skipped with a warning (a :class:`PluginError` under ``KVCORE_STRICT_PLUGINS=1``, and
+from :func:`register_plugin`).
+
+At run time the host calls each plugin's hooks on its own (:func:`ask_detect`,
+:func:`spec_for`, the kernels' methods): a hook that raises something other than a
+:class:`~kvcore.KVCoreError`, or returns something that is not what the hook promises, is
+named and skipped with a warning, and the other plugins answer; an error that leaves
+kvcore is a ``KVCoreError``.
+
 Environment:
-    ``KVCORE_STRICT_PLUGINS=1``  a plugin that fails to load raises :class:`PluginError`.
+    ``KVCORE_STRICT_PLUGINS=1``  a plugin that fails to load, or misbehaves, raises :class:`PluginError`.
     ``KVCORE_DISABLE_PLUGINS=a,b`` entry points (plugin names) not to load.
 """
 
@@ -17,14 +35,16 @@ import importlib.metadata as md
 import os
 import threading
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.errors import FormatError, PluginError
+from kvcore.errors import DetectionError, FormatError, KVCoreError, PluginError
 from kvcore.formats import KVFormat
+from kvcore.hints import Hint
 
 __all__ = [
     "KVCorePluginWarning",
@@ -35,16 +55,25 @@ __all__ = [
     "plugins",
     "formats",
     "get_format",
+    "declarations",
+    "formats_for_engine",
     "kernels",
+    "hints",
     "reset",
     "host",
+    "ask_detect",
+    "spec_for",
 ]
 
 ENTRY_POINT_GROUP = "kvcore"
+BUILTIN = "kvcore"
+
+#: KVFormat fields that label a declaration (merged across plugins) rather than define the layout.
+LABELS = frozenset({"engines", "attention_backends", "description", "sources"})
 
 
 class KVCorePluginWarning(UserWarning):
-    """A plugin was skipped (failed to import or to register)."""
+    """A plugin was skipped (failed to import or to register, or misbehaved in a hook)."""
 
 
 @dataclass
@@ -67,45 +96,70 @@ def _env_list(name: str) -> set[str]:
     return {x.strip() for x in os.environ.get(name, "").split(",") if x.strip()}
 
 
+def strict() -> bool:
+    """``KVCORE_STRICT_PLUGINS`` is set: misbehaving plugins raise instead of warning."""
+    return os.environ.get("KVCORE_STRICT_PLUGINS", "") not in ("", "0", "false", "False")
+
+
+class _Conflict(PluginError):
+    """Two plugins declare one format name differently."""
+
+    def __init__(self, message: str, culprit: str, keeper: str):
+        super().__init__(message)
+        self.culprit, self.keeper = culprit, keeper
+
+
 class PluginHost:
-    """Owns the pluggy manager and the format and kernel registries."""
+    """Owns the pluggy manager and the format, kernel, demo and hint registries."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        self.disabled: set[str] = set()
+        self._clear()
+
+    def _clear(self) -> None:
         self.pm = pluggy.PluginManager("kvcore")
         self.pm.add_hookspecs(hookspecs)
-        self.formats: dict[str, KVFormat] = {}
-        self.format_owner: dict[str, str] = {}
+        self.formats: dict[str, KVFormat] = {}  # name -> the declarations' merged labels
+        self.format_owner: dict[str, str] = {}  # name -> the plugin that declared it first
+        self.declarations: dict[str, dict[str, KVFormat]] = {}  # name -> {plugin: its declaration}
         self.kernels: list[Any] = []
         self.kernel_owner: dict[int, str] = {}
         self.demos: dict[str, tuple[Any, str, str]] = {}
+        self.hints: list[tuple[str, Hint]] = []
         self.info: dict[str, PluginInfo] = {}
-        self.disabled: set[str] = set()
         self._loaded = False
+        self._loading: int | None = None  # the thread loading, while it loads
+        self._warned: set[str] = set()
 
     # -- loading ---------------------------------------------------------------------
     def ensure_loaded(self) -> None:
+        """Load the entry points once. Threads asking during the load wait for it; a hook
+        of a plugin being loaded that asks again (same thread) sees what loaded so far."""
         if self._loaded:
             return
         with self._lock:
-            if self._loaded:
+            if self._loaded or self._loading == threading.get_ident():
                 return
-            self._loaded = True
+            self._loading = threading.get_ident()
             try:
                 self._load_all()
             except BaseException:
-                # a strict-mode failure or a duplicate format: leave no half-loaded host
-                # behind, so the next question raises again instead of answering partially
+                # a strict-mode failure: leave no half-loaded host behind, so the next
+                # question raises again instead of answering partially
                 disabled = set(self.disabled)
-                self.__init__()
+                self._clear()
                 self.disabled = disabled
                 raise
+            finally:
+                self._loading = None
+            self._loaded = True
 
     def _load_all(self) -> None:
         from kvcore import builtin
 
-        self._add(builtin, "kvcore", dist=("kvcore", _dist_version("kvcore")))
-        strict = os.environ.get("KVCORE_STRICT_PLUGINS", "") not in ("", "0", "false", "False")
+        self._add(builtin, BUILTIN, dist=("kvcore", _dist_version("kvcore")))
+        is_strict = strict()
         disabled = _env_list("KVCORE_DISABLE_PLUGINS") | self.disabled
         eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
         seen: set[str] = set()
@@ -117,32 +171,38 @@ class PluginHost:
             try:
                 obj = ep.load()
             except Exception as e:  # noqa: BLE001 - a broken plugin must not break kvcore
-                self._fail(ep.name, dist, f"import failed: {type(e).__name__}: {e}", strict, e)
+                self._fail(ep.name, dist, f"import failed: {type(e).__name__}: {e}", is_strict, e)
                 continue
             try:
-                self._add(obj, ep.name, dist=dist)
-            except PluginError:
-                raise
+                self._add(obj, ep.name, dist=dist, loading=True)
+            except _Conflict as e:
+                self._remove(ep.name)
+                self._fail(ep.name, dist, str(e), is_strict, e, advice=False)
             except Exception as e:  # noqa: BLE001
                 self._remove(ep.name)
-                self._fail(ep.name, dist, f"registration failed: {type(e).__name__}: {e}", strict, e)
+                self._fail(ep.name, dist, f"registration failed: {type(e).__name__}: {e}", is_strict, e)
 
-    def _fail(self, name: str, dist: tuple, why: str, strict: bool, exc: Exception) -> None:
+    def _fail(self, name: str, dist: tuple, why: str, is_strict: bool, exc: BaseException | None, *, advice: bool = True) -> None:
         d = f" (distribution {dist[0]} {dist[1]})" if dist[0] else ""
-        msg = (
-            f"kvcore plugin {name!r}{d} was skipped: {why}. "
-            f"Fix or uninstall it, or set KVCORE_DISABLE_PLUGINS={name} to silence this; "
-            "KVCORE_STRICT_PLUGINS=1 makes this an error."
+        msg = f"kvcore plugin {name!r}{d} was skipped: {why}" if advice else why
+        msg = msg.rstrip(".") + (
+            f". Fix or uninstall it, or set KVCORE_DISABLE_PLUGINS={name} to silence this; KVCORE_STRICT_PLUGINS=1 makes this an error."
         )
-        if strict:
+        if is_strict:
             raise PluginError(msg) from exc
         self.info[name] = PluginInfo(name=name, distribution=dist[0], version=dist[1], error=why)
-        warnings.warn(msg, KVCorePluginWarning, stacklevel=3)
+        warnings.warn(msg, KVCorePluginWarning, stacklevel=4)
 
-    def _add(self, obj: Any, name: str, dist: tuple = (None, None)) -> None:
+    def _add(self, obj: Any, name: str, dist: tuple = (None, None), *, loading: bool = False) -> None:
         with self._lock:
             if self.pm.has_plugin(name):
                 raise PluginError(f"a kvcore plugin named {name!r} is already registered; unregister it first")
+            try:
+                hash(obj)
+            except TypeError:
+                raise PluginError(
+                    f"kvcore plugin {name!r} is a {type(obj).__name__}, which is not hashable; register a module or an instance of a class"
+                ) from None
             try:
                 self.pm.register(obj, name=name)
             except (ValueError, pluggy.PluginValidationError) as e:
@@ -159,20 +219,11 @@ class PluginHost:
                     stacklevel=3,
                 )
             self.info[name] = info
-            caller = self.pm.subset_hook_caller  # call only this plugin's implementations
-            others = [p for p in self.pm.get_plugins() if p is not obj]
 
             def register_format(fmt: KVFormat, /) -> KVFormat:
                 if not isinstance(fmt, KVFormat):
                     raise PluginError(f"plugin {name!r} registered {fmt!r}; register() takes a kvcore.KVFormat")
-                if fmt.name in self.formats:
-                    owner = self.format_owner[fmt.name]
-                    raise PluginError(
-                        f"format {fmt.name!r} is registered by two plugins: {owner!r} and {name!r}; "
-                        f"disable one (KVCORE_DISABLE_PLUGINS={name}) or rename the format"
-                    )
-                self.formats[fmt.name] = fmt
-                self.format_owner[fmt.name] = name
+                self._declare(name, fmt, loading=loading)
                 info.formats.append(fmt.name)
                 return fmt
 
@@ -180,8 +231,9 @@ class PluginHost:
                 for attr in ("name", "device_types", "gather", "scatter"):
                     if not hasattr(kernel, attr):
                         raise PluginError(f"plugin {name!r} registered a kernel without {attr!r}: {kernel!r}")
-                self.kernels.append(kernel)
-                self.kernel_owner[id(kernel)] = name
+                k = kernel if name == BUILTIN else _GuardedKernel(kernel, name, self)
+                self.kernels.append(k)
+                self.kernel_owner[id(k)] = name
                 info.kernels.append(str(kernel.name))
                 return kernel
 
@@ -190,24 +242,225 @@ class PluginHost:
                     raise PluginError(f"demo {demo_name!r} is registered by two plugins: {self.demos[demo_name][2]!r} and {name!r}")
                 self.demos[demo_name] = (run, help, name)
 
+            def register_hint(hint: Hint, /) -> Hint:
+                if not isinstance(hint, Hint):
+                    raise PluginError(f"plugin {name!r} registered {hint!r:.80}; register() takes a kvcore.Hint")
+                if any(p == name and (h.engine, h.name) == (hint.engine, hint.name) for p, h in self.hints):
+                    raise PluginError(f"plugin {name!r} declares hint {hint.name!r} of engine {hint.engine!r} twice")
+                self.hints.append((name, hint))
+                return hint
+
             try:
-                caller("kvcore_register_formats", others)(register=register_format)
-                caller("kvcore_register_kernels", others)(register=register_kernel)
-                caller("kvcore_register_demos", others)(register=register_demo)
+                self._call_own(name, "kvcore_register_formats", register=register_format)
+                self._call_own(name, "kvcore_register_kernels", register=register_kernel)
+                self._call_own(name, "kvcore_register_demos", register=register_demo)
+                self._call_own(name, "kvcore_register_hints", register=register_hint)
             except Exception:
                 self._remove(name)
                 raise
 
+    def _call_own(self, plugin: str, hook: str, **kwargs: Any) -> list[Any]:
+        """Call ``plugin``'s implementations of ``hook`` (and only its own), in pluggy's order."""
+        return [_call_impl(impl, kwargs) for impl in reversed(_impls(self.pm, hook)) if impl.plugin_name == plugin]
+
+    # -- format declarations ------------------------------------------------------------
+    def _declare(self, plugin: str, fmt: KVFormat, *, loading: bool) -> None:
+        while True:
+            decls = self.declarations.get(fmt.name)
+            if not decls:
+                self.declarations[fmt.name] = {plugin: fmt}
+                self.format_owner[fmt.name] = plugin
+                self.formats[fmt.name] = fmt
+                return
+            if plugin in decls:
+                if decls[plugin] != fmt:
+                    raise PluginError(f"plugin {plugin!r} registers format {fmt.name!r} twice, with different labels")
+                return
+            owner = self.format_owner[fmt.name]
+            diff = self._difference(owner, decls[owner], plugin, fmt)
+            if diff is None:
+                decls[plugin] = fmt
+                self.formats[fmt.name] = _merged(list(decls.values()))
+                return
+            # the engine's own plugin keeps the name; else the plugin that declared it first
+            keeper, culprit = owner, plugin
+            if plugin in fmt.engines and owner not in decls[owner].engines:
+                keeper, culprit = plugin, owner
+            msg = (
+                f"kvcore plugin {culprit!r} declares format {fmt.name!r} differently from plugin {keeper!r} ({diff}); "
+                f"a format name is one layout, so {culprit!r} was skipped. Rename the format in {culprit!r}, or declare it "
+                f"as {keeper!r} does"
+            )
+            if culprit == plugin or not loading or strict():
+                raise _Conflict(msg, culprit, keeper)
+            # the newcomer is the engine's own plugin: the plugin that took its name goes
+            info = self.info.get(culprit) or PluginInfo(culprit)
+            self._remove(culprit)
+            self._fail(culprit, (info.distribution, info.version), msg, False, None, advice=False)
+
+    def _difference(self, p1: str, f1: KVFormat, p2: str, f2: KVFormat) -> str | None:
+        """How ``p2``'s declaration of a name differs from ``p1``'s, or None when they agree."""
+        s1, s2 = _structure(f1), _structure(f2)
+        if s1 != s2:
+            keys = sorted(k for k in set(s1) | set(s2) if s1.get(k) != s2.get(k))
+            return "; ".join(f"{k}: {s1.get(k)!r} vs {s2.get(k)!r}" for k in keys)
+        c1, c2 = self._own_spec(p1, f1), self._own_spec(p2, f2)
+        if c1 is not c2:
+
+            def what(p: str, c: Any) -> str:
+                return f"{p!r}'s kvcore_spec gives {c.__module__}.{c.__qualname__}" if c is not None else f"{p!r} uses the core's spec"
+
+            return f"{what(p1, c1)}, {what(p2, c2)}"
+        return None
+
+    def _own_spec(self, plugin: str, fmt: KVFormat) -> Any:
+        for impl in reversed(_impls(self.pm, "kvcore_spec")):
+            if impl.plugin_name != plugin:
+                continue
+            try:
+                cls = _call_impl(impl, {"format": fmt})
+            except Exception as e:  # noqa: BLE001
+                raise PluginError(f"kvcore plugin {plugin!r}: kvcore_spec(format={fmt.name}) raised {type(e).__name__}: {e}") from e
+            if cls is not None:
+                return cls
+        return None
+
     def _remove(self, name: str) -> None:
         with self._lock:
-            for fname in [f for f, o in self.format_owner.items() if o == name]:
-                del self.formats[fname]
-                del self.format_owner[fname]
+            for fname in [f for f, d in self.declarations.items() if name in d]:
+                decls = self.declarations[fname]
+                del decls[name]
+                if not decls:
+                    del self.declarations[fname]
+                    del self.formats[fname]
+                    del self.format_owner[fname]
+                else:
+                    if self.format_owner[fname] == name:
+                        self.format_owner[fname] = next(iter(decls))
+                    self.formats[fname] = _merged(list(decls.values()))
             self.kernels = [k for k in self.kernels if self.kernel_owner.get(id(k)) != name]
+            self.kernel_owner = {i: o for i, o in self.kernel_owner.items() if o != name}
             self.demos = {d: v for d, v in self.demos.items() if v[2] != name}
+            self.hints = [(p, h) for p, h in self.hints if p != name]
             if self.pm.has_plugin(name):
                 self.pm.unregister(name=name)
             self.info.pop(name, None)
+
+    # -- misbehaviour at run time -------------------------------------------------------
+    def misbehaved(self, plugin: str, what: str, exc: BaseException | None = None) -> None:
+        """A plugin's hook misbehaved and was skipped: warn once per (plugin, what)
+        (raise :class:`PluginError` under ``KVCORE_STRICT_PLUGINS=1``)."""
+        msg = (
+            f"kvcore plugin {plugin!r} misbehaved and was skipped: {what}. The other plugins answered; fix or uninstall it, "
+            f"or set KVCORE_DISABLE_PLUGINS={plugin}; KVCORE_STRICT_PLUGINS=1 makes this an error."
+        )
+        if strict():
+            raise PluginError(msg) from exc
+        key = f"{plugin}\0{what}"
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, KVCorePluginWarning, stacklevel=4)
+
+    def serves(self, plugin: str, engine: str) -> bool:
+        """``plugin`` declares something for ``engine``: a format listing it, a hint of it, a demo of its name."""
+        if any(plugin in d and engine in d[plugin].engines for d in self.declarations.values()):
+            return True
+        return any(p == plugin and h.engine == engine for p, h in self.hints) or self.demos.get(engine, (0, 0, None))[2] == plugin
+
+
+def _impls(pm: pluggy.PluginManager, hook: str) -> list[Any]:
+    """A hook's plain implementations (wrappers are not answers), in registration order."""
+    caller = getattr(pm.hook, hook, None)
+    if caller is None:
+        return []
+    return [i for i in caller.get_hookimpls() if not (i.hookwrapper or i.wrapper)]
+
+
+def _call_impl(impl: Any, kwargs: Mapping[str, Any]) -> Any:
+    return impl.function(*[kwargs[a] for a in impl.argnames])
+
+
+def _structure(fmt: KVFormat) -> dict[str, Any]:
+    return fmt.model_dump(exclude=set(LABELS))
+
+
+def _merged(decls: list[KVFormat]) -> KVFormat:
+    """One KVFormat for the declarations of a name: the first's fields, the labels of all."""
+    if len(decls) == 1:
+        return decls[0]
+
+    def union(xs):
+        out = []
+        for x in xs:
+            if x not in out:
+                out.append(x)
+        return out
+
+    first = decls[0]
+    return first.model_copy(
+        update={
+            "engines": union(e for d in decls for e in d.engines),
+            "attention_backends": union(b for d in decls for b in d.attention_backends),
+            "sources": union(s for d in decls for s in d.sources),
+        }
+    )
+
+
+class _GuardedKernel:
+    """A plugin's kernel, as the core calls it: an exception other than a KVCoreError from
+    ``gather``/``scatter`` becomes a :class:`PluginError` naming the plugin and the kernel;
+    ``available``/``supports``/``accepts`` that raise count as False (with one warning),
+    ``why`` that raises says so. Every other attribute is the kernel's own."""
+
+    _GUARDED = ("supports", "accepts")
+
+    def __init__(self, kernel: Any, plugin: str, host: PluginHost):
+        self.kernel, self.plugin, self._host = kernel, plugin, host
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.kernel, attr)
+        if attr in self._GUARDED and callable(value):
+            return lambda *a, **kw: self._ask(attr, value, *a, **kw)
+        return value
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.kernel.name!r} of plugin {self.plugin!r}>"
+
+    def _ask(self, what: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> bool:
+        try:
+            return bool(fn(*a, **kw))
+        except KVCoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a plugin's kernel must not break the transfer path
+            self._host.misbehaved(self.plugin, f"kernel {self.kernel.name!r}.{what}() raised {type(e).__name__}: {e}", e)
+            return False
+
+    def available(self) -> bool:
+        return self._ask("available", self.kernel.available)
+
+    def why(self) -> str:
+        try:
+            return str(self.kernel.why())
+        except Exception as e:  # noqa: BLE001
+            return f"why() raised {type(e).__name__}: {e}"
+
+    def _move(self, what: str, plan: Any) -> None:
+        try:
+            getattr(self.kernel, what)(plan)
+        except KVCoreError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PluginError(
+                f"kernel {self.kernel.name!r} of plugin {self.plugin!r} failed in {what}: {type(e).__name__}: {e}; the cache "
+                f"or the staging buffer may be partly written. Force another kernel (KVCORE_KERNEL=reference) or disable the "
+                f"plugin (KVCORE_DISABLE_PLUGINS={self.plugin})"
+            ) from e
+
+    def gather(self, plan: Any) -> None:
+        self._move("gather", plan)
+
+    def scatter(self, plan: Any) -> None:
+        self._move("scatter", plan)
 
 
 def _dist_version(dist: str) -> str | None:
@@ -218,33 +471,41 @@ def _dist_version(dist: str) -> str | None:
 
 
 _HOST: PluginHost | None = None
+_HOST_LOCK = threading.Lock()
 
 
 def host() -> PluginHost:
-    """The process-wide plugin host, loaded on first use."""
+    """The process-wide plugin host, loaded on first use (once, whichever thread asks first)."""
     global _HOST
-    if _HOST is None:
-        _HOST = PluginHost()
-    _HOST.ensure_loaded()
-    return _HOST
+    h = _HOST
+    if h is None:
+        with _HOST_LOCK:
+            if _HOST is None:
+                _HOST = PluginHost()
+            h = _HOST
+    h.ensure_loaded()
+    return h
 
 
 def reset() -> None:
     """Forget every plugin; the next question reloads entry points (for tests)."""
     global _HOST
-    _HOST = None
+    with _HOST_LOCK:
+        _HOST = None
 
 
 def register_plugin(plugin: Any, name: str | None = None) -> str:
     """Register a plugin object or module from code (tests, notebooks).
 
-    Its ``kvcore_register_formats`` / ``kvcore_register_kernels`` run at once.
+    Its ``kvcore_register_*`` hooks run at once. A format name another plugin declares
+    is accepted when the declarations agree (see the module docstring).
 
     Returns:
         the name it was registered under.
     Raises:
-        PluginError: the name is taken, or one of its formats is already registered
-            (the message names both plugins). On error nothing of it stays registered.
+        PluginError: the name is taken, one of its formats is declared differently by
+            another plugin (the message names both and what differs), or a hook raised.
+            On error nothing of it stays registered.
     """
     h = host()
     name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
@@ -267,7 +528,7 @@ def disable_plugins(*names: str) -> None:
     (the API twin of ``KVCORE_DISABLE_PLUGINS``)."""
     h = host()
     for n in names:
-        if n == "kvcore":
+        if n == BUILTIN:
             raise PluginError("the core's built-in plugin 'kvcore' cannot be disabled")
         h.disabled.add(n)
         h._remove(n)
@@ -275,13 +536,34 @@ def disable_plugins(*names: str) -> None:
 
 def plugins() -> list[PluginInfo]:
     """What loaded (and what was skipped, with ``error`` set), in name order."""
-    return sorted(host().info.values(), key=lambda i: (i.name != "kvcore", i.name))
+    return sorted(host().info.values(), key=lambda i: (i.name != BUILTIN, i.name))
 
 
 def formats() -> list[KVFormat]:
-    """Every registered format, by name."""
+    """Every registered format, by name (labels merged across the plugins declaring it)."""
     h = host()
     return [h.formats[n] for n in sorted(h.formats)]
+
+
+def declarations(name: str) -> dict[str, KVFormat]:
+    """``{plugin: its declaration}`` for a format name, the first declarer first ({} if none)."""
+    return dict(host().declarations.get(name, {}))
+
+
+def formats_for_engine(engine: str) -> list[KVFormat]:
+    """Every layout ``engine``'s detector can return (case-insensitive): the formats a
+    declaration lists the engine for, and the formats of the fixtures registered for it (a fixture says
+    the engine's detector returns its format, and the conformance suite checks it)."""
+    h = host()
+    want = engine.lower()
+    names = {n for n, f in h.formats.items() if want in (e.lower() for e in f.engines)}
+    try:
+        from kvcore.testing.fixtures import registered_fixtures
+
+        names |= {c.format for c in registered_fixtures(skip_broken=True) if str(getattr(c, "engine", "")).lower() == want}
+    except ImportError:  # pragma: no cover - kvcore.testing is part of kvcore
+        pass
+    return [h.formats[n] for n in sorted(names) if n in h.formats]
 
 
 def get_format(name: str | KVFormat) -> KVFormat:
@@ -307,6 +589,7 @@ def get_format(name: str | KVFormat) -> KVFormat:
 
 
 def format_owner(name: str) -> str:
+    """The plugin that declared format ``name`` first (others may declare it identically)."""
     return host().format_owner[name]
 
 
@@ -317,3 +600,215 @@ def kernels() -> list[Any]:
 def demos() -> dict[str, tuple[Any, str, str]]:
     """Registered demos: name -> (run, help, plugin)."""
     return dict(host().demos)
+
+
+def hints(engine: str | None = None) -> list[tuple[str, Hint]]:
+    """Declared hints as ``(plugin, Hint)``, for ``engine`` or all, in declaration order."""
+    return [(p, h) for p, h in host().hints if engine is None or h.engine == engine]
+
+
+# -- hooks called one plugin at a time -------------------------------------------------------
+
+
+def spec_for(fmt: KVFormat) -> Any:
+    """The spec class for ``fmt``: the first answer of a ``kvcore_spec`` of a plugin that
+    declares the name (all declarers agree, see the module docstring); for a name no plugin
+    declares, of any plugin. None: the core's generic spec.
+
+    Raises:
+        PluginError: a ``kvcore_spec`` raised or returned something that is not a
+            subclass of :class:`kvcore.Spec` (the message names the plugin).
+    """
+    from kvcore.spec import Spec
+
+    h = host()
+    impls = list(reversed(_impls(h.pm, "kvcore_spec")))
+    decls = h.declarations.get(fmt.name)
+    if decls:
+        rank = {p: i for i, p in enumerate(decls)}
+        impls = sorted((i for i in impls if i.plugin_name in rank), key=lambda i: rank[i.plugin_name])
+    for impl in impls:
+        try:
+            cls = _call_impl(impl, {"format": fmt})
+        except KVCoreError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise PluginError(f"kvcore plugin {impl.plugin_name!r}: kvcore_spec(format={fmt.name}) raised {type(e).__name__}: {e}") from e
+        if cls is None:
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Spec)):
+            raise PluginError(
+                f"kvcore plugin {impl.plugin_name!r}: a kvcore_spec hook returned {cls!r:.80} for format {fmt.name}; it must return "
+                "a subclass of kvcore.Spec or None"
+            )
+        return cls
+    return None
+
+
+def ask_detect(container: Any, engine: str, hints: dict[str, Any]) -> Any:
+    """Ask each plugin's ``kvcore_detect`` for ``engine`` until one answers.
+
+    The plugins that declare ``engine`` (a format listing it, a hint of it) are asked first,
+    then the others, each in pluggy's order. A plugin is skipped, with a warning naming it,
+    when its hook raises an exception that is not a :class:`~kvcore.KVCoreError`, returns
+    something that is not a :class:`~kvcore.Detection`, or returns a Detection over tensors
+    that are not views of the caller's memory. A ``KVCoreError`` (DetectionError,
+    AmbiguousLayoutError) is an answer from a plugin that declares the engine; from one that
+    does not, it is kept and raised only when no other plugin answers.
+
+    Returns:
+        the Detection, or None when no plugin recognises the cache.
+    Raises:
+        DetectionError: quantized tensors (kvcore moves plain element types), a plugin's
+            error when it is the only answer, or the refusals when every answer was refused.
+        PluginError: under ``KVCORE_STRICT_PLUGINS=1``, the first misbehaving plugin.
+    """
+    from kvcore.layout import Detection
+
+    _refuse_quantized(_tensors(container), "kv_caches")
+    h = host()
+    impls = list(reversed(_impls(h.pm, "kvcore_detect")))
+    impls.sort(key=lambda i: not h.serves(i.plugin_name, engine))  # stable: pluggy's order within each group
+    kwargs = {"kv_caches": container, "engine": engine, "hints": hints}
+    held: list[tuple[str, KVCoreError]] = []
+    refused: list[str] = []
+    memory = None
+    for impl in impls:
+        p = impl.plugin_name
+        try:
+            det = _call_impl(impl, kwargs)
+        except KVCoreError as e:
+            if h.serves(p, engine):
+                raise
+            held.append((p, e))
+            continue
+        except Exception as e:  # noqa: BLE001 - a crashing plugin must not pre-empt the right one
+            why = f"kvcore_detect(engine={engine!r}) raised {type(e).__name__}: {e}"
+            h.misbehaved(p, why, e)
+            refused.append(f"{p}: {why}")
+            continue
+        if det is None:
+            continue
+        if not isinstance(det, Detection):
+            why = f"kvcore_detect(engine={engine!r}) returned {det!r:.120}; it must return a kvcore.Detection or None"
+            h.misbehaved(p, why)
+            refused.append(f"{p}: {why}")
+            continue
+        _refuse_quantized(_tensors(det.kv_caches), f"the {p} plugin's detection")
+        if det.format is not None:
+            if memory is None:
+                memory = _MemoryRanges(container)
+            bad = memory.outside(det.kv_caches)
+            if bad:
+                why = (
+                    f"kvcore_detect(engine={engine!r}) returned a {det.format} detection whose tensors are not a view of "
+                    f"the cache ({bad}): detection must return views of the caller's tensors, never copies"
+                )
+                h.misbehaved(p, why)
+                refused.append(f"{p}: {why}")
+                continue
+        if held:
+            for q, e in held:
+                h.misbehaved(q, f"kvcore_detect raised {type(e).__name__} for engine {engine!r}, which it declares nothing for: {e}", e)
+        return det
+    if held:
+        raise held[0][1]
+    if refused:
+        from kvcore.detection import describe_input
+
+        raise DetectionError(
+            f"no kvcore plugin gave a usable answer for engine {engine!r}:\n  "
+            + "\n  ".join(refused)
+            + f"\ntensors:\n{describe_input(container)}"
+        )
+    return None
+
+
+def _tensors(container: Any) -> list[Any]:
+    from kvcore.detection import tensors_in
+
+    return tensors_in(container)
+
+
+def refuse_quantized(container: Any, what: str, error: type[KVCoreError] = DetectionError) -> None:
+    """Raise ``error`` when ``container`` holds a quantized tensor (``torch.quint8`` ...):
+    kvcore moves plain element types, and torch's quantized tensors have no byte view."""
+    _refuse_quantized(_tensors(container), what, error)
+
+
+def _refuse_quantized(tensors: list[Any], what: str, error: type[KVCoreError] = DetectionError) -> None:
+    for t in tensors:
+        if getattr(t, "is_quantized", False):
+            raise error(
+                f"{what} holds a quantized tensor ({str(t.dtype).replace('torch.', '')}, shape {list(t.shape)}); kvcore moves "
+                "plain element types: pass the tensor's integer storage (t.int_repr(), or the engine's own uint8/int8 buffer) "
+                "and its scales as a plane of their own"
+            )
+
+
+class _MemoryRanges:
+    """The byte ranges of every storage the caller's container reaches, per device: a
+    detection's tensors must lie inside them (views, not copies). An engine's cache object
+    is searched through its attributes (a few levels deep)."""
+
+    def __init__(self, container: Any):
+        self.ranges: dict[Any, list[tuple[int, int]]] = {}
+        tensors, self.exhaustive = _reachable_tensors(container)
+        for t in tensors:
+            try:
+                st = t.untyped_storage()
+                lo = st.data_ptr()
+                self.ranges.setdefault(t.device, []).append((lo, lo + st.nbytes()))
+            except (RuntimeError, NotImplementedError):  # a tensor without storage: nothing to compare
+                continue
+        self.known = bool(self.ranges)
+
+    def outside(self, kv_caches: Any) -> str:
+        """'' when every tensor of ``kv_caches`` lies in the caller's memory, else which one does not."""
+        if not self.known:
+            return ""  # an opaque engine object: nothing to compare with
+        for i, t in enumerate(_tensors(kv_caches)):
+            if t.device.type == "meta" or t.numel() == 0:
+                continue
+            esz = t.element_size()
+            lo = t.data_ptr() + esz * sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s < 0)
+            hi = t.data_ptr() + esz * (sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if s > 0) + 1)
+            if not any(a <= lo and hi <= b for a, b in self.ranges.get(t.device, [])):
+                if not self.exhaustive:
+                    return ""  # an engine object not searched to its end: its memory may be where we did not look
+                return f"tensor {i}, shape {list(t.shape)} on {t.device}, is not a view of the cache"
+        return ""
+
+
+def _reachable_tensors(obj: Any, limit: int = 10_000, max_depth: int = 8) -> tuple[list[Any], bool]:
+    """The tensors reachable from ``obj`` through containers and object attributes, and
+    whether the search reached every object (False when cut by depth or ``limit``)."""
+    import torch
+
+    out: list[Any] = []
+    seen: set[int] = set()
+    stack = [(obj, 0)]
+    exhaustive = True
+    while stack:
+        if len(seen) >= limit:
+            return out, False
+        x, depth = stack.pop()
+        if id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None), type)):
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, Mapping):
+            stack.extend((v, depth + 1) for v in x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, depth + 1) for v in x)
+        elif depth >= max_depth:
+            exhaustive = False
+        else:
+            attrs = getattr(x, "__dict__", None)
+            if isinstance(attrs, dict):
+                stack.extend((v, depth + 1) for v in attrs.values())
+            for s in getattr(type(x), "__slots__", ()) or ():
+                if isinstance(s, str) and hasattr(x, s):
+                    stack.append((getattr(x, s), depth + 1))
+    return out, exhaustive

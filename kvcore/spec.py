@@ -15,7 +15,7 @@ layouts whose tokens have no single address pattern.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,8 +23,19 @@ import torch
 
 from kvcore.errors import GeometryError
 from kvcore.formats import KVFormat
+from kvcore.grammar import VALUE_ROLES
 
-__all__ = ["PlaneStrides", "Plane", "StagingTarget", "StagingBuffer", "StrideTable", "Spec", "walk_leaves", "classic_table"]
+__all__ = [
+    "PlaneStrides",
+    "Plane",
+    "PlaneInfo",
+    "StagingTarget",
+    "StagingBuffer",
+    "StrideTable",
+    "Spec",
+    "walk_leaves",
+    "classic_table",
+]
 
 
 @dataclass(frozen=True)
@@ -308,6 +319,49 @@ class StrideTable:
             planes=tuple(replace(p, bases=tuple(p.bases[i] for i in layers)) for p in self.planes),
         )
 
+    def select_heads(self, start: int, stop: int) -> StrideTable:
+        """The table of heads ``start .. stop-1`` only (a tensor-parallel slice of the KV heads).
+
+        A derived table, no copy: every plane's bases move ``start * head`` bytes and its
+        ``num_heads`` becomes ``stop - start``; strides are unchanged. Staged rows shrink to
+        the selected heads (a plane's heads keep their ``offset`` and ``head_stride`` inside
+        the row, so interleaved planes stay interleaved). ``(0, num_heads)`` returns ``self``.
+
+        Raises:
+            GeometryError: ``start``/``stop`` are not integers with ``0 <= start < stop``, a
+                plane has fewer than ``stop`` heads (an MLA latent has one head: it is moved
+                whole), or a staging buffer holds planes of different head counts or head
+                strides (their rows cannot shrink by whole heads).
+        """
+        for v in (start, stop):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise GeometryError(f"a head range is two integers (start, stop), got ({start!r}, {stop!r})")
+        if not 0 <= start < stop:
+            raise GeometryError(f"head range ({start}, {stop}) is empty or negative; it needs 0 <= start < stop")
+        if start == 0 and all(p.num_heads == stop for p in self.planes):
+            return self
+        for p in self.planes:
+            if p.num_heads < stop:
+                raise GeometryError(
+                    f"head range ({start}, {stop}) reaches past plane {p.role}, which has {p.num_heads} head(s) "
+                    f"(valid ranges lie in 0..{p.num_heads})"
+                )
+        n = stop - start
+        buffers = []
+        for b in self.buffers:
+            staged = [p for p in self.planes if p.staging.buffer == b.key]
+            kinds = {(p.num_heads, p.staging.head_stride) for p in staged}
+            if len(kinds) != 1:
+                raise GeometryError(
+                    f"staging buffer {b.key!r} holds planes of different head counts or head strides "
+                    f"({', '.join(f'{p.role}: {p.num_heads} x {p.staging.head_stride} B' for p in staged)}); "
+                    "its rows cannot shrink to a head range"
+                )
+            nh, hstride = kinds.pop()
+            buffers.append(replace(b, row_bytes=b.row_bytes - (nh - n) * hstride))
+        planes = tuple(replace(p, num_heads=n, bases=tuple((t, off + start * p.strides.head) for t, off in p.bases)) for p in self.planes)
+        return replace(self, planes=planes, buffers=tuple(buffers))
+
     def signature(self) -> tuple:
         """What fixes the mapping (layer, plane, slot, head, byte) → memory address: two
         tables with one signature move the same bytes. The stride of an axis of extent 1
@@ -426,6 +480,257 @@ def _describe_tensor(t: torch.Tensor) -> str:
     return f"shape={tuple(t.shape)} stride={tuple(t.stride())} dtype={t.dtype}"
 
 
+_QUANTIZED = tuple(d for d in (getattr(torch, n, None) for n in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")) if d is not None)
+
+
+def _refuse_quantized(dt: Any, what: str) -> None:
+    """Torch's quantized dtypes keep their bytes behind a quantizer (scale, zero point) that a
+    byte-moving kernel cannot honour; refuse them at the door."""
+    if dt in _QUANTIZED:
+        raise GeometryError(
+            f"{what} is {dt}, a torch quantized dtype: its values live behind a quantizer (scale and zero point) that a byte "
+            "transfer cannot carry. Pass the engine's plain tensors instead (uint8/int8 values, and their scales and zeros as "
+            "planes of their own: K=...+KS=...)"
+        )
+
+
+@dataclass(frozen=True)
+class PlaneInfo:
+    """One plane of a layout as a user sees it (``KVLayout.planes``).
+
+    Attributes:
+        role: ``"K"``, ``"V"``, ``"KV"`` (an MLA latent), a side plane's role of a
+            multi-plane name (``"KS"``, ``"VZ"``, ...), or ``"VALS"``/``"SCALES"`` (the two
+            parts of a blocked-scale record).
+        template: the plane's template (multi-plane names), else the format's name.
+        dtype: the plane's element dtype.
+        storage_dtype: the dtype of the tensors holding it (differs for byte views).
+        num_heads: heads per token (1 for a plane without a head axis).
+        head_size: elements of ``dtype`` per head (1 for a plane without an element axis).
+        head_bytes: bytes per head (``head_size * element size``).
+        staging: key of the staging buffer the plane goes to (``"kv"`` or the role).
+        staging_index: the plane's index on the classic buffer's K/V axis; None for a
+            per-plane buffer.
+    """
+
+    role: str
+    template: str
+    dtype: torch.dtype
+    storage_dtype: torch.dtype
+    num_heads: int
+    head_size: int
+    head_bytes: int
+    staging: str
+    staging_index: int | None
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token on this plane: ``num_heads * head_bytes``."""
+        return self.num_heads * self.head_bytes
+
+    @property
+    def hidden_dim(self) -> int:
+        """Elements of one token on this plane: ``num_heads * head_size``."""
+        return self.num_heads * self.head_size
+
+
+@dataclass
+class _Read:
+    """What the tensors of one tensor template say: sizes, the byte strides of one K/V
+    plane, and the deltas between layers and between K and V inside a tensor."""
+
+    sizes: dict[str, int]
+    strides: PlaneStrides
+    num_layers: int
+    num_heads: int
+    head_size: int
+    esz: int
+    isz: int
+    num_blocks: int | None
+    block_size: int | None
+    num_slots: int
+    layer_delta: int
+    kv_delta: int
+    ref: torch.Tensor
+
+
+def _head_runs(axes: list[tuple[int, int]], esz: int, at: str, ref: torch.Tensor) -> tuple[int, int, int]:
+    """A head's element axes ``[(count, byte stride)]`` (outermost first) as
+    ``(chunk stride, chunk_bytes, n_chunks)``: axes that continue each other merge, a
+    contiguous innermost run is one chunk, and at most one chunk level may remain."""
+    stack: list[tuple[int, int]] = []  # innermost first
+    for n, s in reversed([(n, s) for n, s in axes if n > 1]):
+        if stack and s == stack[-1][0] * stack[-1][1]:
+            stack[-1] = (stack[-1][0] * n, stack[-1][1])
+        else:
+            stack.append((n, s))
+    run = esz
+    if stack and stack[0][1] == esz:
+        run = stack[0][0] * esz
+        stack = stack[1:]
+    if not stack:
+        return 0, run, 1
+    if len(stack) == 1:
+        return stack[0][1], run, stack[0][0]
+    raise GeometryError(
+        f"{at}: a head's elements form {len(stack)} strided levels ({_describe_tensor(ref)}); kvcore addresses a head as chunks "
+        "of contiguous elements at one chunk stride, so the elements inside a chunk (HSE) must be contiguous"
+    )
+
+
+def _read_template(at: str, syn: Any, leaves: list, node: Any, dtype: torch.dtype, params: dict, where: str) -> _Read:
+    """Read one tensor template's geometry from its tensors (all of one shape and stride).
+
+    Args:
+        at: ``"format NAME"`` (or ``"format NAME plane 'K'"``), for messages.
+        syn: the template's :class:`~kvcore.grammar.Syntax`.
+        leaves: ``walk_leaves`` of ``node``.
+        dtype: the element dtype (the tensors' own, or the one they are a byte view of).
+        where: the container's name in messages (``kv_caches`` or ``kv_caches['K']``).
+    """
+    sizes: dict[str, int] = {}
+    for depth, tok in enumerate(syn.list_levels):
+        lens = {len(_node_at(node, p[:depth])) for p, _ in leaves}
+        if len(lens) != 1:
+            raise GeometryError(f"{at}: list level {tok} has different lengths {sorted(lens)}")
+        sizes[tok] = lens.pop()
+    if sizes.get("TWO", 2) != 2:
+        raise GeometryError(f"{at}: the TWO list level must hold 2 entries (K, V), got {sizes['TWO']}")
+    nd = len(syn.axes)
+    ref_path, ref = leaves[0]
+    for path, t in leaves:
+        if t.dim() != nd:
+            raise GeometryError(
+                f"{at} expects {nd}-D tensors {syn.symbolic()}, but {where}{list(path)} is {t.dim()}-D ({_describe_tensor(t)})"
+            )
+        if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
+            raise GeometryError(
+                f"{at}: {where}{list(path)} ({_describe_tensor(t)}) differs from {where}{list(ref_path)} "
+                f"({_describe_tensor(ref)}); a layout is uniform across its layers (use detect_per_layer for hybrid models)"
+            )
+    for i, tok in enumerate(syn.axes):
+        n = int(ref.shape[i])
+        lit = {"TWO": 2, "ONE": 1}.get(tok)
+        if lit is not None and n != lit:
+            raise GeometryError(f"{at}: axis {i} ({tok}) must have size {lit}, got {n} ({_describe_tensor(ref)})")
+        if n == 0 and tok in ("NB", "NBBS"):
+            raise GeometryError(
+                f"{at}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}): the pool has 0 blocks; a KV cache "
+                "needs at least one block: detect it after the engine allocated its blocks"
+            )
+        if n == 0:
+            raise GeometryError(
+                f"{at}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}); a KV cache needs at least "
+                "one block, one token per block, one head and one element"
+            )
+        if tok not in ("TWO", "ONE"):
+            sizes[tok] = n
+    isz = ref.element_size()
+    esz = torch.empty(0, dtype=dtype).element_size()
+    st = {tok: int(ref.stride(i)) * isz for i, tok in enumerate(syn.axes) if tok != "ONE"}
+    for tok, s in st.items():
+        if s < 0:
+            raise GeometryError(f"{at}: negative stride on axis {tok} ({_describe_tensor(ref)}); flip the view first")
+    etok = syn.element_token
+    if etok is None:  # a plane template without an element axis: one element per head
+        if esz != isz:
+            raise GeometryError(
+                f"{at}: a plane without an element axis holds one element per head, so its tensors must be {dtype} "
+                f"themselves, not a {ref.dtype} view of it; add the element axis (HS) to read bytes as {dtype}"
+            )
+        inner_n, inner_s = 1, esz
+    else:
+        inner_tok = {"HS": "HS", "CS": "CS", "HSC": "HSE"}[etok]
+        e_axis = syn.axis(inner_tok)
+        if e_axis is None:
+            raise GeometryError(f"{at}: the element axis {inner_tok} must be a tensor axis")
+        inner_units, inner_s = sizes[inner_tok], st[inner_tok]
+        if esz != isz:
+            if inner_s != isz:
+                raise GeometryError(
+                    f"{at}: the tensors are {ref.dtype} but carry {dtype}; that needs a contiguous "
+                    f"element axis, and {inner_tok} has stride {ref.stride(e_axis)}"
+                )
+            if (inner_units * isz) % esz:
+                raise GeometryError(
+                    f"{at}: the {inner_tok} axis holds {inner_units * isz} bytes, not a whole number of {dtype} elements ({esz} B)"
+                )
+            inner_n, inner_s = inner_units * isz // esz, esz
+        else:
+            inner_n = inner_units
+    if etok == "CS":
+        hs = int(params.get("head_size") or 0) or (inner_n // 2)
+        if inner_n % 2 and not params.get("head_size"):
+            raise GeometryError(f"{at}: packed K|V axis CS={inner_n} is odd; K and V head sizes must be given (head_size)")
+        if 2 * hs != inner_n:
+            raise GeometryError(
+                f"{at}: CS={inner_n} elements but head_size={hs}: K and V head sizes differ "
+                f"(K {hs}, V {inner_n - hs}); the staging layout [2, NL, T, NH*HS] needs equal K and V head sizes"
+            )
+        head_axes = [(hs, inner_s)]
+    elif etok == "HSC":
+        hs = sizes["HSC"] * inner_n
+        head_axes = [(sizes["HSC"], st["HSC"]), (inner_n, inner_s)]
+    elif etok == "HS":
+        hs = inner_n
+        head_axes = [(inner_n, inner_s)]
+    else:
+        hs, head_axes = 1, []
+    chunk, chunk_bytes, n_chunks = _head_runs(head_axes, esz, at, ref)
+    tg = tgs = 0
+    if syn.has("NBBS"):
+        num_blocks, block_size, num_slots = None, None, sizes["NBBS"]
+        blk, tokst = st["NBBS"], 0
+        sizes["PBS"] = sizes["NBBS"]
+        tok_extents: list[tuple[str, int, int]] = []
+    else:
+        num_blocks, blk = sizes["NB"], st["NB"]
+        if syn.has("BSC"):
+            ng, g = sizes["BSC"], sizes["BSE"]
+            block_size = ng * g
+            tok_e, tok_g = st["BSE"], st["BSC"]
+            tok_extents = [("token", g, tok_e), ("token group", ng, tok_g)]
+            if ng == 1 or tok_g == g * tok_e:
+                tokst = tok_e  # the groups continue each other: one token axis
+            elif g == 1:
+                tokst = tok_g
+            else:
+                tokst, tg, tgs = tok_e, g, tok_g
+        else:
+            block_size, tokst = sizes["BS"], st["BS"]
+            tok_extents = [("token", block_size, tokst)]
+        num_slots = num_blocks * block_size
+    head, nh = st.get("NH", 0), sizes.get("NH", 1)
+    strides = PlaneStrides(
+        block=blk, token=tokst, head=head, chunk=chunk, chunk_bytes=chunk_bytes, n_chunks=n_chunks, token_group=tg, token_group_stride=tgs
+    )
+    kv_delta = st["TWO"] if syn.axis("TWO") is not None else (hs * inner_s if etok == "CS" else 0)
+    num_layers = sizes.get("NL", 1)
+    layer_delta = st.get("NL", 0) if syn.axis("NL") is not None else 0
+    # axes living inside one tensor must not alias each other
+    extents = [("block", num_blocks or num_slots, blk), *tok_extents, ("head", nh, head), ("chunk", n_chunks, chunk)]
+    if syn.axis("TWO") is not None or etok == "CS":
+        extents.append(("K/V", 2, kv_delta))
+    if syn.axis("NL") is not None:
+        extents.append(("layer", num_layers, layer_delta))
+    _check_no_alias(at, extents, chunk_bytes, ref)
+    return _Read(
+        sizes=sizes,
+        strides=strides,
+        num_layers=num_layers,
+        num_heads=nh,
+        head_size=hs,
+        esz=esz,
+        isz=isz,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_slots=num_slots,
+        layer_delta=layer_delta,
+        kv_delta=kv_delta,
+        ref=ref,
+    )
+
+
 class Spec:
     """The generic spec: geometry and stride table from a format's grammar.
 
@@ -433,189 +738,327 @@ class Spec:
         format: the :class:`KVFormat`.
         kv_caches: a container nested exactly as the format's list levels
             (``NL_X_...``: a list of NL tensors; ``TWO_X_NL_X_...``: [K list, V list];
-            ``NL_X_TWO_X_...``: NL (K, V) pairs; no list level: one tensor).
+            ``NL_X_TWO_X_...``: NL (K, V) pairs; no list level: one tensor). For a
+            multi-plane name ``ROLE=TEMPLATE+...``: a dict ``{role: container}``, each
+            container nested as that plane's template (one entry per plane, no other).
         dtype: the element dtype when the tensors are a byte view of it (vLLM 0.33's
             int8 buffers carrying bf16, fp8 stored as uint8 viewed as float8). The
-            element axis (HS/CS) must then be contiguous and its byte size divisible by
-            the element size. Default: the tensors' dtype.
+            element axis (HS/CS, or HSE) must then be contiguous and its byte size
+            divisible by the element size. Default: the tensors' dtype. Multi-plane
+            names: one dtype for every plane, or a dict ``{role: dtype}`` (roles left out
+            keep their tensors' dtype).
         params: extra facts the name cannot carry: ``head_size`` (K head size of a
             packed CS axis; default CS/2).
 
+    Multi-plane layouts stage as the classic buffer ``[kv_size, NL, T, NH*HS]`` when their
+    planes are exactly ``K`` (and ``V``), or one ``KV`` latent, of one dtype, one head count
+    and one head width; any other multi-plane layout stages one buffer per plane,
+    ``{role: [NL, T, NH_p * HS_p]}`` in the plane's dtype (:class:`StagingBuffer`).
+
     Raises:
         GeometryError: the container does not nest as the format says, tensors of one
-            layout disagree in shape/dtype/device/strides, an axis literal is wrong
-            (TWO must be 2, ONE 1), K and V head sizes differ, or the strides would make
-            two addresses alias or reach past the tensor's storage.
+            layout (of one plane) disagree in shape/dtype/device/strides, an axis literal
+            is wrong (TWO must be 2, ONE 1), K and V head sizes differ in a CS axis, a
+            dtype is a torch quantized dtype, planes disagree on layers, blocks, block
+            size or heads, a plane is missing from (or extra in) the dict, or the strides
+            would make two addresses alias (inside a tensor, or between two (layer,
+            plane) regions) or reach past the tensor's storage.
     """
 
-    def __init__(self, format: KVFormat, kv_caches: Any, *, dtype: torch.dtype | None = None, params: dict | None = None):
+    def __init__(self, format: KVFormat, kv_caches: Any, *, dtype: Any = None, params: dict | None = None):
         self.format = format
         self.syntax = format.syntax
         self.kv_caches = kv_caches
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise GeometryError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        multi = self.syntax.multi_plane
+        if dtype is not None and not isinstance(dtype, torch.dtype) and not (multi and isinstance(dtype, Mapping)):
+            more = " or a dict {role: dtype}" if multi else ""
+            raise GeometryError(f"dtype must be a torch.dtype (e.g. torch.bfloat16){more} or None, got {dtype!r}")
         if params is not None and not isinstance(params, dict):
             raise GeometryError(f"params must be a dict (e.g. {{'head_size': 128}}) or None, got {type(params).__name__}")
         self.params = dict(params or {})
         self._dtype_arg = dtype
-        self.leaves = walk_leaves(kv_caches, len(self.syntax.list_levels))
-        first = self.leaves[0][1]
-        for path, t in self.leaves:
-            if t.dtype != first.dtype or t.device != first.device:
-                raise GeometryError(
-                    f"format {format.name}: kv_caches{list(path)} is {t.dtype} on {t.device} but the first tensor is "
-                    f"{first.dtype} on {first.device}; one layout holds one dtype on one device (use detect_per_layer for mixed caches)"
-                )
-        self.storage_dtype = first.dtype
-        self.dtype: torch.dtype = dtype or first.dtype
-        self.device: torch.device = first.device
         self.axis_sizes: dict[str, int] = {}
+        self.plane_leaves: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+        self.plane_info: tuple[PlaneInfo, ...] = ()
+        self.head_size_: int | None = None
+        if multi:
+            self._init_planes()
+        else:
+            self.leaves = walk_leaves(kv_caches, len(self.syntax.list_levels))
+            first = self.leaves[0][1]
+            for path, t in self.leaves:
+                if t.dtype != first.dtype or t.device != first.device:
+                    raise GeometryError(
+                        f"format {format.name}: kv_caches{list(path)} is {t.dtype} on {t.device} but the first tensor is "
+                        f"{first.dtype} on {first.device}; one layout holds one dtype on one device (use detect_per_layer for mixed caches)"
+                    )
+            _refuse_quantized(first.dtype, f"format {format.name}: kv_caches")
+            _refuse_quantized(dtype, f"format {format.name}: dtype")
+            self.storage_dtype = first.dtype
+            self.dtype = dtype or first.dtype
+            self.device = first.device
         self._build()
+        if not self.plane_info:
+            self.plane_info = self._table_plane_info()
         self._check_bounds()
-        self._check_distinct_planes()
+        self._check_disjoint_planes()
+
+    def _table_plane_info(self) -> tuple[PlaneInfo, ...]:
+        out = []
+        for p in self.table.planes:
+            esz = torch.empty(0, dtype=p.dtype).element_size()
+            out.append(
+                PlaneInfo(
+                    role=p.role,
+                    template=self.format.name,
+                    dtype=p.dtype,
+                    storage_dtype=self.storage_dtype,
+                    num_heads=p.num_heads,
+                    head_size=p.head_bytes // esz,
+                    head_bytes=p.head_bytes,
+                    staging=p.staging.buffer,
+                    staging_index=p.staging.index,
+                )
+            )
+        return tuple(out)
+
+    # -- multi-plane names -------------------------------------------------------------
+    def _init_planes(self) -> None:
+        fmt, syn, kv = self.format, self.syntax, self.kv_caches
+        roles = syn.roles
+        if not isinstance(kv, Mapping):
+            raise GeometryError(
+                f"format {fmt.name} has planes {', '.join(roles)}: kv_caches must be a dict {{role: container}} "
+                f"(each container nested as its plane's template), got {type(kv).__name__}"
+            )
+        missing = [r for r in roles if r not in kv]
+        extra = [k for k in kv if k not in roles]
+        if missing or extra:
+            bits = []
+            if missing:
+                bits.append(f"plane(s) {', '.join(map(repr, missing))} missing")
+            if extra:
+                bits.append(f"key(s) {', '.join(map(repr, extra))} are no plane of it")
+            raise GeometryError(f"format {fmt.name}: kv_caches {' and '.join(bits)}; it needs exactly the planes {', '.join(roles)}")
+        darg = self._dtype_arg
+        if isinstance(darg, Mapping):
+            bad = [k for k in darg if k not in roles]
+            if bad:
+                raise GeometryError(
+                    f"format {fmt.name}: dtype names {', '.join(map(repr, bad))}, which are no planes of it ({', '.join(roles)})"
+                )
+            for r, d in darg.items():
+                if d is not None and not isinstance(d, torch.dtype):
+                    raise GeometryError(f"format {fmt.name}: dtype[{r!r}] must be a torch.dtype, got {d!r}")
+        self.leaves = []
+        self.plane_dtypes: dict[str, torch.dtype] = {}
+        self.plane_storage_dtypes: dict[str, torch.dtype] = {}
+        device = None
+        for pi, p in enumerate(syn.planes):
+            where = f"kv_caches[{p.role!r}]"
+            leaves = walk_leaves(kv[p.role], len(p.syntax.list_levels), where)
+            first = leaves[0][1]
+            for path, t in leaves:
+                if t.dtype != first.dtype or t.device != first.device:
+                    raise GeometryError(
+                        f"format {fmt.name}: {where}{list(path)} is {t.dtype} on {t.device} but {where}'s first tensor is "
+                        f"{first.dtype} on {first.device}; one plane holds one dtype on one device"
+                    )
+            if device is None:
+                device = first.device
+            elif first.device != device:
+                raise GeometryError(
+                    f"format {fmt.name}: plane {p.role!r} is on {first.device} but plane {syn.roles[0]!r} is on {device}; "
+                    "all planes of a layout live on one device"
+                )
+            d = darg.get(p.role) if isinstance(darg, Mapping) else darg
+            _refuse_quantized(first.dtype, f"format {fmt.name}: {where}")
+            _refuse_quantized(d, f"format {fmt.name}: the dtype of plane {p.role!r}")
+            self.plane_dtypes[p.role] = d or first.dtype
+            self.plane_storage_dtypes[p.role] = first.dtype
+            self.plane_leaves[p.role] = leaves
+            self.leaves += [((pi,) + path, t) for path, t in leaves]
+        self.device = device
+        values = [r for r in roles if r in VALUE_ROLES] or list(roles)
+        vd = {self.plane_dtypes[r] for r in values}
+        sd = {self.plane_storage_dtypes[r] for r in values}
+        # the layout's dtype is its values' (None when K and V differ: ask layout.planes)
+        self.dtype = vd.pop() if len(vd) == 1 else None
+        self.storage_dtype = sd.pop() if len(sd) == 1 else None
+
+    def _build_planes(self) -> None:
+        fmt, syn = self.format, self.syntax
+        reads: dict[str, _Read] = {}
+        for p in syn.planes:
+            reads[p.role] = _read_template(
+                f"format {fmt.name} plane {p.role!r}",
+                p.syntax,
+                self.plane_leaves[p.role],
+                self.kv_caches[p.role],
+                self.plane_dtypes[p.role],
+                {},
+                f"kv_caches[{p.role!r}]",
+            )
+
+        def disagree(what: str, vals: dict[str, Any]) -> None:
+            if len(set(vals.values())) > 1:
+                listed = ", ".join(f"{r} {v}" for r, v in vals.items())
+                raise GeometryError(
+                    f"format {fmt.name}: the planes disagree on {what} ({listed}); every plane of a record addresses the same "
+                    f"layers, blocks and tokens{' and heads' if what == 'num_heads (NH)' else ''}"
+                )
+
+        disagree("num_layers (NL)", {r: g.num_layers for r, g in reads.items()})
+        paged = {r: g for r, g in reads.items() if g.block_size is not None}
+        disagree("num_blocks (NB)", {r: g.num_blocks for r, g in paged.items()})
+        disagree("block_size (BS)", {r: g.block_size for r, g in paged.items()})
+        disagree("token slots (NB*BS or NBBS)", {r: g.num_slots for r, g in reads.items()})
+        disagree("num_heads (NH)", {r: g.num_heads for r, g in reads.items() if "NH" in g.sizes})
+        any_g = next(iter(reads.values()))
+        nl, num_slots = any_g.num_layers, any_g.num_slots
+        if paged:
+            g0 = next(iter(paged.values()))
+            num_blocks, block_size = g0.num_blocks, g0.block_size
+        else:
+            num_blocks, block_size = None, None
+        bs_int = block_size or 1
+        heads = {g.num_heads for g in reads.values() if "NH" in g.sizes}
+        self.num_layers_, self.num_blocks_, self.block_size_, self.num_slots_ = nl, num_blocks, block_size, num_slots
+        self.num_heads_ = heads.pop() if heads else 1
+        self.kv_size_ = syn.kv_size
+        roles = syn.roles
+        values = [r for r in roles if r in VALUE_ROLES] or list(roles)
+        hs = {reads[r].head_size for r in values}
+        self.head_size_ = hs.pop() if len(hs) == 1 else None
+        # staging: exactly K (and V), or one KV latent, of one dtype, head count and width: the classic buffer
+        order = [r for r in ("K", "V") if r in roles] if set(roles) in ({"K"}, {"K", "V"}) else list(roles)
+        same = (
+            len({self.plane_dtypes[r] for r in roles}) == 1
+            and len({reads[r].num_heads for r in roles}) == 1
+            and len({reads[r].head_size * reads[r].esz for r in roles}) == 1
+        )
+        classic = same and set(roles) in ({"K"}, {"K", "V"}, {"KV"})
+        planes, infos = [], {}
+        for idx, r in enumerate(order):
+            g = reads[r]
+            s = g.strides
+            if block_size is not None and g.block_size is None:  # an NBBS plane beside paged planes: slot = block*BS + t
+                s = replace(s, block=s.block * block_size, token=s.block)
+            head_bytes = g.head_size * g.esz
+            leaves = self.plane_leaves[r]
+            psyn = syn.plane(r).syntax
+            bases = []
+            for layer in range(nl):
+                t = leaves[layer][1] if psyn.list_levels == ("NL",) else leaves[0][1]
+                bases.append((t, t.storage_offset() * g.isz + (layer * g.layer_delta if psyn.axis("NL") is not None else 0)))
+            target = (
+                StagingTarget(buffer="kv", index=idx, offset=0, head_stride=head_bytes)
+                if classic
+                else StagingTarget(buffer=r, index=None, offset=0, head_stride=head_bytes)
+            )
+            planes.append(
+                Plane(
+                    role=r,
+                    strides=s,
+                    num_heads=g.num_heads,
+                    head_bytes=head_bytes,
+                    dtype=self.plane_dtypes[r],
+                    bases=tuple(bases),
+                    staging=target,
+                )
+            )
+            infos[r] = PlaneInfo(
+                role=r,
+                template=psyn.name,
+                dtype=self.plane_dtypes[r],
+                storage_dtype=self.plane_storage_dtypes[r],
+                num_heads=g.num_heads,
+                head_size=g.head_size,
+                head_bytes=head_bytes,
+                staging=target.buffer,
+                staging_index=target.index,
+            )
+        if classic:
+            p0 = planes[0]
+            buffers: tuple[StagingBuffer, ...] = (StagingBuffer(key="kv", kv_size=len(planes), row_bytes=p0.row_bytes, dtype=p0.dtype),)
+        else:
+            buffers = tuple(StagingBuffer(key=p.role, kv_size=None, row_bytes=p.row_bytes, dtype=p.dtype) for p in planes)
+        self.table = StrideTable(
+            num_layers=nl, block_size=bs_int, num_slots=num_slots, device=self.device, planes=tuple(planes), buffers=buffers
+        )
+        # each plane's layers along its tensor's NL axis were proven disjoint; two planes over one tensor were not
+        nl_axis = {p.role: p.syntax.axis("NL") is not None for p in syn.planes}
+        self._in_tensor_checked = (
+            self.table,
+            lambda a, b: a.tensor == b.tensor and a.role == b.role and (a.layer == b.layer or nl_axis[a.role]),
+            False,
+        )
+        self.plane_info = tuple(infos[r] for r in roles)
+        sizes: dict[str, int] = {"NL": nl}
+        if block_size is not None:
+            sizes.update(NB=num_blocks, BS=block_size)
+        sizes["PBS"] = num_slots
+        if heads or self.num_heads_ > 1:
+            sizes["NH"] = self.num_heads_
+        for r, g in reads.items():
+            sizes.update({f"{r}.{k}": v for k, v in g.sizes.items()})
+        self.axis_sizes = sizes
 
     # -- the generic construction ----------------------------------------------------
     def _build(self) -> None:
         syn, fmt = self.syntax, self.format
+        if syn.multi_plane:
+            self._build_planes()
+            return
         if syn.blocked_scale:
             self._build_blocked_scale()
             return
         if syn.has("NP"):
             raise GeometryError(
                 f"format {fmt.name} has plane tuples of different widths; it needs a spec of its own "
-                "from the plugin that registers it (kvcore_spec hook), and none answered"
+                "from the plugin that registers it (kvcore_spec hook), and none answered; a multi-plane name "
+                "(ROLE=TEMPLATE+ROLE=TEMPLATE) describes such planes without one"
             )
-        sizes: dict[str, int] = {}
-        # list levels
-        for depth, tok in enumerate(syn.list_levels):
-            lens = {len(_node_at(self.kv_caches, p[:depth])) for p, _ in self.leaves}
-            if len(lens) != 1:
-                raise GeometryError(f"format {fmt.name}: list level {tok} has different lengths {sorted(lens)}")
-            sizes[tok] = lens.pop()
-        if sizes.get("TWO", 2) != 2:
-            raise GeometryError(f"format {fmt.name}: the TWO list level must hold 2 entries (K, V), got {sizes['TWO']}")
-        # tensor axes
-        nd = len(syn.axes)
-        ref_path, ref = self.leaves[0]
-        for path, t in self.leaves:
-            if t.dim() != nd:
-                raise GeometryError(
-                    f"format {fmt.name} expects {nd}-D tensors {fmt.symbolic}, but kv_caches{list(path)} is "
-                    f"{t.dim()}-D ({_describe_tensor(t)})"
-                )
-            if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
-                raise GeometryError(
-                    f"format {fmt.name}: kv_caches{list(path)} ({_describe_tensor(t)}) differs from kv_caches{list(ref_path)} "
-                    f"({_describe_tensor(ref)}); a layout is uniform across its layers (use detect_per_layer for hybrid models)"
-                )
-        for i, tok in enumerate(syn.axes):
-            n = int(ref.shape[i])
-            lit = {"TWO": 2, "ONE": 1}.get(tok)
-            if lit is not None and n != lit:
-                raise GeometryError(f"format {fmt.name}: axis {i} ({tok}) must have size {lit}, got {n} ({_describe_tensor(ref)})")
-            if n == 0:
-                raise GeometryError(
-                    f"format {fmt.name}: axis {i} ({tok}) has size 0 ({_describe_tensor(ref)}); a KV cache needs at least "
-                    "one block, one token per block, one head and one element"
-                )
-            if tok not in ("TWO", "ONE"):
-                sizes[tok] = n
-        isz = ref.element_size()
-        esz = torch.empty(0, dtype=self.dtype).element_size()
-        st = {tok: int(ref.stride(i)) * isz for i, tok in enumerate(syn.axes) if tok != "ONE"}
-        for tok, s in st.items():
-            if s < 0:
-                raise GeometryError(f"format {fmt.name}: negative stride on axis {tok} ({_describe_tensor(ref)}); flip the view first")
-        etok = "CS" if syn.has("CS") else "HS"
-        e_axis = syn.axis(etok)
-        if e_axis is None:
-            raise GeometryError(f"format {fmt.name}: the element axis {etok} must be a tensor axis")
-        e_units = sizes[etok]
-        e_stride = st[etok]
-        if esz != isz:
-            if e_stride != isz:
-                raise GeometryError(
-                    f"format {fmt.name}: the tensors are {self.storage_dtype} but carry {self.dtype}; that needs a contiguous "
-                    f"element axis, and {etok} has stride {ref.stride(e_axis)}"
-                )
-            if (e_units * isz) % esz:
-                raise GeometryError(
-                    f"format {fmt.name}: the {etok} axis holds {e_units * isz} bytes, not a whole number of {self.dtype} elements ({esz} B)"
-                )
-            e_count = e_units * isz // esz
-            e_stride = esz
-        else:
-            e_count = e_units
-        if etok == "CS":
-            hs = int(self.params.get("head_size") or 0) or (e_count // 2)
-            if e_count % 2 and not self.params.get("head_size"):
-                raise GeometryError(f"format {fmt.name}: packed K|V axis CS={e_count} is odd; K and V head sizes must be given (head_size)")
-            if 2 * hs != e_count:
-                raise GeometryError(
-                    f"format {fmt.name}: CS={e_count} elements but head_size={hs}: K and V head sizes differ "
-                    f"(K {hs}, V {e_count - hs}); the staging layout [2, NL, T, NH*HS] needs equal K and V head sizes"
-                )
-        else:
-            hs = e_count
-        self.head_size_ = hs
-        # geometry
-        self.num_layers_ = sizes.get("NL", 1)
+        g = _read_template(f"format {fmt.name}", syn, self.leaves, self.kv_caches, self.dtype, self.params, "kv_caches")
+        self.head_size_ = g.head_size
+        self.num_layers_ = g.num_layers
         self.kv_size_ = syn.kv_size
-        self.num_heads_ = sizes.get("NH", 1)
-        if syn.has("NBBS"):
-            self.block_size_, self.num_blocks_ = None, None
-            self.num_slots_ = sizes["NBBS"]
-            blk, tokst, bs_int = st["NBBS"], 0, 1
-            sizes["PBS"] = sizes["NBBS"]
-        else:
-            self.block_size_, self.num_blocks_ = sizes["BS"], sizes["NB"]
-            self.num_slots_ = sizes["NB"] * sizes["BS"]
-            blk, tokst, bs_int = st["NB"], st["BS"], sizes["BS"]
-        head = st.get("NH", 0)
-        if e_stride == esz:
-            chunk, chunk_bytes, n_chunks = 0, hs * esz, 1
-        else:
-            chunk, chunk_bytes, n_chunks = e_stride, esz, hs
-        plane = PlaneStrides(block=blk, token=tokst, head=head, chunk=chunk, chunk_bytes=chunk_bytes, n_chunks=n_chunks)
+        self.num_heads_ = g.num_heads
+        self.block_size_, self.num_blocks_, self.num_slots_ = g.block_size, g.num_blocks, g.num_slots
         # bases per (layer, kv)
-        kv_delta = st["TWO"] if syn.axis("TWO") is not None else (hs * e_stride if etok == "CS" else 0)
-        layer_delta = st.get("NL", 0) if syn.axis("NL") is not None else 0
+        has_nl = syn.axis("NL") is not None
+        kv_in_tensor = syn.axis("TWO") is not None or syn.has("CS")
         bases = []
         for layer in range(self.num_layers_):
             row = []
             for kv in range(self.kv_size_):
                 t = self._leaf_for(layer, kv)
-                off = t.storage_offset() * isz + layer_delta * (layer if syn.axis("NL") is not None else 0)
-                if syn.axis("TWO") is not None or etok == "CS":
-                    off += kv * kv_delta
+                off = t.storage_offset() * g.isz + (g.layer_delta * layer if has_nl else 0)
+                if kv_in_tensor:
+                    off += kv * g.kv_delta
                 row.append((t, off))
             bases.append(tuple(row))
-        self.axis_sizes = sizes
+        self.axis_sizes = g.sizes
         self.table = classic_table(
             num_layers=self.num_layers_,
             kv_size=self.kv_size_,
-            block_size=bs_int,
+            block_size=g.block_size or 1,
             num_slots=self.num_slots_,
             num_heads=self.num_heads_,
-            head_bytes=hs * esz,
+            head_bytes=g.head_size * g.esz,
             dtype=self.dtype,
             device=self.device,
-            strides=(plane,) * self.kv_size_,
+            strides=(g.strides,) * self.kv_size_,
             bases=bases,
             roles=("KV",) if syn.is_mla else None,
         )
-        # axes living inside one tensor must not alias each other
-        extents = [
-            ("block", self.num_blocks_ or self.num_slots_, blk),
-            ("token", bs_int, tokst),
-            ("head", self.num_heads_, head),
-            ("chunk", n_chunks, chunk),
-        ]
-        if syn.axis("TWO") is not None or etok == "CS":
-            extents.append(("K/V", 2, kv_delta))
-        if syn.axis("NL") is not None:
-            extents.append(("layer", self.num_layers_, layer_delta))
-        _check_no_alias(fmt.name, extents, chunk_bytes, ref)
+        # _read_template proved regions disjoint that differ only along the tensor's own axes (NL, TWO/CS)
+        nl_axis, kv_axis = has_nl, kv_in_tensor or self.kv_size_ == 1
+        self._in_tensor_checked = (
+            self.table,
+            lambda a, b: a.tensor == b.tensor and (a.layer == b.layer or nl_axis) and (a.role == b.role or kv_axis),
+            nl_axis and kv_axis,
+        )
 
     def _build_blocked_scale(self) -> None:
         """``..._NB_BSV_BSS``: per-layer byte tensors ``[NB, BS, W]`` whose block holds the
@@ -635,10 +1078,20 @@ class Spec:
                 block whose bytes are not contiguous.
         """
         fmt = self.format
-        if self.syntax.list_levels != ("NL",) or self.syntax.axes != ("NB", "BSV", "BSS"):
-            raise GeometryError(f"format {fmt.name}: blocked-scale records are a layer list of [NB, BS, W] byte tensors (NL_X_NB_BSV_BSS)")
-        ref_path, ref = self.leaves[0]
-        for path, t in self.leaves:
+        leaves = self.leaves
+        if self.syntax.list_levels == () and self.syntax.axes == ("NB", "NL", "BSV", "BSS"):
+            # block-outermost (cross-layer) pages: one [NB, NL, BS, W] tensor, layer l is its [:, l] view
+            t4 = leaves[0][1]
+            if t4.dim() != 4:
+                raise GeometryError(f"format {fmt.name}: kv_caches should be [NB, NL, BS, W] bytes, got {_describe_tensor(t4)}")
+            leaves = [((layer,), t4[:, layer]) for layer in range(int(t4.shape[1]))]
+        elif self.syntax.list_levels != ("NL",) or self.syntax.axes != ("NB", "BSV", "BSS"):
+            raise GeometryError(
+                f"format {fmt.name}: blocked-scale records are a layer list of [NB, BS, W] byte tensors (NL_X_NB_BSV_BSS) "
+                "or one block-outermost [NB, NL, BS, W] tensor (NB_NL_BSV_BSS)"
+            )
+        ref_path, ref = leaves[0]
+        for path, t in leaves:
             if t.dim() != 3:
                 raise GeometryError(f"format {fmt.name}: kv_caches{list(path)} should be [NB, BS, W] bytes, got {_describe_tensor(t)}")
             if tuple(t.shape) != tuple(ref.shape) or tuple(t.stride()) != tuple(ref.stride()):
@@ -665,11 +1118,11 @@ class Spec:
                 "values and scales are laid out block-wise, not per token"
             )
         vals, block = w - scale, int(ref.stride(0))
-        nl = len(self.leaves)
+        nl = len(leaves)
         self.num_layers_, self.kv_size_, self.num_heads_, self.head_size_ = nl, 1, 1, w
         self.num_blocks_, self.block_size_, self.num_slots_ = nb, bs, nb * bs
         self.axis_sizes = {"NL": nl, "NB": nb, "BS": bs, "VALS": vals, "SCALES": scale}
-        bases = tuple((t, t.storage_offset() * t.element_size()) for _, t in self.leaves)
+        bases = tuple((t, t.storage_offset() * t.element_size()) for _, t in leaves)
         self.table = StrideTable(
             num_layers=nl,
             block_size=bs,
@@ -734,20 +1187,19 @@ class Spec:
                         f"({_describe_tensor(t)}); the sizes or strides do not describe this tensor"
                     )
 
-    def _check_distinct_planes(self) -> None:
-        """Two (layer, plane) planes starting at one address alias at slot 0 (e.g. one
-        tensor registered for two layers): a scatter to one would overwrite the other."""
-        seen: dict[int | tuple, tuple[int, str]] = {}
-        for p in self.table.planes:
-            for li, (t, off) in enumerate(p.bases):
-                addr = plane_address(t, off)
-                if addr in seen and t.untyped_storage().nbytes() > 0:
-                    pl, pr = seen[addr]
-                    raise GeometryError(
-                        f"format {self.format.name}: layer {li} {p.role} and layer {pl} {pr} start at the same address, so they "
-                        "alias (is one tensor registered twice?); every (layer, plane) needs its own memory"
-                    )
-                seen[addr] = (li, p.role)
+    def _check_disjoint_planes(self) -> None:
+        """Every (layer, plane) region must own its bytes: two regions whose address sets
+        intersect alias (one tensor registered for two layers; per-layer views of one buffer
+        where layer 1 starts one token row after layer 0), so a scatter to one would
+        overwrite the other. Decided on the exact address sets, not on byte ranges, so
+        interleavings that share a range without sharing a byte stay accepted: K and V
+        interleaved per block, layers interleaved in a cross-layer tensor, K|V packed in one
+        row, a blocked record's values and scales."""
+        checked = getattr(self, "_in_tensor_checked", None)
+        if checked is None or checked[0] is not self.table:  # a subclass replaced the generic table: check every pair
+            _check_disjoint(self.format.name, self.table)
+        else:
+            _check_disjoint(self.format.name, self.table, checked[1], checked[2])
 
     # -- accessors (KVLayout forwards to these) --------------------------------------
     @property
@@ -793,11 +1245,18 @@ class Spec:
 
     def kernel_leaves(self) -> list[torch.Tensor]:
         """The tensors in kernel order (layer lists: one per layer; K/V lists: all K then
-        all V; per-layer tuples: K0, V0, K1, V1, ...; one tensor: itself)."""
+        all V; per-layer tuples: K0, V0, K1, V1, ...; one tensor: itself; multi-plane
+        names: each plane's tensors in the name's plane order)."""
         return [t for _, t in self.leaves]
 
     def leaf_layer(self, path: tuple[int, ...]) -> int:
-        lv = self.syntax.list_levels
+        """The layer a leaf (by its path in :attr:`leaves`) holds, or -1 for a tensor
+        holding every layer. Multi-plane paths start with the plane's index."""
+        if self.syntax.multi_plane:
+            lv = self.syntax.planes[path[0]].syntax.list_levels
+            path = path[1:]
+        else:
+            lv = self.syntax.list_levels
         if "NL" not in lv:
             return -1
         return path[lv.index("NL")]
@@ -823,3 +1282,138 @@ def _check_no_alias(name: str, extents: list[tuple[str, int, int]], inner_bytes:
             )
         extent = stride * (n - 1) + extent
         inner_name = f"the {axis} axis"
+
+
+# -- (layer, plane) regions must not share a byte ---------------------------------------
+
+_MEET_BUDGET = 200_000
+
+
+@dataclass(frozen=True)
+class _Region:
+    key: Any  # the address space: a device, or one meta storage
+    lo: int  # first byte
+    hi: int  # one past the last byte
+    axes: tuple[tuple[int, int], ...]  # (byte stride, count) of the index axes, count > 1
+    run: int  # contiguous bytes at each index point
+    layer: int
+    role: str
+    tensor: int  # id() of the tensor the region was read from
+
+
+def _regions(table: StrideTable) -> list[_Region]:
+    out = []
+    bs = table.block_size
+    nblocks = -(-table.num_slots // bs)
+    last_tok = min(bs, table.num_slots) - 1
+    for p in table.planes:
+        s = p.strides
+        axes = [(s.block, nblocks)]
+        if s.token_group and s.token_group < bs:
+            axes += [(s.token_group_stride, -(-bs // s.token_group)), (s.token, s.token_group)]
+        else:
+            axes.append((s.token, bs))
+        axes += [(s.head, p.num_heads), (s.chunk, s.n_chunks)]
+        ax = tuple((abs(st), n) for st, n in axes if n > 1 and st != 0)
+        span = (
+            (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + (s.n_chunks - 1) * s.chunk + s.chunk_bytes
+        )
+        for li, (t, off) in enumerate(p.bases):
+            st = t.untyped_storage()
+            if st.nbytes() == 0:
+                continue
+            if t.device.type == "meta":
+                key, addr = ("meta", st._cdata), off
+            else:
+                key, addr = str(t.device), st.data_ptr() + off
+            out.append(_Region(key, addr, addr + span, ax, s.chunk_bytes, li, p.role, id(t)))
+    return out
+
+
+def _meet(a: _Region, b: _Region, budget: list[int]) -> bool:
+    """Whether ``a`` and ``b`` share a byte: is there ``sum(i_k * s_k) - sum(j_k * t_k) + u
+    == b.lo - a.lo`` with every index in its range and ``u = r_a - r_b`` of the two runs?
+    Axes of equal stride merge; a depth-first search over the axes, largest stride first,
+    keeps only index values the remaining axes can still compensate (so nested layouts
+    take one or two values per axis) and solves the last axis directly."""
+    want = b.lo - a.lo
+    merged: dict[int, list[int]] = {}
+    for s, n in a.axes:
+        r = merged.setdefault(s, [0, 0])
+        r[1] += n - 1
+    for s, n in b.axes:
+        r = merged.setdefault(s, [0, 0])
+        r[0] -= n - 1
+    axes = sorted(((s, lo, hi) for s, (lo, hi) in merged.items()), reverse=True)
+    u_lo, u_hi = -(b.run - 1), a.run - 1
+    k = len(axes)
+    mins, maxs = [0] * (k + 1), [0] * (k + 1)
+    mins[k], maxs[k] = u_lo, u_hi
+    for i in range(k - 1, -1, -1):
+        s, lo, hi = axes[i]
+        mins[i], maxs[i] = mins[i + 1] + lo * s, maxs[i + 1] + hi * s
+
+    def rec(i: int, rem: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Undecided
+        if rem < mins[i] or rem > maxs[i]:
+            return False
+        if i == k:
+            return True
+        s, lo, hi = axes[i]
+        first = max(lo, -((maxs[i + 1] - rem) // s))  # ceil((rem - maxs) / s)
+        last = min(hi, (rem - mins[i + 1]) // s)
+        if i == k - 1:
+            return first <= last
+        return any(rec(i + 1, rem - x * s) for x in range(first, last + 1))
+
+    return rec(0, want)
+
+
+class _Undecided(Exception):
+    pass
+
+
+def _check_disjoint(name: str, table: StrideTable, proven: Any = None, one_tensor_proven: bool = False) -> None:
+    """Raise GeometryError when two (layer, plane) regions of ``table`` share a byte (see
+    :meth:`Spec._check_disjoint_planes`). ``proven(a, b)``: the pair was already proved
+    disjoint by the spec's in-tensor alias check (regions of one tensor differing only along
+    its own axes) and is skipped; ``one_tensor_proven``: every pair of one tensor was."""
+    by_key: dict[Any, list[_Region]] = {}
+    for r in _regions(table):
+        by_key.setdefault(r.key, []).append(r)
+    budget = [_MEET_BUDGET]
+    memo: dict[tuple, bool] = {}
+
+    for regions in by_key.values():
+        if len(regions) < 2:
+            continue
+        if one_tensor_proven and len({r.tensor for r in regions}) == 1:
+            continue  # one tensor whose every axis the spec checked
+        regions.sort(key=lambda r: (r.lo, r.hi))
+        active: list[_Region] = []
+        for r in regions:
+            active = [a for a in active if a.hi > r.lo]
+            for a in active:
+                if proven is not None and proven(a, r):
+                    continue
+                mk = (a.axes, a.run, r.axes, r.run, r.lo - a.lo)
+                hit = memo.get(mk)
+                if hit is None:
+                    try:
+                        hit = memo[mk] = _meet(a, r, budget)
+                    except _Undecided:
+                        raise GeometryError(
+                            f"format {name}: could not decide whether layer {a.layer} {a.role} and layer {r.layer} {r.role} share "
+                            "memory (their strides interleave too finely to check); kvcore refuses rather than risk a scatter "
+                            "overwriting another plane"
+                        ) from None
+                if hit:
+                    what = "start at the same address" if a.lo == r.lo else f"overlap ({r.lo - a.lo} bytes apart, their bytes interleave)"
+                    raise GeometryError(
+                        f"format {name}: layer {a.layer} {a.role} and layer {r.layer} {r.role} {what}, so they alias: a scatter to one "
+                        "would overwrite the other (is one tensor registered twice, or do per-layer views of one buffer overlap?); "
+                        "every (layer, plane) needs its own memory"
+                    )
+            active.append(r)

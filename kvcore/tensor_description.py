@@ -12,6 +12,7 @@ written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,37 +27,47 @@ class UsageError(KVCoreError, ValueError):
 
 
 def parse_dtype(name: str) -> Any:
-    import torch
+    """A dtype name from a description or the command line, read through the shared
+    table :mod:`kvcore.dtypes` (fp8 FNUZ included).
 
-    key = str(name).strip().lower().replace("torch.", "")
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32", "fp64": "float64"}
-    key = aliases.get(key, key)
-    allowed = (
-        "bfloat16",
-        "float16",
-        "float32",
-        "float64",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "int8",
-        "uint8",
-        "int16",
-        "int32",
-        "int64",
-    )
-    if key not in allowed or not isinstance(getattr(torch, key, None), torch.dtype):
-        raise UsageError(f"unknown dtype {name!r}; use one of {', '.join(allowed)}")
-    return getattr(torch, key)
+    Raises:
+        UsageError: an unknown name (listing the accepted ones).
+    """
+    from kvcore.dtypes import parse_dtype as _parse
+
+    return _parse(name, what="dtype", error=UsageError)
+
+
+#: the most tensors a description may expand to: a model has a few hundred layers; a repeat
+#: far beyond that is a typo (checked before anything is built, so it answers at once)
+MAX_TENSORS = 16384
+_I64 = 2**63 - 1
 
 
 class _LeafSpec:
-    __slots__ = ("shape", "stride", "dtype", "storage", "storage_offset", "where")
+    __slots__ = ("shape", "stride", "dtype", "storage", "storage_offset", "step", "where", "esize")
 
-    def __init__(self, shape, stride, dtype, storage, storage_offset, where):
+    def __init__(self, shape, stride, dtype, storage, storage_offset, step, where, esize):
         self.shape, self.stride, self.dtype = shape, stride, dtype
-        self.storage, self.storage_offset, self.where = storage, storage_offset, where
+        self.storage, self.storage_offset, self.step, self.where, self.esize = storage, storage_offset, step, where, esize
+
+    def offset(self, index: int | None) -> int:
+        return self.storage_offset + (index or 0) * self.step
+
+    def extent(self, index: int | None) -> int:
+        """Elements from the storage's start to one past the last element addressed."""
+        if any(n == 0 for n in self.shape):
+            return self.offset(index)
+        return self.offset(index) + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1
+
+
+class _Repeated:
+    """``count`` copies of one node, described once (nothing per copy until built)."""
+
+    __slots__ = ("count", "node", "where")
+
+    def __init__(self, count: int, node: Any, where: str):
+        self.count, self.node, self.where = count, node, where
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -69,14 +80,28 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _int_list(v: Any, what: str, where: str) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise UsageError(f"{where}: {what} must be a list of integers, got {v!r}")
+        raise UsageError(f"{where}: {what} must be a list of integers, got {_short(v)}")
+    if any(abs(x) > _I64 for x in v):
+        raise UsageError(f"{where}: {what} {_short(v)} has an entry beyond 64 bits (a tensor's sizes and strides are int64)")
     return tuple(v)
+
+
+def _short(v: Any, n: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _positive_int(v: Any, what: str, where: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UsageError(f"{where}: {what} must be a positive integer, got {_short(v)}")
+    return v
 
 
 _LEAF_KEYS = {"shape", "stride", "dtype", "storage", "storage_offset", "repeat", "storage_offset_step"}
 
 
-def _parse_leaf(d: dict, where: str, default_dtype: str | None, index: int | None = None) -> _LeafSpec:
+def _parse_leaf(d: dict, where: str, default_dtype: str | None) -> _LeafSpec:
+
     unknown = set(d) - _LEAF_KEYS
     if unknown:
         raise UsageError(f"{where}: unknown key(s) {sorted(unknown)}; a tensor takes {sorted(_LEAF_KEYS)}")
@@ -95,78 +120,84 @@ def _parse_leaf(d: dict, where: str, default_dtype: str | None, index: int | Non
     step = d.get("storage_offset_step", 0)
     for name, v in (("storage_offset", off), ("storage_offset_step", step)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise UsageError(f"{where}: {name} must be a non-negative integer, got {v!r}")
-    if index is not None:
-        off += index * step
+            raise UsageError(f"{where}: {name} must be a non-negative integer, got {_short(v)}")
     storage = d.get("storage")
     if storage is not None and not isinstance(storage, str):
         raise UsageError(f"{where}: storage must be a name (string) shared by the tensors that view one buffer")
-    return _LeafSpec(shape, stride, parse_dtype(dt), storage, off, where)
+    dtype = parse_dtype(dt)
+    leaf = _LeafSpec(shape, stride, dtype, storage, off, step, where, dtype.itemsize)
+    if math.prod(shape) > _I64 or leaf.extent(None) * leaf.esize > _I64:
+        raise UsageError(
+            f"{where}: shape {list(shape)} with stride {list(stride)} addresses {leaf.extent(None) * leaf.esize:,} bytes "
+            f"({math.prod(shape):,} elements); a tensor must fit in 64-bit byte offsets (under 8 EiB)"
+        )
+    return leaf
 
 
 def _is_leaf(d: dict) -> bool:
     return "shape" in d
 
 
-def _expand(node: Any, where: str, default_dtype: str | None) -> Any:
-    """JSON node → the same nesting with :class:`_LeafSpec` leaves (``repeat`` expanded)."""
+def _expand(node: Any, where: str, default_dtype: str | None, depth: int = 0, repeated: bool = False) -> Any:
+    """JSON node → the same nesting with :class:`_LeafSpec` leaves and :class:`_Repeated`
+    repeats (described once, not expanded)."""
+    if depth > 64:
+        raise UsageError(f"{where}: nested more than 64 levels deep; a KV cache is a few levels of lists at most")
     if isinstance(node, dict):
         if _is_leaf(node):
-            n = node.get("repeat")
-            if n is None:
-                return _parse_leaf(node, where, default_dtype)
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise UsageError(f"{where}: repeat must be a positive integer, got {n!r}")
-            return _Repeated([_parse_leaf(node, f"{where}[{i}]", default_dtype, i) for i in range(n)])
+            leaf = _parse_leaf(node, where, default_dtype)
+            if "repeat" not in node:
+                if leaf.step and not repeated:
+                    raise UsageError(
+                        f'{where}: "storage_offset_step" advances the offset per repeat, but this tensor is not repeated '
+                        '(give it "repeat": N, or put it inside {"repeat": N, "of": ...})'
+                    )
+                return leaf
+            return _Repeated(_positive_int(node["repeat"], "repeat", where), leaf, where)
         if "repeat" in node and "of" in node:
-            n = node["repeat"]
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise UsageError(f"{where}: repeat must be a positive integer, got {n!r}")
-            return _Repeated([_expand(node["of"], f"{where}[{i}]", default_dtype) for i in range(n)])
+            extra = set(node) - {"repeat", "of"}
+            if extra:
+                raise UsageError(f'{where}: a repeat takes "repeat" and "of" only, not {sorted(extra)}')
+            n = _positive_int(node["repeat"], "repeat", where)
+            return _Repeated(n, _expand(node["of"], f"{where}[i]", default_dtype, depth + 1, True), where)
         out: dict[str, Any] = {}
         for k, v in node.items():
-            sub = _expand(v, f"{where}[{k!r}]", default_dtype)
-            if isinstance(sub, _Repeated):
-                if "{i}" not in k:
-                    raise UsageError(
-                        f"{where}: key {k!r} repeats its tensor; put '{{i}}' in the name (e.g. model.layers.{{i}}.self_attn.attn)"
-                    )
-                for i, item in enumerate(sub.items):
-                    out[k.replace("{i}", str(i))] = item
-            else:
-                out[k] = sub
+            sub = _expand(v, f"{where}[{k!r}]", default_dtype, depth + 1, repeated)
+            if isinstance(sub, _Repeated) and "{i}" not in k:
+                raise UsageError(f"{where}: key {k!r} repeats its tensor; put '{{i}}' in the name (e.g. model.layers.{{i}}.self_attn.attn)")
+            out[k] = sub
         if not out:
             raise UsageError(f"{where}: an empty mapping describes no tensors")
         return out
     if isinstance(node, list):
-        items: list[Any] = []
-        for i, v in enumerate(node):
-            sub = _expand(v, f"{where}[{i}]", default_dtype)
-            items.extend(sub.items if isinstance(sub, _Repeated) else [sub])
+        items = [_expand(v, f"{where}[{i}]", default_dtype, depth + 1, repeated) for i, v in enumerate(node)]
         if not items:
             raise UsageError(f"{where}: an empty list describes no tensors")
         return items
-    raise UsageError(f'{where}: expected a tensor ({{"shape": [...], "dtype": ...}}), a list or a mapping, got {node!r}')
+    raise UsageError(f'{where}: expected a tensor ({{"shape": [...], "dtype": ...}}), a list or a mapping, got {_short(node)}')
 
 
-class _Repeated:
-    def __init__(self, items: list[Any]):
-        self.items = items
-
-
-def _leaves(node: Any) -> list[_LeafSpec]:
+def _count(node: Any) -> int:
+    """How many tensors ``node`` expands to, without expanding it."""
     if isinstance(node, _LeafSpec):
-        return [node]
+        return 1
     if isinstance(node, _Repeated):
-        node = node.items
+        return node.count * _count(node.node)
     vals = node.values() if isinstance(node, dict) else node
-    return [x for v in vals for x in _leaves(v)]
+    return sum(_count(v) for v in vals)
 
 
-def _extent_elems(leaf: _LeafSpec) -> int:
-    if any(n == 0 for n in leaf.shape):
-        return leaf.storage_offset
-    return leaf.storage_offset + sum((n - 1) * s for n, s in zip(leaf.shape, leaf.stride)) + 1
+def _instances(node: Any, index: int | None = None):
+    """Every (leaf, repeat index) ``node`` expands to: the index counts the copies of the
+    enclosing repeats, outer repeats major (it advances ``storage_offset_step``)."""
+    if isinstance(node, _LeafSpec):
+        yield node, index
+    elif isinstance(node, _Repeated):
+        for i in range(node.count):
+            yield from _instances(node.node, i if index is None else index * node.count + i)
+    else:
+        for v in node.values() if isinstance(node, dict) else node:
+            yield from _instances(v, index)
 
 
 def _materialize(node: Any, device: str) -> Any:
@@ -174,37 +205,55 @@ def _materialize(node: Any, device: str) -> Any:
     shared storage per ``storage`` name. On ``meta`` nothing is allocated."""
     import torch
 
-    leaves = _leaves(node)
     shared: dict[str, int] = {}
-    for lf in leaves:
+    for lf, idx in _instances(node):
+        nbytes = lf.extent(idx) * lf.esize
+        if nbytes > _I64:
+            raise UsageError(f"{lf.where}: copy {idx} starts at element {lf.offset(idx):,} and ends past 64-bit byte offsets")
         if lf.storage:
-            esz = torch.empty(0, dtype=lf.dtype).element_size()
-            shared[lf.storage] = max(shared.get(lf.storage, 0), _extent_elems(lf) * esz)
+            shared[lf.storage] = max(shared.get(lf.storage, 0), nbytes)
     bases: dict[str, Any] = {}
     for name, nbytes in shared.items():
         bases[name] = torch.empty(max(nbytes, 1) + 8, dtype=torch.uint8, device=device)
 
-    def build(lf: _LeafSpec):
+    def build(lf: _LeafSpec, idx: int | None):
+        off = lf.offset(idx)
         if lf.storage:
             base = bases[lf.storage]
-            esz = torch.empty(0, dtype=lf.dtype).element_size()
-            usable = (base.numel() // esz) * esz
+            usable = (base.numel() // lf.esize) * lf.esize
             typed = base[:usable].view(lf.dtype)
-            return torch.as_strided(typed, lf.shape, lf.stride, lf.storage_offset)
-        n = _extent_elems(lf)
-        if lf.storage_offset:
-            flat = torch.empty(max(n, 1), dtype=lf.dtype, device=device)
-            return torch.as_strided(flat, lf.shape, lf.stride, lf.storage_offset)
+            return torch.as_strided(typed, lf.shape, lf.stride, off)
+        if off:
+            flat = torch.empty(max(lf.extent(idx), 1), dtype=lf.dtype, device=device)
+            return torch.as_strided(flat, lf.shape, lf.stride, off)
         return torch.empty_strided(lf.shape, lf.stride, dtype=lf.dtype, device=device)
 
-    def walk(x: Any) -> Any:
-        if isinstance(x, _LeafSpec):
-            return build(x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        return [walk(v) for v in x]
+    def copies(x: _Repeated, idx: int | None) -> list[Any]:
+        return [walk(x.node, i if idx is None else idx * x.count + i) for i in range(x.count)]
 
-    return walk(node)
+    def walk(x: Any, idx: int | None) -> Any:
+        if isinstance(x, _LeafSpec):
+            return build(x, idx)
+        if isinstance(x, _Repeated):
+            return copies(x, idx)
+        if isinstance(x, dict):
+            out: dict[str, Any] = {}
+            for k, v in x.items():
+                if isinstance(v, _Repeated):
+                    for i, item in enumerate(copies(v, idx)):
+                        out[k.replace("{i}", str(i))] = item
+                else:
+                    out[k] = walk(v, idx)
+            return out
+        out_list: list[Any] = []
+        for v in x:
+            if isinstance(v, _Repeated):
+                out_list.extend(copies(v, idx))
+            else:
+                out_list.append(walk(v, idx))
+        return out_list
+
+    return walk(node, None)
 
 
 def load_tensor_description(doc: Any, device: str = "meta") -> tuple[Any, str | None, dict]:
@@ -217,9 +266,17 @@ def load_tensor_description(doc: Any, device: str = "meta") -> tuple[Any, str | 
     tensor). ``stride`` defaults to contiguous; tensors naming one ``storage`` are views of
     one buffer (vLLM 0.33 views into one allocation); ``{"repeat": N, "of": NODE}``
     repeats any node. Strides and offsets are in elements of the tensor's dtype.
+    ``storage_offset_step`` advances a tensor's offset by S for each copy of the repeat
+    around it (its own ``"repeat"``, or ``{"repeat", "of"}`` nodes: copies are counted
+    across nested repeats, outer major). Repeats are described once and counted before
+    anything is built: a description of more than :data:`MAX_TENSORS` tensors is refused
+    at once.
 
     Raises:
-        UsageError: malformed descriptions (the message says where).
+        UsageError: malformed descriptions (the message says where), sizes beyond 64 bits,
+            too many tensors, or tensors torch cannot build. On a CPU ``device``, a
+            RuntimeError/MemoryError when the address space is not there (the CLI then
+            builds on ``meta``).
     """
     if isinstance(doc, dict) and "kv_caches" in doc:
         extra = set(doc) - {"engine", "hints", "dtype", "kv_caches", "comment"}
@@ -229,8 +286,22 @@ def load_tensor_description(doc: Any, device: str = "meta") -> tuple[Any, str | 
     else:
         node, engine, hints, dtype = doc, None, {}, None
     if not isinstance(hints, dict):
-        raise UsageError(f"hints must be a JSON object, got {hints!r}")
+        raise UsageError(f"hints must be a JSON object, got {_short(hints)}")
+    if engine is not None and not isinstance(engine, str):
+        raise UsageError(f"engine must be a string, got {_short(engine)}")
     tree = _expand(node, "kv_caches", dtype)
-    if isinstance(tree, _Repeated):
-        tree = tree.items
-    return _materialize(tree, device), engine, hints
+    n = _count(tree)
+    if n > MAX_TENSORS:
+        raise UsageError(
+            f"the description expands to {n:,} tensors; kvcore detect builds at most {MAX_TENSORS:,} (a model has a few hundred "
+            'layers): check the "repeat" counts'
+        )
+    try:
+        return _materialize(tree, device), engine, hints
+    except UsageError:
+        raise
+    except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as e:
+        if device != "meta" and isinstance(e, (RuntimeError, MemoryError)):
+            raise  # no address space for CPU storage: the caller may fall back to meta
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"these tensors cannot be built: {type(e).__name__}: {first}") from None

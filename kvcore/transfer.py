@@ -9,6 +9,12 @@ offset``. A negative slot is engine padding: that row is not moved in either
 direction, and the destination row is left as it was. ``skip_prefix=n`` leaves the
 first n rows alone the same way (the engine already holds those tokens).
 
+A layout that stages one buffer per plane (a multi-plane record that is not exactly K
+and V of one dtype and width: quantised values beside their scales, K and V of different
+widths; ``layout.classic_staging`` is False) stages a dict ``{role: [NL, T, NH_p*HS_p]}``
+(one layer: ``{role: [T, NH_p*HS_p]}``), each in its plane's dtype
+(``layout.staging_shapes``, ``layout.allocate_staging``).
+
 Everything is validated before the first byte moves: a bad call raises
 :class:`~kvcore.TransferError` and leaves the cache (and the staging buffer) unchanged.
 A transfer allocates memory proportional to the tokens it moves, never to the cache.
@@ -17,7 +23,7 @@ A transfer allocates memory proportional to the tokens it moves, never to the ca
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -128,6 +134,11 @@ def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: b
 
 def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], single: bool, t: int, what: str) -> torch.Tensor:
     if not isinstance(staging, torch.Tensor):
+        if isinstance(staging, Mapping):
+            raise TransferError(
+                f"{what} is a dict, but format {layout.format.name} stages one tensor [kv_size, NL, T, NH*HS] "
+                f"(here {layout.staging_shape(t, layers[0] if single else layers)}); pass that tensor"
+            )
         raise TransferError(f"{what} must be a torch.Tensor, got {type(staging).__name__}")
     if staging.layout != torch.strided:
         raise TransferError(f"{what} is a {staging.layout} tensor; staging buffers are dense (torch.strided)")
@@ -178,6 +189,94 @@ def _resolve_neg_conj(staging, gather: bool):
     return out, back
 
 
+def _byte_range(x: torch.Tensor) -> tuple[int, int]:
+    if x.numel() == 0:
+        return (x.data_ptr(), x.data_ptr())
+    last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    return (x.data_ptr(), x.data_ptr() + (last + 1) * x.element_size())
+
+
+def _check_plane_staging(layout: KVLayout, staging, layers: list[int], single: bool, t: int, what: str) -> dict[str, torch.Tensor]:
+    """Validate a per-plane staging dict; returns ``{key: [NL, T, row]}`` views (one layer:
+    a leading axis of 1 added). Raises TransferError naming the entry, before any write."""
+    bufs = layout.staging_buffers
+    shapes = layout.staging_shapes(t, layers[0] if single else layers)
+    keys = [b.key for b in bufs]
+    listed = ", ".join(f"{k!r}: {list(v)}" for k, v in shapes.items())
+    if not isinstance(staging, Mapping):
+        raise TransferError(
+            f"{what} must be a dict {{role: tensor}}: format {layout.format.name} stages one buffer per plane ({listed}); "
+            f"got {type(staging).__name__} (layout.allocate_staging(T) makes one)"
+        )
+    missing = [k for k in keys if k not in staging]
+    extra = [k for k in staging if k not in keys]
+    if missing or extra:
+        bits = ([f"plane(s) {', '.join(map(repr, missing))} missing"] if missing else []) + (
+            [f"key(s) {', '.join(map(repr, extra))} are no staging buffer of this layout"] if extra else []
+        )
+        raise TransferError(f"{what}: {' and '.join(bits)}; format {layout.format.name} stages exactly {listed}")
+    dev = layout.device
+    out: dict[str, torch.Tensor] = {}
+    for b in bufs:
+        x, label = staging[b.key], f"{what}[{b.key!r}]"
+        if not isinstance(x, torch.Tensor):
+            raise TransferError(f"{label} must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TransferError(f"{label} is a {x.layout} tensor; staging buffers are dense (torch.strided)")
+        want = shapes[b.key]
+        if tuple(x.shape) != want:
+            lay = "[T, NH_p*HS_p]" if single else "[NL, T, NH_p*HS_p]"
+            raise TransferError(f"{label} has shape {tuple(x.shape)}, expected {want} ({lay} for plane {b.key} and {t} tokens)")
+        if x.dtype != b.dtype:
+            raise TransferError(
+                f"{label} is {x.dtype} but plane {b.key} holds {b.dtype}; pass a {b.dtype} buffer (the bytes move unchanged, so the dtypes must match)"
+            )
+        if x.device != dev and not (dev.type == "cuda" and x.device.type == "cpu"):
+            raise TransferError(
+                f"{label} is on {x.device} but the cache is on {dev}; use a buffer on {dev}"
+                + (" or in pinned host memory" if dev.type == "cuda" else "")
+            )
+        if x.numel() and x.stride(-1) != 1:
+            raise TransferError(f"{label}'s last dimension must be contiguous (stride 1), got strides {tuple(x.stride())}")
+        if what == "out":
+            overlap = [i for i, (n, st) in enumerate(zip(x.shape, x.stride())) if n > 1 and st == 0]
+            if overlap:
+                raise TransferError(
+                    f"{label} has stride 0 on axis {overlap[0]} (an expanded view): its rows overlap, so gathered rows would "
+                    "overwrite each other; pass a buffer whose rows are distinct memory"
+                )
+        out[b.key] = x.unsqueeze(0) if single else x
+    if what == "out" and len(keys) > 1:
+        spans = sorted((staging[k].device.type, staging[k].device.index, *_byte_range(staging[k]), k) for k in keys if staging[k].numel())
+        prev = None  # (device, hi, key) of the span reaching furthest so far
+        for dt, di, lo, hi, k in spans:
+            if prev is not None and prev[0] == (dt, di) and lo < prev[1]:
+                raise TransferError(f"{what}[{prev[2]!r}] and {what}[{k!r}] share memory; each plane needs a buffer of its own")
+            if prev is None or prev[0] != (dt, di) or hi > prev[1]:
+                prev = ((dt, di), hi, k)
+    return out
+
+
+def _run_planes(layout: KVLayout, slots: torch.Tensor, nv: int, staging, layers, sel: list[int], single: bool, gather: bool):
+    t = slots.numel()
+    if staging is None:
+        staging = layout.allocate_staging(t, layers if single else sel)
+    bufs = _check_plane_staging(layout, staging, sel, single, t, "out" if gather else "src")
+    table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
+    why = staging_conflict(table, bufs, "out" if gather else "src")
+    if why:
+        raise TransferError(why)
+    bufs, back = _resolve_neg_conj(bufs, gather)
+    plan = TransferPlan(table=table, slots=slots, staging=bufs, num_valid=nv)
+    if nv:
+        dev_t = next(iter(bufs.values())).device.type
+        kernel = select_kernel(layout.device.type, layout.format.name, dev_t, table=table)
+        (kernel.gather if gather else kernel.scatter)(plan)
+        for view, fixed in back:
+            view.copy_(fixed)
+    return staging
+
+
 def _scalar_layer(layers):
     """A numpy / 0-d torch integer scalar means one layer, like an int."""
     if layers is None or isinstance(layers, (int, list, tuple, range)) or not hasattr(layers, "__index__"):
@@ -195,33 +294,64 @@ def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gath
     sel = _layers(layout, layers)
     single = isinstance(layers, int)
     slots, nv = _slots(layout, slot_mapping, skip_prefix, check_duplicates=not gather)
+    if not layout.classic_staging:
+        return _run_planes(layout, slots, nv, staging, layers, sel, single, gather)
     t = slots.numel()
     if staging is None:
         staging = torch.zeros(layout.staging_shape(t, layers if single else sel), dtype=layout.dtype, device=layout.device)
     st4 = _check_staging(layout, staging, sel, single, t, "out" if gather else "src")
-    table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
-    why = staging_conflict(table, {"kv": st4}, "out" if gather else "src")
+    table_all = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
+    why = staging_conflict(table_all, {"kv": st4}, "out" if gather else "src")
     if why:
         raise TransferError(why)
     st4, back = _resolve_neg_conj(st4, gather)
-    plan = TransferPlan(table=table, slots=slots, staging=st4, num_valid=nv)
+    runs = [(0, len(sel))] if gather else _write_once(layout, sel)
+    for a, b in runs:
+        part = sel[a:b]
+        whole = (a, b) == (0, len(sel))
+        table = table_all if whole else layout.stride_table(None if part == list(range(layout.num_layers)) else part)
+        st = st4 if whole else st4[:, a:b]
+        plan = TransferPlan(table=table, slots=slots, staging=st, num_valid=nv)
+        if nv:
+            kernel = select_kernel(layout.device.type, layout.format.name, st.device.type, table=table)
+            (kernel.gather if gather else kernel.scatter)(plan)
     if nv:
-        kernel = select_kernel(layout.device.type, layout.format.name, st4.device.type, table=table)
-        (kernel.gather if gather else kernel.scatter)(plan)
         for view, fixed in back:
             view.copy_(fixed)
     return staging
 
 
+def _write_once(layout: KVLayout, sel: list[int]) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` of positions in ``sel`` to scatter: a layer whose memory an earlier
+    layer of the selection already writes (``layout.aliases``) is left out, so shared
+    memory is written once, from the first of its layers."""
+    if not layout.aliases:
+        return [(0, len(sel))]
+    seen: set[int] = set()
+    keep = []
+    for i in sel:
+        p = layout.layer_map[i]
+        keep.append(p not in seen)
+        seen.add(p)
+    runs, start = [], None
+    for k, ok in enumerate(keep + [False]):
+        if ok and start is None:
+            start = k
+        elif not ok and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
 def gather(
     layout: KVLayout,
     slot_mapping,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
     *,
     layers: Sequence[int] | int | None = None,
     skip_prefix: int = 0,
     validate: str | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | Mapping[str, torch.Tensor]:
     """Copy the tokens at ``slot_mapping`` from the paged cache into a staging buffer.
 
     Args:
@@ -229,20 +359,26 @@ def gather(
         slot_mapping: int64 ``[T]``; negative = padding (row left untouched).
         out: ``[kv_size, NL, T, NH*HS]`` (``[kv_size, T, NH*HS]`` when ``layers`` is an
             int) of ``layout.dtype``, on the cache's device (or pinned host memory for a
-            CUDA cache). Allocated when None.
+            CUDA cache). Allocated when None. A layout that stages one buffer per plane
+            (``layout.classic_staging`` False) takes a dict ``{role: [NL, T, NH_p*HS_p]}``
+            (``{role: [T, NH_p*HS_p]}`` for one layer) holding exactly its planes, each in
+            the plane's dtype (``layout.staging_shapes``, ``layout.allocate_staging``).
         layers: a layer subset (staging order follows it), or one layer index.
         skip_prefix: leave the first n rows untouched.
         validate: ``"device"`` (default), ``"sync"`` or ``"none"``: where slot values are
             checked and when their error surfaces on a CUDA cache (:mod:`kvcore.plan`).
     Returns:
-        the staging buffer.
+        the staging buffer (``out`` when given): a tensor, or the dict of per-plane tensors.
     Raises:
         TransferError: before anything is written, for a slot >= page_buffer_size, a
-            bad shape, dtype or device, or a bad layer index; a staging buffer that shares
-            memory with the cache or whose rows share memory; a cache storage freed,
-            reallocated or replaced since detection. On CUDA with ``validate="device"``
-            a bad slot value is found on the GPU: nothing is written and the error is raised
-            by the next kvcore CUDA transfer or :func:`kvcore.synchronize`.
+            bad shape, dtype or device, or a bad layer index; for per-plane staging also
+            a plane missing from the dict, a key that is no plane, a tensor where a dict
+            is needed (and the reverse), or two entries sharing memory; a staging buffer
+            that shares memory with the cache or whose rows share memory; a cache storage
+            freed, reallocated or replaced since detection. On CUDA with
+            ``validate="device"`` a bad slot value is found on the GPU: nothing is written
+            and the error is raised by the next kvcore CUDA transfer or
+            :func:`kvcore.synchronize`.
     """
     return _plan_for(layout, layers).gather(slot_mapping, out, skip_prefix=skip_prefix, validate=validate)
 
@@ -250,7 +386,7 @@ def gather(
 def scatter(
     layout: KVLayout,
     slot_mapping,
-    src: torch.Tensor,
+    src: torch.Tensor | Mapping[str, torch.Tensor],
     *,
     layers: Sequence[int] | int | None = None,
     skip_prefix: int = 0,
@@ -258,19 +394,25 @@ def scatter(
 ) -> None:
     """Copy staged tokens into the paged cache at ``slot_mapping`` (the inverse of
     :func:`gather`). Negative slots and the first ``skip_prefix`` rows are not written.
-    A ``src`` carrying torch's negative/conjugate bit is read as its values.
+    ``src`` is shaped as :func:`gather` returns it: one tensor, or for per-plane staging a
+    dict ``{role: [NL, T, NH_p*HS_p]}``. Layers that share memory (``layout.aliases``) are
+    written once, from the rows of the first of them in ``layers``; the rows of the others
+    are not read. A ``src`` carrying torch's negative/conjugate bit is read as its values.
 
     Raises:
         TransferError: before anything is written, for a slot out of range, a slot that
-            appears twice, or a bad shape, dtype, device or layer index; a ``src`` that
-            shares memory with the cache (a view of the rows being written); a cache storage
+            appears twice, or a bad shape, dtype, device or layer index (per-plane: of any
+            entry), or a plane missing from (or extra in) the dict; a ``src`` that shares
+            memory with the cache (a view of the rows being written); a cache storage
             freed, reallocated or replaced since detection. On CUDA with
             ``validate="device"`` (default) slot values are checked on the GPU: a refused
             call writes nothing and its error is raised by the next kvcore CUDA transfer or
             :func:`kvcore.synchronize`.
     """
     if src is None:
-        raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
+        raise TransferError(
+            "scatter needs src, a staging buffer [kv_size, NL, T, NH*HS] (per-plane staging: a dict {role: [NL, T, NH_p*HS_p]})"
+        )
     _plan_for(layout, layers).scatter(slot_mapping, src, skip_prefix=skip_prefix, validate=validate)
 
 

@@ -88,14 +88,14 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def test_help_lists_every_command(capsys):
     rc, out, _ = run(capsys, "--help")
     assert rc == 0
-    for c in ("plugins", "formats", "describe", "detect", "doctor", "demo", "bench", "check"):
+    for c in ("plugins", "formats", "hints", "describe", "detect", "doctor", "demo", "bench", "check"):
         assert f"    {c}" in out
     assert "exit codes" in out
     rc, _, _ = run(capsys)
     assert rc == 2  # no command: the help, as a usage error
 
 
-@pytest.mark.parametrize("command", ["plugins", "formats", "describe", "detect", "doctor"])
+@pytest.mark.parametrize("command", ["plugins", "formats", "hints", "describe", "detect", "doctor"])
 def test_each_command_has_a_description_and_examples(command, capsys):
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0
@@ -149,7 +149,7 @@ def test_formats_table_has_shape_facts_engines_source_and_plugin(capsys):
     rc, out, _ = run(capsys, "formats", "--engine", ENGINE)
     assert rc == 0
     head, _, row = out.splitlines()[:3]
-    assert head.split() == ["name", "shape", "kv", "facts", "engines", "/", "backends", "source", "plugin"]
+    assert head.split() == ["name", "shape", "kv", "facts", "engines", "/", "backends", "source", "plugins"]
     assert row.startswith(FORMAT)
     assert "NL x [NB, BS, 1, 1, HS]" in row
     assert "layer_list MLA -  " in row  # no head axis: neither NHD nor HND
@@ -170,6 +170,94 @@ def test_formats_json_and_filters(capsys):
     assert [x["name"] for x in json.loads(out)] == [FORMAT]
     rc, out, err = run(capsys, "formats", "--json", "--engine", "nope")
     assert rc == 0 and json.loads(out) == [] and "no registered format names engine 'nope'" in err and ENGINE in err
+
+
+def test_formats_of_an_engine_include_what_its_fixtures_detect_and_every_declaring_plugin(capsys):
+    """``--engine E`` lists every layout E's detector can return: those declared for E and
+    those E's fixtures say it returns (declared by another plugin)."""
+
+    class Reuser:
+        @kvcore.hookimpl
+        def kvcore_register_fixtures(self, register):
+            from kvcore.testing import FixtureCase
+
+            register(FixtureCase("reuse", "reuser", FORMAT, lambda *a: ([], {}), lambda *a: None, sizes={}))
+
+        @kvcore.hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name="NL_X_NB_BS_HS", engines=["reuser"]))
+
+    kvcore.register_plugin(Reuser(), name="reuser-plugin")
+    try:
+        rc, out, _ = run(capsys, "formats", "--json", "--engine", "reuser")
+        assert rc == 0 and [f["name"] for f in json.loads(out)] == ["NL_X_NB_BS_HS", FORMAT]
+        with pytest.raises(kvcore.PluginError, match="not hashable"):
+            kvcore.register_plugin(types.SimpleNamespace(kvcore_register_formats=_Plugin().kvcore_register_formats), name="twin")
+
+        class Twin:  # declares FORMAT exactly as the test plugin does
+            kvcore_register_formats = _Plugin.kvcore_register_formats
+
+        kvcore.register_plugin(Twin(), name="twin")
+        rc, out, _ = run(capsys, "formats", "--json", "--engine", ENGINE)
+        [f] = json.loads(out)
+        assert f["plugins"] == ["clitest-plugin", "twin"] and f["plugin"] == "clitest-plugin"
+    finally:
+        for n in ("reuser-plugin", "twin"):
+            if n in {p.name for p in kvcore.plugins()}:
+                kvcore.unregister_plugin(n)
+
+
+# -- hints ----------------------------------------------------------------------------------
+
+
+class _Hints:
+    @kvcore.hookimpl
+    def kvcore_register_hints(self, register):
+        register(
+            kvcore.Hint(
+                engine=ENGINE,
+                name="kv_cache_layout",
+                meaning="the test engine's head order",
+                values=["NHD", "HND"],
+                aliases=["layout"],
+                default="NHD unless BS == NH",
+                source="engine/attn.py::layout",
+            )
+        )
+        register(kvcore.Hint(engine=ENGINE, name="block_size", meaning="tokens per block", type="int > 0"))
+
+
+def test_hints_lists_an_engines_declared_hints_with_meaning_and_values(capsys):
+    kvcore.register_plugin(_Hints(), name="clitest-hints")
+    try:
+        rc, out, _ = run(capsys, "hints", ENGINE)
+        assert rc == 0
+        assert "kv_cache_layout (also layout)" in out and "the test engine's head order" in out
+        assert "accepts: NHD, HND" in out and "default: NHD unless BS == NH" in out and "source:  engine/attn.py::layout" in out
+        assert "accepts: int > 0" in out
+        rc, out, _ = run(capsys, "hints", ENGINE, "--json")
+        rows = json.loads(out)
+        assert [r["name"] for r in rows] == ["kv_cache_layout", "block_size"] and rows[0]["plugin"] == "clitest-hints"
+        assert kvcore.hints(ENGINE)[0][1].values == ["NHD", "HND"]
+        rc, out, _ = run(capsys, "hints")
+        assert rc == 0 and any(line.split()[:2] == [ENGINE, "2"] for line in out.splitlines())
+        rc, out, err = run(capsys, "hints", "no-such-engine")
+        assert rc == 2 and out == "" and "no plugin declares hints for engine 'no-such-engine'" in err and ENGINE in err
+    finally:
+        kvcore.unregister_plugin("clitest-hints")
+    assert kvcore.hints(ENGINE) == []
+
+
+def test_a_bad_hint_declaration_is_a_plugin_error(capsys):
+    class Bad:
+        @kvcore.hookimpl
+        def kvcore_register_hints(self, register):
+            register({"name": "x"})
+
+    with pytest.raises(kvcore.PluginError, match="takes a kvcore.Hint"):
+        kvcore.register_plugin(Bad(), name="badhints")
+    with pytest.raises(kvcore.PluginError, match="invalid kvcore.Hint 'x'"):
+        kvcore.Hint(engine=ENGINE, name="x", meaning="")
 
 
 # -- describe -------------------------------------------------------------------------------
@@ -456,3 +544,30 @@ def test_unexpected_errors_become_exit_1(capsys, monkeypatch):
     monkeypatch.delenv("KVCORE_DEBUG", raising=False)
     rc, _, err = run(capsys, "doctor")
     assert rc == 1 and "internal error: RuntimeError: kaput" in err
+
+
+def test_detect_json_honours_fp8_fnuz(tmp_path, capsys):
+    """A ROCm fp8 cache described from a log: the dtype hint names FNUZ, and the layout says so."""
+    hints = {"vllm_version": "0.24", "attention_backend": "FLASHINFER", "kv_cache_layout": "NHD", "cache_dtype": "fp8"}
+    doc = {"engine": "vllm", "hints": {**hints, "dtype": "float8_e4m3fnuz"}, "kv_caches": [{"shape": [3, 2, 16, 2, 64], "dtype": "uint8"}]}
+    rc, out, _ = run(capsys, "detect", _write(tmp_path, doc), "--json")
+    d = json.loads(out)
+    assert rc == 0 and (d["format"], d["dtype"], d["storage_dtype"]) == ("NL_X_NB_TWO_BS_NH_HS", "float8_e4m3fnuz", "uint8")
+    # without the dtype, a description says nothing of the platform: ROCm's fp8 is never assumed
+    doc["hints"] = hints
+    rc, out, _ = run(capsys, "detect", _write(tmp_path, doc), "--json")
+    d = json.loads(out)
+    assert rc == 1 and d["error"] == "AmbiguousLayoutError" and set(d["hints"]) == {"dtype", "device_type"}
+
+
+def test_detect_per_layer_of_a_mapping_reports_names(tmp_path, capsys):
+    doc = {
+        "engine": ENGINE,
+        "dtype": "bfloat16",
+        "kv_caches": {"b.layers.1": {"shape": [2, 4, 8, 2, 16]}, "a.layers.0": {"shape": [4, 100], "dtype": "float32"}},
+    }
+    rc, out, _ = run(capsys, "detect", _write(tmp_path, doc), "--per-layer", "--json")
+    d = json.loads(out)
+    # positions in the mapping's own order, and the names
+    assert rc == 0 and d["excluded_layers"] == [1] and d["excluded_layer_names"] == ["a.layers.0"]
+    assert d["groups"][0]["layer_ids"] == [0] and d["groups"][0]["layer_names"] == ["b.layers.1"]

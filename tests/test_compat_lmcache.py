@@ -13,7 +13,7 @@ import torch
 
 import kvcore
 from kvcore.compat import lmcache as L
-from kvcore.errors import AmbiguousLayoutError, DetectionError, FormatError, GeometryError
+from kvcore.errors import AmbiguousLayoutError, DetectionError, FormatError, GeometryError, KVCoreError, TransferError
 
 ENGINE = "lmcompat"
 SEEN_HINTS: list[dict] = []
@@ -206,9 +206,13 @@ def test_per_layer_accessors_answer_for_mixed_layers():
     assert [L.get_head_size(kv, fmt, i) for i in range(2)] == [576, 128]
     with pytest.raises(GeometryError, match="out of range"):
         L.get_head_size(kv, fmt, 2)
-    with pytest.raises(GeometryError):  # the whole list is not one layout
-        L.get_num_layers(kv, fmt)
-    assert L.get_concrete_engine_kv_shape(kv, fmt) == "Unknown (NL_X_NB_BS_HS)"
+    # as LMCache: the layer count is the entries, the whole-layer sizes are layer 0's
+    assert L.get_num_layers(kv, fmt) == 2
+    assert (L.get_num_blocks(kv, fmt), L.get_page_buffer_size(kv, fmt), L.get_elements_per_layer(kv, fmt)) == (6, 96, 96 * 576)
+    assert L.get_concrete_engine_kv_shape(kv, fmt) == "2 x [6, 16, 576]"
+    # a group's pointers read only its layers
+    assert L.get_group_data_ptrs(kv, fmt, [1, 0]) == [kv[1].data_ptr(), kv[0].data_ptr()]
+    assert L.get_concrete_engine_kv_shape([torch.zeros(6, 16)], fmt) == "Unknown (NL_X_NB_BS_HS)"
 
 
 def test_per_layer_formats_for_a_hybrid_model():
@@ -395,3 +399,518 @@ def test_with_the_vllm_plugin_byte_views_and_0_33_geometry():
     assert L.get_concrete_engine_kv_shape(norm, fmt) == "3 x [6, 16, 2, 32]"  # the tensors as they are: CS in bytes
     assert L.get_data_ptrs(norm, fmt) == [t.data_ptr() for t in norm]
     assert L.resolve_block_stride_and_log_layout(norm, fmt, 1, 0) == 16 * 2 * 16
+
+
+# -- LMCache's vocabulary: enum members, engine types, hints -------------------------------------
+
+LMCACHE_MEMBERS = {  # LMCache 0.5.6 csrc/engine_kv_format.h: name -> enum value
+    "NB_NL_TWO_BS_NH_HS": 0,
+    "NL_X_TWO_NB_BS_NH_HS": 1,
+    "NL_X_NB_TWO_BS_NH_HS": 2,
+    "NL_X_NB_BS_HS": 3,
+    "TWO_X_NL_X_NBBS_NH_HS": 4,
+    "NL_X_NBBS_ONE_HS": 5,
+    "NL_X_TWO_NB_NH_BS_HS": 6,
+    "NL_X_NB_TWO_NH_BS_HS": 7,
+    "NB_NL_TWO_NH_BS_HS": 8,
+    "TWO_X_NL_X_NB_BS_NH_HS": 9,
+    "NL_X_NB_NH_BS_TWO_HS": 10,
+    "NL_X_NB_BS_NH_TWO_HS": 11,
+    "NL_X_NB_NH_BS_CS": 12,
+    "NL_X_NB_BS_NH_CS": 13,
+    "NL_X_NB_BSV_BSS": 14,
+    "NL_X_TWO_NB_NH_ONE_BS_HS": 15,
+    "NL_X_TWO_X_NB_BS_NH_HS": 16,
+    "NL_X_NP_X_NB_BS_ONE_HS": 17,
+    "NL_X_NB_BS_NH_HS": 18,
+}
+
+
+def test_engine_kv_format_has_exactly_lmcaches_members():
+    F = L.EngineKVFormat
+    members = {v for v in vars(F).values() if isinstance(v, F)}
+    assert members == set(LMCACHE_MEMBERS)
+    for name, value in LMCACHE_MEMBERS.items():
+        m = getattr(F, name)
+        assert m == name and m.name == name and m.value == value and int(m) == value
+        assert F.__members__[name] is m
+    # kvcore formats LMCache has no member for are values too, without an enum value
+    other = F("NB_NL_NH_BS_CS")
+    assert other.value is None and not hasattr(F, "NB_NL_NH_BS_CS")
+    with pytest.raises(FormatError, match="no LMCache EngineKVFormat value"):
+        int(other)
+    # a detected value equals (and hashes as) the member
+    assert {F("NL_X_NB_BS_HS", torch.bfloat16): 1}[F.NL_X_NB_BS_HS] == 1
+
+
+def test_engine_type_values_are_engine_names():
+    assert [e.value for e in L.EngineType] == ["vllm", "atom", "sglang", "trtllm", "mock"]
+    assert L.LayoutHints.__annotations__.keys() == {"kv_layout", "num_kv_heads", "tokens_per_block", "kv_list_layout", "head_dim"}
+    with pytest.raises(DetectionError, match="'mock'"):  # no kvcore plugin answers LMCache's mock engine
+        L.normalize_kv_and_discover_format(_fa_nhd(), L.EngineType.MOCK)
+
+
+def test_hints_are_translated_per_engine():
+    lm = {
+        "kv_layout": "NHD",
+        "tokens_per_block": 16,
+        "head_dim": 64,
+        "num_kv_heads": 2,
+        "kv_list_layout": "k_v",
+        "torch_device_type": "cuda",
+        "inference_engine_logical_block_size": 64,
+    }
+    assert L._hints(lm, "vllm") == {
+        "kv_cache_layout": "NHD",
+        "block_size": 16,
+        "head_size": 64,
+        "num_kv_heads": 2,
+        "device_type": "cuda",
+    }
+    assert L._hints(lm, "sglang") == {"layout": "NHD", "page_size": 16, "head_size": 64, "num_kv_heads": 2, "kv_list_layout": "k_v"}
+    # kvcore-trtllm reads LMCache's own names
+    assert L._hints(lm, "trtllm") == {k: v for k, v in lm.items() if k != "inference_engine_logical_block_size"}
+    # both spellings agree: one key; kvcore keys pass unchanged
+    assert L._hints({"tokens_per_block": 16, "page_size": 16, "is_mla": True}, "sglang") == {"page_size": 16, "is_mla": True}
+    with pytest.raises(DetectionError, match="tokens_per_block=16 and page_size=32"):
+        L._hints({"tokens_per_block": 16, "page_size": 32}, "sglang")
+
+
+def test_trtllm_plugin_gets_lmcaches_hint_names_and_the_6d_view():
+    pytest.importorskip("kvcore_trtllm")
+    nb, nl, nh, bs, hd = 6, 3, 2, 16, 64
+    pool = torch.zeros(nb, nl, 2, nh * bs * hd, dtype=torch.bfloat16)
+    hints = {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hd}
+    fmt, kv = L.normalize_kv_and_discover_format(pool, L.EngineType.TRTLLM, hints)
+    assert fmt == L.EngineKVFormat.NB_NL_TWO_NH_BS_HS and kv.shape == (nb, nl, 2, nh, bs, hd)
+    spec = L.get_spec(kv, fmt)
+    assert (spec.num_layers(), spec.num_blocks(), spec.block_size(), spec.num_heads(), spec.head_size()) == (nl, nb, bs, nh, hd)
+    # LMCache's already-viewed pool: the sizes are read off its axes, the storage is the pool's
+    fmt, kv = L.normalize_kv_and_discover_format(pool.view(nb, nl, 2, nh, bs, hd), L.EngineType.TRTLLM)
+    assert fmt == "NB_NL_TWO_NH_BS_HS" and kv.data_ptr() == pool.data_ptr() and kv.shape == (nb, nl, 2, nh, bs, hd)
+    with pytest.raises(DetectionError, match="head_dim=32"):
+        L.normalize_kv_and_discover_format(pool.view(nb, nl, 2, nh, bs, hd), "trtllm", {"head_dim": 32})
+    with pytest.raises(DetectionError, match="contiguous"):
+        L.normalize_kv_and_discover_format(pool.view(nb, nl, 2, nh, bs, hd).transpose(3, 4), "trtllm")
+
+
+def test_sglang_mla_pool_keeps_its_fused_axis_under_tokens_per_block():
+    pytest.importorskip("kvcore_sglang")
+    rows, d = 9 * 16, 576
+    pool = [torch.zeros(rows, 1, d, dtype=torch.bfloat16) for _ in range(4)]  # an even layer count
+    for hints in ({}, {"tokens_per_block": 16}):
+        fmt, kv = L.normalize_kv_and_discover_format(pool, L.EngineType.SGLANG, hints)
+        assert fmt == "NL_X_NBBS_ONE_HS" and fmt.is_pbs_fused
+        assert [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool] and kv[0].shape == (rows, 1, d)
+        assert L.get_page_buffer_size(kv, fmt) == rows
+    by_name = {f"model.layers.{i}.attn": t for i, t in enumerate(pool)}
+    fmt, kv = L.normalize_kv_and_discover_format(by_name, "sglang", {"tokens_per_block": 16})
+    assert fmt == "NL_X_NBBS_ONE_HS" and [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool]
+    # kvcore's own page_size pages it, under LMCache's name for the same bytes
+    fmt, kv = L.normalize_kv_and_discover_format(pool, "sglang", {"page_size": 16})
+    assert fmt == L.EngineKVFormat.NL_X_NB_BS_HS and kv[0].shape == (9, 16, d) and kv[2].data_ptr() == pool[2].data_ptr()
+    # LMCache's MP registration: K layers then V layers, split into pages
+    flat = [torch.zeros(rows, 1, 128, dtype=torch.bfloat16) for _ in range(4)]
+    fmt, kv = L.normalize_kv_and_discover_format(flat, "sglang", {"tokens_per_block": 16, "kv_list_layout": "k_v"})
+    assert fmt == "TWO_X_NL_X_NB_BS_NH_HS" and kv[0][0].shape == (9, 16, 1, 128)
+    assert L.get_group_data_ptrs(kv, fmt, [1]) == [flat[1].data_ptr(), flat[3].data_ptr()]
+
+
+def test_vllm_hints_in_lmcache_names_reach_the_plugin():
+    pytest.importorskip("kvcore_vllm")
+    fa = [torch.zeros(2, 5, 16, 2, 64, dtype=torch.bfloat16) for _ in range(3)]
+    # SGLang's kv_list_layout and the logical block size are not for vLLM's detector: dropped
+    extra = {"kv_list_layout": "k_v", "inference_engine_logical_block_size": 64}
+    fmt, _ = L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "tokens_per_block": 16, **extra})
+    assert fmt == "NL_X_TWO_NB_BS_NH_HS"
+    with pytest.raises(DetectionError, match="'head_size': 32"):  # head_dim arrives as head_size
+        L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "head_dim": 32})
+    with pytest.raises(DetectionError, match="'block_size': 24"):  # tokens_per_block as block_size
+        L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "tokens_per_block": 24})
+
+
+# -- LMCache's names for kvcore's layouts -------------------------------------------------------
+
+
+class _ViewsPlugin:
+    """Engine ``lmviews``: returns the format named by hint ``fmt`` over the tensors as given."""
+
+    @kvcore.hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != "lmviews":
+            return None
+        return kvcore.Detection(format=hints["fmt"], kv_caches=kv_caches)
+
+
+@pytest.fixture
+def views_plugin():
+    name = kvcore.register_plugin(_ViewsPlugin(), "lmviews-test")
+    yield
+    kvcore.unregister_plugin(name)
+
+
+def test_a_blocks_first_cross_layer_tensor_comes_back_as_lmcaches_per_layer_views(views_plugin):
+    nb, nl, nh, bs, cs = 5, 3, 2, 4, 8
+    buf = torch.zeros(nb, nl, nh, bs, cs, dtype=torch.float16)
+    fmt, kv = L.normalize_kv_and_discover_format(buf, "lmviews", {"fmt": "NB_NL_NH_BS_CS"})
+    assert fmt == L.EngineKVFormat.NL_X_NB_NH_BS_CS and len(kv) == nl
+    for i, v in enumerate(kv):  # layer i's view: same bytes, the block step spans every layer
+        assert v.shape == (nb, nh, bs, cs) and v.stride() == (nl * nh * bs * cs, bs * cs, cs, 1)
+        assert v.data_ptr() == buf.data_ptr() + i * nh * bs * cs * 2
+    assert L.resolve_block_stride_and_log_layout(kv, fmt, 2, 0) == nl * nh * bs * cs
+    # a singleton head axis is dropped when LMCache names the rest
+    mla = [torch.zeros(nb, bs, 1, 32) for _ in range(2)]
+    fmt, kv = L.normalize_kv_and_discover_format(mla, "lmviews", {"fmt": "NL_X_NB_BS_ONE_HS"})
+    assert fmt == "NL_X_NB_BS_HS" and kv[1].shape == (nb, bs, 32) and kv[1].data_ptr() == mla[1].data_ptr()
+    # no LMCache member for these bytes: kvcore's name and container stay
+    heads_out = torch.zeros(nb, nh, nl, bs, cs)
+    fmt, kv = L.normalize_kv_and_discover_format(heads_out, "lmviews", {"fmt": "NB_NH_NL_BS_CS"})
+    assert fmt == "NB_NH_NL_BS_CS" and kv is heads_out
+    # LMCache's own members are never re-viewed
+    cross = torch.zeros(nb, nl, 2, bs, nh, 16)
+    fmt, kv = L.normalize_kv_and_discover_format(cross, "lmviews", {"fmt": "NB_NL_TWO_BS_NH_HS"})
+    assert fmt == "NB_NL_TWO_BS_NH_HS" and kv is cross
+
+
+def test_vllm_blocks_first_views_keep_their_addresses():
+    pytest.importorskip("kvcore_vllm")
+    nb, nl, nh, bs, cs = 6, 3, 2, 16, 128
+    buf = torch.zeros(nb, nl, nh, bs, cs, dtype=torch.bfloat16)
+    views = [buf[:, i] for i in range(nl)]
+    fmt, kv = L.normalize_kv_and_discover_format(views, L.EngineType.VLLM, {"kv_layout": "BLHNC"})
+    assert fmt == L.EngineKVFormat.NL_X_NB_NH_BS_CS
+    assert [(v.data_ptr(), v.shape, v.stride()) for v in kv] == [(v.data_ptr(), v.shape, v.stride()) for v in views]
+    assert L.resolve_block_stride_and_log_layout(kv, fmt, 0, 0) == buf.stride(0)
+
+
+# -- spec classes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LMCACHE_MEMBERS))
+def test_every_member_has_a_spec_class_carrying_its_facts(name):
+    cls = L.get_spec_class(getattr(L.EngineKVFormat, name))
+    assert cls is L.get_spec_class(name) and issubclass(cls, L.KVFormatSpec) and cls.__name__ == f"{name}_Spec"
+    assert cls.engine_kv_format == name
+    structure = (cls.is_cross_layer, cls.is_kv_list, cls.is_layer_list)
+    assert sum(structure) == 1
+    if name in LMCACHE_FACTS:  # LMCache's golden facts (cross, kv_list, layer_list, mla, hnd, two_major, tuple)
+        want = tuple(bool(x) for x in LMCACHE_FACTS[name])
+        assert (*structure, cls.is_mla, cls.is_hnd, cls.is_two_major, cls.is_kv_second_tuple) == want
+    assert cls.is_fused_packed == (name.endswith("_CS") or name.endswith("_TWO_HS"))
+    assert cls.is_pbs_fused == ("NBBS" in name)
+    assert cls.is_single_kv == (name == "NL_X_NB_BS_NH_HS")
+    backends = cls.attention_backends
+    assert isinstance(backends, tuple) and backends and all(isinstance(b, str) for b in backends)
+    assert L.get_attention_backend(name) == backends[0] and L.get_spec(None, name).attention_backends == backends
+
+
+def test_spec_classes_for_kvcore_formats_and_unknown_names():
+    cls = L.get_spec_class("TWO_X_NL_X_NB_NH_BS_HS")  # kvcore's SGLang HND pool: no LMCache member
+    assert cls.is_kv_list and cls.is_hnd and not cls.is_mla
+    with pytest.raises(FormatError, match="Unknown Engine KV Format") as ei:
+        L.get_spec_class("NL_X_NOPE")
+    assert isinstance(ei.value, ValueError)
+    assert L.get_attention_backend("NL_X_NOPE") == "Unknown (NL_X_NOPE)"
+    with pytest.raises(FormatError, match="describes NL_X_NB_BS_HS"):
+        L.get_spec_class("NL_X_NB_BS_HS")([torch.zeros(2, 3, 4)], "NL_X_NBBS_ONE_HS")
+
+
+def test_attention_backends_put_the_registering_plugins_first(core_only):
+    name = "NL_X_NB_BS_NH_HS"
+    lmcache_label = L.get_spec_class(name).attention_backends
+    assert len(lmcache_label) == 1 and "SGLang" in lmcache_label[0]  # no plugin registers it here
+
+    class Registers:
+        @kvcore.hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name=name, engines=["x"], attention_backends=["XBackend"]))
+
+    kvcore.register_plugin(Registers(), "registers-test")
+    assert L.get_spec_class(name).attention_backends == ("XBackend", *lmcache_label)
+    assert L.get_attention_backend(name) == "XBackend"
+    assert L.get_spec_class("NB_NH_NL_BS_CS").attention_backends == ()  # nobody: empty, "Unknown"
+    assert L.get_attention_backend("NB_NH_NL_BS_CS") == "Unknown (NB_NH_NL_BS_CS)"
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 4, 3, 16, 64)),
+        ("NL_X_NB_TWO_BS_NH_HS", (4, 2, 16, 3, 64)),
+        ("NL_X_NBBS_ONE_HS", (64, 1, 64)),
+        ("NL_X_NB_BS_HS", (4, 16, 64)),
+        ("NL_X_NB_NH_BS_CS", (4, 3, 16, 64)),
+        ("NL_X_TWO_NB_NH_ONE_BS_HS", (2, 4, 3, 1, 16, 64)),
+        ("NL_X_NB_BSV_BSS", (4, 16, 64)),
+        ("NL_X_NB_BS_NH_HS", (4, 16, 3, 64)),
+    ],
+)
+def test_paged_layer_shape_builds_one_layers_tensor_shape(name, shape):
+    assert L.get_spec_class(name).paged_layer_shape(4, 16, 3, 64) == shape
+
+
+@pytest.mark.parametrize("name", ["NB_NL_TWO_BS_NH_HS", "TWO_X_NL_X_NBBS_NH_HS", "NL_X_TWO_X_NB_BS_NH_HS", "NL_X_NP_X_NB_BS_ONE_HS"])
+def test_paged_layer_shape_refuses_formats_without_one_tensor_per_layer(name):
+    with pytest.raises(FormatError, match="one paged tensor per layer") as ei:
+        L.get_spec_class(name).paged_layer_shape(4, 16, 3, 64)
+    assert isinstance(ei.value, ValueError)
+
+
+def test_paged_layer_shape_refuses_bad_sizes():
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(FormatError, match="positive int"):
+            L.get_spec_class("NL_X_NB_BS_HS").paged_layer_shape(4, bad, 1, 64)
+
+
+NB_, NL_, BS_, NH_, HS_ = 5, 3, 4, 7, 6  # distinct, so a wrong axis shows as a wrong number
+
+
+def _cache(name, dtype=torch.float16):
+    t = lambda *s: torch.zeros(s, dtype=dtype)  # noqa: E731
+    return {
+        "NB_NL_TWO_NH_BS_HS": lambda: t(NB_, NL_, 2, NH_, BS_, HS_),
+        "NL_X_NB_TWO_NH_BS_HS": lambda: [t(NB_, 2, NH_, BS_, HS_) for _ in range(NL_)],
+        "TWO_X_NL_X_NB_BS_NH_HS": lambda: [[t(NB_, BS_, NH_, HS_) for _ in range(NL_)] for _ in range(2)],
+        "NL_X_TWO_X_NB_BS_NH_HS": lambda: [(t(NB_, BS_, NH_, HS_), t(NB_, BS_, NH_, HS_)) for _ in range(NL_)],
+        "NL_X_TWO_NB_NH_ONE_BS_HS": lambda: [t(2, NB_, NH_, 1, BS_, HS_) for _ in range(NL_)],
+        "NL_X_NB_BS_NH_HS": lambda: [t(NB_, BS_, NH_, HS_) for _ in range(NL_)],
+    }[name]()
+
+
+SPEC_CASES = {  # name -> (kv_size, num_heads, elements per layer, concrete shape, pointers of layers [2, 0])
+    "NB_NL_TWO_NH_BS_HS": (2, NH_, 2 * NB_ * BS_ * NH_ * HS_, f"[{NB_}, {NL_}, 2, {NH_}, {BS_}, {HS_}]", lambda kv: [kv.data_ptr()]),
+    "NL_X_NB_TWO_NH_BS_HS": (
+        2,
+        NH_,
+        2 * NB_ * BS_ * NH_ * HS_,
+        f"{NL_} x [{NB_}, 2, {NH_}, {BS_}, {HS_}]",
+        lambda kv: [kv[2].data_ptr(), kv[0].data_ptr()],
+    ),
+    "TWO_X_NL_X_NB_BS_NH_HS": (
+        2,
+        NH_,
+        2 * NB_ * BS_ * NH_ * HS_,
+        f"2 x {NL_} x [{NB_}, {BS_}, {NH_}, {HS_}]",
+        lambda kv: [kv[0][2].data_ptr(), kv[0][0].data_ptr(), kv[1][2].data_ptr(), kv[1][0].data_ptr()],
+    ),
+    "NL_X_TWO_X_NB_BS_NH_HS": (
+        2,
+        NH_,
+        2 * NB_ * BS_ * NH_ * HS_,
+        f"{NL_} x 2 x [{NB_}, {BS_}, {NH_}, {HS_}]",
+        lambda kv: [kv[2][0].data_ptr(), kv[2][1].data_ptr(), kv[0][0].data_ptr(), kv[0][1].data_ptr()],
+    ),
+    "NL_X_TWO_NB_NH_ONE_BS_HS": (
+        2,
+        NH_,
+        2 * NB_ * BS_ * NH_ * HS_,
+        f"{NL_} x [2, {NB_}, {NH_}, 1, {BS_}, {HS_}]",
+        lambda kv: [kv[2].data_ptr(), kv[0].data_ptr()],
+    ),
+    "NL_X_NB_BS_NH_HS": (
+        1,
+        NH_,
+        NB_ * BS_ * NH_ * HS_,
+        f"{NL_} x [{NB_}, {BS_}, {NH_}, {HS_}]",
+        lambda kv: [kv[2].data_ptr(), kv[0].data_ptr()],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_CASES))
+def test_spec_accessors_read_each_axis(name):
+    kv = _cache(name)
+    kv_size, nh, elements, concrete, ptrs = SPEC_CASES[name]
+    spec = L.get_spec(kv, getattr(L.EngineKVFormat, name))
+    assert (spec.num_layers(), spec.num_blocks(), spec.block_size(), spec.page_buffer_size()) == (NL_, NB_, BS_, NB_ * BS_)
+    assert (spec.kv_size(), spec.num_heads(), spec.head_size(), spec.hidden_dim()) == (kv_size, nh, HS_, nh * HS_)
+    assert (spec.tokens_per_layer(), spec.elements_per_layer(), spec.dtype()) == (NB_ * BS_, elements, torch.float16)
+    assert spec.concrete_shape_str() == concrete
+    assert spec.data_ptrs([2, 0]) == ptrs(kv) and all(isinstance(p, int) for p in spec.data_ptrs())
+    with pytest.raises(GeometryError):
+        spec.data_ptrs([0, 0])
+    with pytest.raises(GeometryError, match="out of range"):
+        spec.data_ptrs([NL_])
+
+
+def test_fused_nbbs_specs_refuse_blocks_with_a_value_error():
+    kv = [[torch.zeros(24, 3, 8) for _ in range(2)] for _ in range(2)]
+    spec = L.get_spec(kv, L.EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS)
+    for accessor in (spec.num_blocks, spec.block_size):
+        with pytest.raises(ValueError, match="NBBS"):
+            accessor()
+    assert (spec.page_buffer_size(), spec.tokens_per_layer(), spec.elements_per_layer()) == (24, 24, 2 * 24 * 3 * 8)
+    assert spec.concrete_shape_str() == "2 x 2 x [24, 3, 8]"
+
+
+def test_packed_kv_specs_report_kvcores_k_head_size():
+    # the documented difference: K|V packed in CS is staged as two planes
+    nb, bs, nh, hs = 4, 16, 2, 8
+    kv = [torch.zeros(nb, bs, nh, 2 * hs) for _ in range(3)]
+    spec = L.get_spec(kv, L.EngineKVFormat.NL_X_NB_BS_NH_CS)
+    assert (spec.kv_size(), spec.head_size(), spec.hidden_dim()) == (2, hs, nh * hs)
+    assert spec.elements_per_layer() == nb * bs * nh * 2 * hs  # every element of the layer, as LMCache
+    assert spec.concrete_shape_str() == f"3 x [{nb}, {bs}, {nh}, {2 * hs}]"
+
+
+def test_blocked_scale_records_take_their_scale_width_from_lmcaches_table():
+    kv = [torch.zeros(4, 64, 132, dtype=torch.uint8) for _ in range(2)]  # DeepSeek-V3.2 indexer: 128 fp8 + 4 scale bytes
+    spec = L.get_spec(kv, L.EngineKVFormat.NL_X_NB_BSV_BSS)
+    assert (spec.num_blocks(), spec.block_size(), spec.head_size(), spec.num_heads(), spec.kv_size()) == (4, 64, 132, 1, 1)
+    with pytest.raises(GeometryError, match="scale_bytes"):  # a record width LMCache's table does not list
+        L.get_spec([torch.zeros(4, 64, 100, dtype=torch.uint8)], "NL_X_NB_BSV_BSS").head_size()
+
+
+# -- PageBufferShapeDesc -----------------------------------------------------------------------
+
+
+def test_page_buffer_shape_desc_is_built_empty_then_filled():
+    sd = L.PageBufferShapeDesc()
+    assert [getattr(sd, k) for k in ("kv_size", "nl", "nb", "bs", "nh", "hs", "element_size", "block_stride_elems")] == [0] * 8
+    assert sd.dtype is None
+    sd.kv_size, sd.nl, sd.nb, sd.bs, sd.nh, sd.hs, sd.element_size = 1, 4, 10, 16, 2, 128, 2
+    sd.dtype = torch.bfloat16
+    assert L.get_concrete_engine_kv_shape_from_shape_desc(sd, "NL_X_NB_NH_BS_CS") == "4 x [10, 2, 16, 128]"  # kv_size 1: hs is CS
+    sd.kv_size, sd.hs = 2, 64
+    assert L.get_concrete_engine_kv_shape_from_shape_desc(sd, "NL_X_NB_NH_BS_CS") == "4 x [10, 2, 16, 128]"  # kv_size 2: hs is K's
+    k = sd.to_kvcore()
+    assert isinstance(k, kvcore.PageBufferShapeDesc) and (k.kv_size, k.nl, k.nb, k.bs, k.nh, k.hs, k.element_size) == (
+        2,
+        4,
+        10,
+        16,
+        2,
+        64,
+        2,
+    )
+    again = L.PageBufferShapeDesc.from_kvcore(k, torch.bfloat16)
+    assert again == sd and again is not sd
+    assert "nb=10" in repr(sd)
+
+
+@pytest.mark.parametrize("field, bad", [("nb", -1), ("bs", True), ("hs", 2.0), ("kv_size", "2"), ("dtype", "bfloat16")])
+def test_page_buffer_shape_desc_refuses_bad_values(field, bad):
+    sd = L.PageBufferShapeDesc()
+    with pytest.raises(GeometryError, match=f"PageBufferShapeDesc.{field}"):
+        setattr(sd, field, bad)
+    with pytest.raises(AttributeError):
+        sd.num_blocks = 3  # not a field
+
+
+def test_make_page_buffer_shape_desc_returns_the_mutable_desc_with_its_dtype():
+    kv = [torch.zeros(5, 16, 576, dtype=torch.bfloat16) for _ in range(2)]
+    sd = L.make_page_buffer_shape_desc(kv, L.EngineKVFormat.NL_X_NB_BS_HS, 1, 2, 5, 16)
+    assert isinstance(sd, L.PageBufferShapeDesc) and sd.dtype == torch.bfloat16 and (sd.nh, sd.hs, sd.element_size) == (1, 576, 2)
+    sd.block_stride_elems = 16 * 576 + 64  # callers adjust it after the fact
+    assert sd.block_stride_elems == 16 * 576 + 64
+
+
+# -- contiguity recovery, shape keys, connector checks --------------------------------------------
+
+
+def test_contiguity_recovery_permutes_views_to_their_physical_order():
+    phys = torch.zeros(2, 6, 3, 4, 8)  # [2, NB, NH, BS, HS] memory
+    logical = phys.transpose(2, 3)  # exposed as [2, NB, BS, NH, HS]
+    out = L.attempt_permute_to_contiguous_view(logical)
+    assert out.shape == (2, 6, 3, 4, 8) and out.is_contiguous() and out.data_ptr() == phys.data_ptr()
+    nested = L.attempt_permute_to_contiguous_view([[logical, logical], (logical,)])
+    assert isinstance(nested, list) and isinstance(nested[0], list) and isinstance(nested[1], tuple)
+    assert all(t.shape == (2, 6, 3, 4, 8) for t in (*nested[0], *nested[1]))
+    plain = torch.zeros(3, 4)
+    assert L.attempt_permute_to_contiguous_view(plain).data_ptr() == plain.data_ptr()
+
+
+def test_contiguity_recovery_places_a_single_head_inside_the_tokens():
+    nb, bs, hs = 4, 16, 8
+    for pad in (0, 32):
+        step = bs * hs + pad
+        base = torch.zeros(nb * step)
+        view = base.as_strided((nb, 1, bs, hs), (step, hs, hs, 1))  # head and token strides tie
+        out = L.attempt_permute_to_contiguous_view(view)
+        assert out.shape == (nb, bs, 1, hs) and out.stride() == (step, hs, hs, 1) and out.data_ptr() == base.data_ptr()
+    collapsed = torch.zeros(8 * 32).as_strided((8, 1, 1, 32), (32, 1, 1, 1))
+    assert L.attempt_permute_to_contiguous_view(collapsed).shape == (8, 32, 1, 1)
+
+
+def test_contiguity_recovery_refuses_interior_gaps():
+    base = torch.zeros(4 * 64)
+    gappy = base.as_strided((4, 4, 8), (64, 16, 1))  # 8 of every 16 elements used inside a block
+    with pytest.raises(GeometryError, match="dim-0 padding only") as ei:
+        L.attempt_permute_to_contiguous_view([gappy])
+    assert isinstance(ei.value, ValueError)
+
+
+def test_shape_and_dtype_keys_tell_layers_apart():
+    a, b = torch.zeros(4, 16, 8, dtype=torch.float16), torch.zeros(4, 16, 8, dtype=torch.bfloat16)
+    pair = (torch.zeros(4, 16, 1, 32, dtype=torch.int8), torch.zeros(4, 16, 1, 8))
+    keys = L.get_shape_and_dtype([a, a.clone(), b, pair])
+    assert keys[0] == keys[1] != keys[2]
+    assert keys[3] == (((4, 16, 1, 32), torch.int8), ((4, 16, 1, 8), torch.float32))
+    assert L.get_shape_and_dtype([a, b, pair], [2, 0]) == [keys[3], keys[0]]
+    with pytest.raises(GeometryError, match="out of range"):
+        L.get_shape_and_dtype([a], [1])
+
+
+def test_need_gpu_interm_buffer_follows_enable_pd():
+    class Config:
+        def __init__(self, pd):
+            self.enable_pd = pd
+
+    assert L.need_gpu_interm_buffer(Config(False)) is True
+    assert L.need_gpu_interm_buffer(Config(True)) is False
+    with pytest.raises(KVCoreError, match="enable_pd"):
+        L.need_gpu_interm_buffer(object())
+
+
+def test_assert_layerwise_gpu_connector_accepts_lmcaches_layerwise_classes():
+    VLLMPagedMemLayerwiseGPUConnector = type("VLLMPagedMemLayerwiseGPUConnector", (), {})
+    Mine = type("MyConnector", (VLLMPagedMemLayerwiseGPUConnector,), {})
+    L.assert_layerwise_gpu_connector(VLLMPagedMemLayerwiseGPUConnector())
+    L.assert_layerwise_gpu_connector(Mine())
+    with pytest.raises(TransferError, match="VLLMPagedMemGPUConnectorV2 is not a layerwise"):
+        L.assert_layerwise_gpu_connector(type("VLLMPagedMemGPUConnectorV2", (), {})())
+
+
+def test_vllm_format_checks():
+    F = L.EngineKVFormat
+    for f in (F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS, F.NL_X_NB_BS_NH_CS, F.NL_X_NB_NH_BS_TWO_HS):
+        L.assert_is_vllm_flash_attn_or_flash_infer(f)
+    for f in (F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_HS, F.NL_X_NB_BSV_BSS):
+        L.assert_is_vllm_mla_or_flash_attn_or_flash_infer(f)
+    for check, f in [
+        (L.assert_is_vllm_flash_attn_or_flash_infer, F.NL_X_NB_BS_HS),  # MLA
+        (L.assert_is_vllm_flash_attn_or_flash_infer, F.TWO_X_NL_X_NBBS_NH_HS),  # SGLang
+        (L.assert_is_vllm_mla_or_flash_attn_or_flash_infer, F.NL_X_TWO_NB_NH_ONE_BS_HS),  # vLLM-RBLN
+        (L.assert_is_vllm_mla_or_flash_attn_or_flash_infer, F.NB_NL_TWO_BS_NH_HS),  # cross-layer
+    ]:
+        with pytest.raises(FormatError, match=str(f)):
+            check(f)
+
+
+def test_vllm_format_checks_know_the_vllm_plugins_layouts():
+    pytest.importorskip("kvcore_vllm")
+    L.assert_is_vllm_flash_attn_or_flash_infer("NL_X_NB_BS_TWO_NH_HS")  # vLLM 0.24 FlexAttention, registered by kvcore-vllm
+    with pytest.raises(FormatError):
+        L.assert_is_vllm_flash_attn_or_flash_infer("TWO_X_NL_X_NB_NH_BS_HS")  # kvcore-sglang's
+
+
+def test_layers_that_differ_answer_per_layer_and_point_in_kernel_order():
+    k = [torch.zeros(24, 2, 8), torch.zeros(24, 4, 8), torch.zeros(24, 4, 16)]
+    v = [torch.zeros_like(t) for t in k]
+    spec = L.get_spec([k, v], L.EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS)
+    assert [spec.num_heads(i) for i in range(3)] == [2, 4, 4] and [spec.head_size(i) for i in range(3)] == [8, 8, 16]
+    assert spec.num_layers() == 3 and spec.hidden_dim(2) == 64
+    assert spec.data_ptrs([2, 0]) == [k[2].data_ptr(), k[0].data_ptr(), v[2].data_ptr(), v[0].data_ptr()]
+    pairs = [(a, b) for a, b in zip(k, v)]
+    spec = L.get_spec([(t.unflatten(0, (6, 4)), u.unflatten(0, (6, 4))) for t, u in pairs], "NL_X_TWO_X_NB_BS_NH_HS")
+    assert spec.data_ptrs([2, 1]) == [k[2].data_ptr(), v[2].data_ptr(), k[1].data_ptr(), v[1].data_ptr()]
+    assert (spec.block_size(1), spec.num_blocks()) == (4, 6)
+
+
+def test_plane_tuples_of_different_dtypes_are_refused_not_misread():
+    # documented difference: LMCache sums the planes' bytes; one kvcore layout holds one dtype
+    kv = [(torch.zeros(4, 16, 1, 512, dtype=torch.int8), torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)) for _ in range(2)]
+    spec = L.get_spec(kv, L.EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS)
+    with pytest.raises(GeometryError, match="one dtype"):
+        spec.head_size()
+    assert L.get_concrete_engine_kv_shape(kv, "NL_X_NP_X_NB_BS_ONE_HS") == "Unknown (NL_X_NP_X_NB_BS_ONE_HS)"

@@ -46,7 +46,7 @@ def _run(name: str, **filters) -> dict[str, suite.Result]:
 def _plain_round_trip(name: str) -> None:
     """scatter then gather through the broken layout returns what went in: a round trip alone
     cannot see a wrong layout."""
-    case = next(c for c in kvcore.testing.fixtures(name))
+    case = next(c for c in kvcore.testing.registered_fixtures(name))
     kv, hints = case.make(case.sizes, torch.float32, "cpu")
     layout = kvcore.detect(kv, case.engine, hints)
     slots = torch.tensor([5, 0, -1, 11])
@@ -177,3 +177,85 @@ def test_a_fixture_hook_that_raises_fails_its_plugin_and_leaves_its_format_unpro
     assert by_check["fixtures"].status == suite.FAIL and "RuntimeError: fixture module missing" in by_check["fixtures"].message
     assert by_check["fixtures_exist"].status == suite.FAIL
     assert by_check["grammar"].status == suite.PASS
+
+
+@pytest.mark.parametrize("registered", [broken.GuessesOrder], indirect=True)
+def test_a_plugin_that_guesses_the_order_of_a_memory_ordered_cache_is_caught(registered):
+    results = _run(registered, kernels=["reference*"], checks=["detect", "semantic_gather", "ambiguity*"])
+    assert _status(results, "detect", kernel="-") == suite.PASS  # the allocation itself reads right
+    assert _status(results, "semantic_gather") == suite.PASS
+    r = results["-::ambiguity[memory order]"]
+    assert r.status == suite.FAIL and "the allocation in memory order (as handed over) detected as" in r.message
+    assert "which is not the engine's cache" in r.message
+
+
+@pytest.mark.parametrize("registered", [broken.NamesGivenHint], indirect=True)
+def test_an_ambiguity_naming_a_given_hint_is_caught(registered):
+    results = _run(registered, kernels=["reference*"], checks=["ambiguity*"])
+    r = results["-::ambiguity[BS=NH]"]
+    assert r.status == suite.FAIL and "the caller gave them (kv_cache_layout='NHD')" in r.message
+    assert _status(results, "ambiguity[NB=2]", kernel="-") == suite.PASS
+
+
+@pytest.mark.parametrize("registered", [broken.LogicalName], indirect=True)
+def test_a_logical_name_over_physical_memory_is_caught_by_physical_order(registered):
+    results = _run(registered, kernels=["reference*"])
+    assert _status(results, "semantic_gather") == suite.PASS  # every byte moves right ...
+    r = results["-::physical_order"]
+    assert r.status == suite.FAIL  # ... but the name is not the memory order
+    assert "names BS before NH" in r.message and "physical (memory) order" in r.message
+    assert "memory order is NL_X_ONE_TWO_NB_NH_BS_HS" in r.message
+
+
+@pytest.mark.parametrize("registered", [broken.IgnoresEngine], indirect=True)
+def test_a_detector_that_ignores_the_engine_is_caught_by_engine_scoped(registered):
+    results = _run(registered, checks=["engine_scoped", "detect"])
+    assert _status(results, "detect", kernel="-") == suite.PASS
+    r = results["-::engine_scoped"]
+    assert r.status == suite.FAIL and "kvcore-check-not-an-engine" in r.message and "check `engine` first" in r.message
+
+
+@pytest.mark.parametrize("registered", [broken.ToyPlugin], indirect=True)
+def test_a_detector_that_checks_the_engine_passes_engine_scoped(registered):
+    r = _run(registered, checks=["engine_scoped"])["-::engine_scoped"]
+    assert r.status == suite.PASS and "fixture caches" in r.message
+
+
+@pytest.mark.parametrize("registered", [broken.UndeclaredHints], indirect=True)
+def test_an_undeclared_hint_is_caught_by_hints_declared(registered):
+    r = _run(registered, checks=["hints_declared"])["-::hints_declared"]
+    assert r.status == suite.FAIL and "toy_layout" in r.message and "kvcore_register_hints" in r.message
+
+
+class _DeclaresHints(broken.UndeclaredHints):
+    @kvcore.hookimpl
+    def kvcore_register_hints(self, register):
+        register(kvcore.Hint(engine="toyllm", name="toy_layout", meaning="toyllm's block order", values=["HND"]))
+
+
+@pytest.mark.parametrize("registered", [_DeclaresHints], indirect=True)
+def test_a_hint_value_outside_its_declaration_is_caught(registered):
+    r = _run(registered, checks=["hints_declared"])["-::hints_declared"]
+    assert r.status == suite.FAIL and "toy_layout='NHD'" in r.message and "accepts only HND" in r.message
+
+
+class _WrongRankView(broken.ToyPlugin):
+    def engine_view(self, kv_caches, layer, kv):
+        return kv_caches[layer][0, kv, :, :, 0]  # [NB, BS, HS]: a head axis short
+
+
+class _CopiedView(broken.ToyPlugin):
+    def engine_view(self, kv_caches, layer, kv):
+        return super().engine_view(kv_caches, layer, kv).clone()
+
+
+@pytest.mark.parametrize("registered", [_WrongRankView], indirect=True)
+def test_a_kv_view_of_the_wrong_rank_is_described_by_shape_not_values(registered):
+    r = _run(registered, checks=["fixture_contract"])["-::fixture_contract"]
+    assert r.status == suite.FAIL and "it is Tensor[3, 4, 8] float32" in r.message and "tensor([" not in r.message
+
+
+@pytest.mark.parametrize("registered", [_CopiedView], indirect=True)
+def test_a_kv_view_that_copies_is_not_a_view_of_the_cache(registered):
+    r = _run(registered, checks=["fixture_contract"])["-::fixture_contract"]
+    assert r.status == suite.FAIL and "is not a view of the cache" in r.message

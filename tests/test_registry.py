@@ -69,19 +69,67 @@ def test_builtin_plugin_registers_the_reference_kernel(core_only):
     assert any(k.name == "reference" for k in registry.kernels())
 
 
-def test_duplicate_format_names_both_plugins_and_leaves_nothing_behind(core_only):
+class _SpecPlugin:
+    """Declares ``name`` for ``engine`` and gives its own spec for it: a different declaration."""
+
+    def __init__(self, name, engine="other"):
+        self.name, self.engine = name, engine
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        register(KVFormat(name=self.name, engines=[self.engine]))
+
+    @hookimpl
+    def kvcore_spec(self, format):
+        return _OtherSpec if format.name == self.name else None
+
+
+class _OtherSpec(kvcore.Spec):
+    pass
+
+
+def test_identical_declarations_of_one_name_coexist_and_merge_their_labels(core_only):
+    a = _plugin_module("kvcore_test_same_a", "NL_X_NB_BS_HS")
+    b = _plugin_module("kvcore_test_same_b", "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_BS_HS")
+    kvcore.register_plugin(a)
+    kvcore.register_plugin(b)
+    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS", "NL_X_TWO_NB_BS_NH_HS"]
+    assert kvcore.get_format("NL_X_NB_BS_HS").engines == ["kvcore_test_same_a", "kvcore_test_same_b"]
+    assert list(registry.declarations("NL_X_NB_BS_HS")) == ["kvcore_test_same_a", "kvcore_test_same_b"]
+    assert registry.format_owner("NL_X_NB_BS_HS") == "kvcore_test_same_a"
+    assert {p.name: p.formats for p in kvcore.plugins()}["kvcore_test_same_b"] == ["NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_BS_HS"]
+    # each works without the other: removing the first declarer leaves the second's
+    kvcore.unregister_plugin("kvcore_test_same_a")
+    assert kvcore.get_format("NL_X_NB_BS_HS").engines == ["kvcore_test_same_b"]
+    assert registry.format_owner("NL_X_NB_BS_HS") == "kvcore_test_same_b"
+    kvcore.unregister_plugin("kvcore_test_same_b")
+    assert kvcore.formats() == []
+
+
+def test_a_different_declaration_of_a_taken_name_is_refused_naming_both(core_only):
     kvcore.register_plugin(_Plugin("NL_X_NB_BS_HS"), name="first")
     with pytest.raises(PluginError) as ei:
-        kvcore.register_plugin(_Plugin("NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_BS_HS"), name="second")
+        kvcore.register_plugin(_SpecPlugin("NL_X_NB_BS_HS"), name="second")
     msg = str(ei.value)
-    assert "'NL_X_NB_BS_HS'" in msg and "'first'" in msg and "'second'" in msg
-    # the failed plugin left nothing: not its other format, not itself
-    assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
-    assert registry.format_owner("NL_X_NB_BS_HS") == "first"
+    assert "'second' declares format 'NL_X_NB_BS_HS' differently from plugin 'first'" in msg
+    assert "_OtherSpec" in msg and "'first' uses the core's spec" in msg
+    assert "KVCORE_DISABLE_PLUGINS=first" not in msg
+    # the refused plugin left nothing behind, and the name still means the first's layout
     assert "second" not in {p.name for p in kvcore.plugins()}
-    # the name is free again
-    kvcore.register_plugin(_Plugin("NL_X_TWO_NB_BS_NH_HS"), name="second")
-    assert len(kvcore.formats()) == 2
+    assert list(registry.declarations("NL_X_NB_BS_HS")) == ["first"]
+    assert registry.spec_for(kvcore.get_format("NL_X_NB_BS_HS")) is None
+
+
+def test_a_spec_hook_answers_only_for_names_its_plugin_declares(core_only):
+    class Hijack:
+        @hookimpl
+        def kvcore_spec(self, format):
+            return _OtherSpec
+
+    kvcore.register_plugin(_Plugin("NL_X_NB_BS_HS"), name="owner")
+    kvcore.register_plugin(Hijack(), name="hijack")
+    assert registry.spec_for(kvcore.get_format("NL_X_NB_BS_HS")) is None  # declared by 'owner' only
+    assert registry.spec_for(KVFormat(name="NL_X_NBBS_ONE_HS")) is _OtherSpec  # a name nobody declares
 
 
 def test_same_name_twice_and_same_object_twice(core_only):
@@ -164,15 +212,59 @@ def test_strict_mode_raises_and_keeps_raising(fake_entry_points, monkeypatch):
         assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
 
 
-def test_duplicate_between_entry_points_names_both(fake_entry_points, monkeypatch):
+def test_identical_declarations_between_entry_points_load_without_a_warning(fake_entry_points, monkeypatch):
     monkeypatch.setitem(sys.modules, "kvcore_test_dup_a", _plugin_module("kvcore_test_dup_a", "NL_X_NB_BS_HS"))
     monkeypatch.setitem(sys.modules, "kvcore_test_dup_b", _plugin_module("kvcore_test_dup_b", "NL_X_NB_BS_HS"))
     fake_entry_points([("dupa", "kvcore_test_dup_a"), ("dupb", "kvcore_test_dup_b")])
-    with pytest.raises(PluginError, match="'dupa' and 'dupb'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
+    assert list(registry.declarations("NL_X_NB_BS_HS")) == ["dupa", "dupb"]
+
+
+@pytest.mark.parametrize("third_party", ["aaa", "zzz"])  # loaded before and after the engine's own plugin
+def test_a_third_party_declaring_a_name_differently_is_skipped_and_the_engines_plugin_answers(fake_entry_points, monkeypatch, third_party):
+    """The engine's own plugin (named after the engine its declaration lists) keeps the
+    name whichever loads first; the other plugin is named, skipped with a warning, and
+    the message never advises disabling the engine's plugin."""
+    own = _plugin_module("kvcore_test_tiny", "NL_X_NB_BS_HS", "NL_X_NBBS_ONE_HS")
+    own.kvcore_register_formats = hookimpl(
+        lambda register: [register(KVFormat(name=n, engines=["tiny"])) for n in ("NL_X_NB_BS_HS", "NL_X_NBBS_ONE_HS")]
+    )
+    evil = types.ModuleType("kvcore_test_evil")
+    p = _SpecPlugin("NL_X_NB_BS_HS", engine="evil")
+    evil.kvcore_register_formats, evil.kvcore_spec = p.kvcore_register_formats, p.kvcore_spec
+    monkeypatch.setitem(sys.modules, "kvcore_test_tiny", own)
+    monkeypatch.setitem(sys.modules, "kvcore_test_evil", evil)
+    fake_entry_points([(third_party, "kvcore_test_evil"), ("tiny", "kvcore_test_tiny")])
+    with pytest.warns(KVCorePluginWarning) as rec:
+        names = [f.name for f in kvcore.formats()]
+    assert names == ["NL_X_NBBS_ONE_HS", "NL_X_NB_BS_HS"]
+    assert registry.declarations("NL_X_NB_BS_HS") == {"tiny": KVFormat(name="NL_X_NB_BS_HS", engines=["tiny"])}
+    [w] = [str(r.message) for r in rec]
+    assert f"'{third_party}' declares format 'NL_X_NB_BS_HS' differently from plugin 'tiny'" in w
+    assert f"KVCORE_DISABLE_PLUGINS={third_party}" in w and "KVCORE_DISABLE_PLUGINS=tiny" not in w
+    info = {i.name: i for i in kvcore.plugins()}
+    assert info[third_party].error and info["tiny"].error is None
+    assert registry.spec_for(kvcore.get_format("NL_X_NB_BS_HS")) is None
+    # strict mode: the same conflict is an error naming the third party
+    registry.reset()
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match=f"'{third_party}' declares format 'NL_X_NB_BS_HS' differently"):
         kvcore.formats()
-    # disabling one of them resolves it
-    monkeypatch.setenv("KVCORE_DISABLE_PLUGINS", "dupb")
-    assert registry.format_owner("NL_X_NB_BS_HS") == "dupa"
+
+
+def test_a_plugin_failing_to_register_is_skipped_and_the_rest_load(fake_entry_points, monkeypatch):
+    class Half:
+        name = "half"
+
+    bad = types.ModuleType("kvcore_test_halfkernel")
+    bad.kvcore_register_kernels = hookimpl(lambda register: register(Half()))
+    monkeypatch.setitem(sys.modules, "kvcore_test_halfkernel", bad)
+    monkeypatch.setitem(sys.modules, "kvcore_test_fine", _plugin_module("kvcore_test_fine", "NL_X_NB_BS_HS"))
+    fake_entry_points([("half", "kvcore_test_halfkernel"), ("fine", "kvcore_test_fine")])
+    with pytest.warns(KVCorePluginWarning, match="'half'.*registered a kernel without 'device_types'"):
+        assert [f.name for f in kvcore.formats()] == ["NL_X_NB_BS_HS"]
 
 
 def test_disable_by_environment(fake_entry_points, monkeypatch):

@@ -20,6 +20,21 @@ instance (pluggy accepts any object with hook methods); register one at a time::
 * :class:`EagerKernel` — a correct layout with a kernel that copies first and validates
   afterwards: it refuses a row-strided staging buffer with TransferError, but only after
   it has written the cache (scatter) or the buffer (gather).
+* :class:`GuessesOrder` — the engine allocates HND memory and hands out the NHD-shaped
+  view (permuted strides, as vLLM <= 0.23 does); the plugin reads whatever it gets by its
+  shape. The allocation itself detects right; handed over already permuted into memory
+  order (as some connectors do), the plugin answers with block size and heads swapped
+  instead of saying it cannot tell: ``ambiguity[memory order]`` catches it.
+* :class:`NamesGivenHint` — raises AmbiguousLayoutError for ``BS == NH`` naming the
+  ``kv_cache_layout`` hint as deciding, although the caller gave it: ``ambiguity[BS=NH]``
+  catches it (name only hints that would decide).
+* :class:`LogicalName` — the engine writes HND blocks; the plugin hands back the engine's
+  logical NHD view (a correct ``permute``) under the NHD name. Every byte moves right, but
+  a name is the physical order: ``physical_order`` fails (the name must say HND).
+* :class:`IgnoresEngine` — a correct detector that never checks ``engine``: it answers for
+  every engine (``engine_scoped`` fails).
+* :class:`UndeclaredHints` — a fixture that detects with a hint the plugin never declares
+  (``hints_declared`` fails: ``kvcore hints toyllm`` could not tell a user about it).
 """
 
 from __future__ import annotations
@@ -141,4 +156,72 @@ class EagerKernel(ToyPlugin):
         register(_EagerReference())
 
 
-__all__ = ["FORMAT", "ToyPlugin", "SwappedKV", "TransposedHeads", "EagerKernel"]
+class GuessesOrder(ToyPlugin):
+    """Broken: reads a tensor by its shape alone, so a cache handed over in memory order is
+    misread (heads and block size swapped) instead of being an ambiguity."""
+
+    def allocate(self, sizes, dtype, device):
+        nb, bs, nh, hs = sizes["num_blocks"], sizes["block_size"], sizes["num_heads"], sizes["head_size"]
+        # HND memory, exposed with the logical NHD shape (the strides show it)
+        layers = [torch.zeros((1, 2, nb, nh, bs, hs), dtype=dtype, device=device).transpose(3, 4) for _ in range(sizes["num_layers"])]
+        return layers, {}
+
+
+class NamesGivenHint(ToyPlugin):
+    """Broken: an ambiguity that names a hint the caller already gave as the one that decides."""
+
+    def allocate(self, sizes, dtype, device):
+        kv, _ = super().allocate(sizes, dtype, device)
+        return kv, {"kv_cache_layout": "NHD"}
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        from kvcore import AmbiguousLayoutError
+
+        if engine != self.engine:
+            return None
+        t = kv_caches[0]
+        if t.shape[3] == t.shape[4]:  # BS == NH
+            raise AmbiguousLayoutError(
+                "toyllm: BS == NH, pass kv_cache_layout", candidates=[FORMAT, "NL_X_ONE_TWO_NB_NH_BS_HS"], hints=["kv_cache_layout"]
+            )
+        return Detection(format=FORMAT, kv_caches=list(kv_caches), note="toyllm")
+
+
+class LogicalName(ToyPlugin):
+    """Broken: HND memory under the NHD name (the views are right, the name is not physical)."""
+
+    hnd = True
+
+    def normalise(self, kv_caches):
+        return [t.transpose(3, 4) for t in kv_caches]  # [1, 2, NB, BS, NH, HS] over [1, 2, NB, NH, BS, HS] memory
+
+
+class IgnoresEngine(ToyPlugin):
+    """Broken: the detector answers whatever engine the caller names."""
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        return Detection(format=FORMAT, kv_caches=self.normalise(kv_caches), note="toyllm")  # the bug: no engine check
+
+
+class UndeclaredHints(ToyPlugin):
+    """Broken: the fixture detects with a hint nothing declares for the engine."""
+
+    def allocate(self, sizes, dtype, device):
+        kv, _ = super().allocate(sizes, dtype, device)
+        return kv, {"toy_layout": "NHD"}
+
+
+__all__ = [
+    "FORMAT",
+    "ToyPlugin",
+    "SwappedKV",
+    "TransposedHeads",
+    "EagerKernel",
+    "GuessesOrder",
+    "NamesGivenHint",
+    "LogicalName",
+    "IgnoresEngine",
+    "UndeclaredHints",
+]

@@ -1,11 +1,19 @@
 """Build and load kvcore's native op library (``csrc/``) on first use.
 
 The C++ CPU op (and, where torch has CUDA and ``nvcc`` is found, the CUDA op) are
-compiled with :func:`torch.utils.cpp_extension.load` (ninja) into a cache directory
-keyed by the torch version, the CUDA version and a hash of the sources:
-``$KVCORE_BUILD_DIR`` or ``~/.cache/kvcore/native/<key>``. Nothing is downloaded and no
-isolated build environment is made: the installed torch's headers are used. A later
-import finds the built library and only loads it (well under a second).
+compiled with :func:`torch.utils.cpp_extension.load` (ninja) into a cache directory keyed
+by a hash of what decides the binary -- the sources' and headers' contents (not their
+paths), the compiler flags, the compiler, the torch and CUDA versions and the Python ABI:
+``$KVCORE_BUILD_DIR/<key>`` (default ``~/.cache/kvcore/native/<key>``). So checkouts that
+share the cache share one build, and a checkout whose sources differ builds its own.
+
+A build happens in a temporary folder next to the cache entry and is renamed into place
+in one step (``os.rename``), under a file lock per key: a second process that asks while
+the first compiles waits for it and loads its library; a crash mid-build leaves no
+half-built entry. A process that finds the entry imports the library directly (no ninja
+run, no lock, no message); "compiling ..." is printed on stderr only when compiling.
+Nothing is downloaded and no isolated build environment is made: the installed torch's
+headers are used.
 
 ``KVCORE_NATIVE=0`` disables the native kernels (the torch reference kernel serves).
 A failed build never breaks ``import kvcore``: it is logged once as a warning, the
@@ -14,14 +22,20 @@ reference kernel serves, and :func:`status` (shown by ``kvcore doctor``) says wh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,9 +43,9 @@ log = logging.getLogger("kvcore.native")
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 ABI_VERSION = 4
-_CPU_SOURCES = ("kvcore_cpu.cpp",)
-_CUDA_SOURCES = ("kvcore_cuda.cu",)
-_HEADERS = ("kvcore_ops.h",)
+_CPU_SOURCES = ("kvcore_cpu.cpp", "kvcore_copy.cpp")
+_CUDA_SOURCES = ("kvcore_cuda.cu", "kvcore_copy.cu")
+_HEADERS = ("kvcore_ops.h", "kvcore_copy.h")
 
 
 @dataclass
@@ -69,20 +83,64 @@ def _want_cuda() -> tuple[bool, str]:
     return True, f"nvcc at {home}"
 
 
-def _key(with_cuda: bool) -> str:
+def _flags(with_cuda: bool) -> dict[str, list[str]]:
+    """The compiler flags of the op library (part of the cache key)."""
+    flags = {
+        "extra_cflags": ["-O3", "-fopenmp"] + (["-DKVCORE_WITH_CUDA"] if with_cuda else []),
+        "extra_ldflags": ["-fopenmp"],
+        "extra_cuda_cflags": [],
+    }
+    if with_cuda:
+        flags["extra_cuda_cflags"] = [
+            "-O3",
+            "-gencode=arch=compute_90,code=sm_90",
+            "-gencode=arch=compute_90,code=compute_90",
+            "--expt-relaxed-constexpr",
+        ]
+    return flags
+
+
+def cache_key(name: str, sources: Sequence[Path], depends: Sequence[Path] = (), flags: dict | None = None, with_cuda: bool = False) -> str:
+    """``<name>-torch<version>-cuda<version>-<hash>``: the hash covers the sources' and
+    ``depends``' contents (not their paths: two checkouts of the same code share a key),
+    ``flags``, the compiler (``$CXX``), the torch/CUDA versions, the Python ABI, the
+    machine and :data:`ABI_VERSION`."""
     h = hashlib.sha256()
-    for name in _CPU_SOURCES + _HEADERS + (_CUDA_SOURCES if with_cuda else ()):
-        h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
-    h.update(Path(__file__).read_bytes())
+    for p in list(sources) + list(depends):
+        h.update(Path(p).name.encode() + b"\0")
+        h.update(Path(p).read_bytes())
+    meta = {
+        "name": name,
+        "flags": flags or {},
+        "cxx": os.environ.get("CXX", "c++"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if with_cuda else None,
+        "python": sys.implementation.cache_tag,
+        "machine": platform.machine(),
+        "abi": ABI_VERSION,
+    }
+    h.update(json.dumps(meta, sort_keys=True).encode())
     tag = f"torch{torch.__version__}-cuda{torch.version.cuda if with_cuda else 'none'}"
-    return f"{tag}-{h.hexdigest()[:16]}".replace("+", "_")
+    return f"{name}-{tag}-{h.hexdigest()[:16]}".replace("+", "_")
+
+
+def _key(with_cuda: bool) -> str:
+    name = "kvcore_native_cuda" if with_cuda else "kvcore_native_cpu"
+    return cache_key(name, _sources(with_cuda), [CSRC / h for h in _HEADERS], _flags(with_cuda), with_cuda)
+
+
+def _sources(with_cuda: bool) -> list[Path]:
+    return [CSRC / s for s in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
+
+
+def cache_root() -> Path:
+    """``$KVCORE_BUILD_DIR``, else ``~/.cache/kvcore/native``."""
+    root = os.environ.get("KVCORE_BUILD_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvcore" / "native"
 
 
 def build_dir(with_cuda: bool) -> Path:
-    root = os.environ.get("KVCORE_BUILD_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "kvcore" / "native"
-    return base / _key(with_cuda)
+    return cache_root() / _key(with_cuda)
 
 
 def _missing_tools() -> str | None:
@@ -161,41 +219,123 @@ def _has_ops() -> bool:
 
 
 def _build(with_cuda: bool) -> Path:
+    global MODULE
+    name = "kvcore_native_cuda" if with_cuda else "kvcore_native_cpu"
+    MODULE, path, _ = cached_extension(
+        name,
+        _sources(with_cuda),
+        depends=[CSRC / h for h in _HEADERS],
+        include_paths=[CSRC],
+        flags=_flags(with_cuda),
+        with_cuda=with_cuda,
+        what="the native transfer kernels",
+    )
+    return path
+
+
+def _announce(msg: str) -> None:
+    # a first build takes about a minute: say so where a person sees it (logging is usually unconfigured)
+    print(f"kvcore: {msg}", file=sys.stderr, flush=True)
+
+
+def cached_extension(
+    name: str,
+    sources: Sequence[Path],
+    *,
+    depends: Sequence[Path] = (),
+    include_paths: Sequence[Path] = (),
+    flags: dict | None = None,
+    with_cuda: bool = False,
+    root: Path | None = None,
+    what: str = "a native extension",
+) -> tuple[Any, Path, bool]:
+    """Import the torch C++ extension ``name`` built from ``sources``, compiling it first
+    when no build with the same :func:`cache_key` is in the cache.
+
+    Returns:
+        ``(module, cache entry, compiled)``: ``compiled`` is False when the library came
+        from the cache (built by this or another process or checkout).
+    Raises:
+        whatever the compiler raises (the caller decides how to report it).
+    """
     from torch.utils import cpp_extension
 
-    d = build_dir(with_cuda)
+    flags = dict(flags or {})
+    key = cache_key(name, sources, depends, flags, with_cuda)
+    root = root or cache_root()
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
     except OSError:  # a read-only home: build under the temp dir instead
-        import tempfile
+        root = Path(tempfile.gettempdir()) / "kvcore-native"
+        root.mkdir(parents=True, exist_ok=True)
+    final = root / key
+    lib = final / f"{name}{cpp_extension.LIB_EXT}"
+    if lib.exists():
+        return _import_extension(name, lib), final, False
+    with _exclusive(root / f".{key}.lock", lambda: _announce(f"waiting for another process compiling {what} into {final}...")):
+        if lib.exists():  # the process we waited for built it
+            return _import_extension(name, lib), final, False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=root))
+        try:
+            _announce(f"compiling {what} into {final} (first use only; about a minute)...")
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                extra_cflags=list(flags.get("extra_cflags", [])),
+                extra_cuda_cflags=list(flags.get("extra_cuda_cflags", [])) or None,
+                extra_ldflags=list(flags.get("extra_ldflags", [])),
+                extra_include_paths=[str(p) for p in include_paths],
+                build_directory=str(tmp),
+                is_python_module=True,
+                verbose=os.environ.get("KVCORE_BUILD_VERBOSE", "") not in ("", "0"),
+            )
+            _publish(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
+        return module, final, True
 
-        d = Path(tempfile.gettempdir()) / "kvcore-native" / d.name
-        d.mkdir(parents=True, exist_ok=True)
-    sources = [str(CSRC / s) for s in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
-    name = "kvcore_native_cuda" if with_cuda else "kvcore_native_cpu"
-    kw = {}
-    if with_cuda:
-        kw["extra_cuda_cflags"] = [
-            "-O3",
-            "-gencode=arch=compute_90,code=sm_90",
-            "-gencode=arch=compute_90,code=compute_90",
-            "--expt-relaxed-constexpr",
-        ]
-    # a first build takes about a minute: say so where a person sees it (logging is usually unconfigured)
-    print(f"kvcore: compiling the native transfer kernels into {d} (first use only; about a minute)...", file=sys.stderr, flush=True)
-    global MODULE
-    MODULE = cpp_extension.load(
-        name=name,
-        sources=sources,
-        extra_cflags=["-O3", "-fopenmp"] + (["-DKVCORE_WITH_CUDA"] if with_cuda else []),
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(d),
-        is_python_module=True,
-        verbose=os.environ.get("KVCORE_BUILD_VERBOSE", "") not in ("", "0"),
-        **kw,
-    )
-    return d
+
+def _import_extension(name: str, path: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the extension {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a finished build into place in one rename; an entry left without its library
+    (an old layout, an interrupted copy) is moved aside first."""
+    os.chmod(tmp, 0o755)  # mkdtemp made it private; the entry is for every process that shares the cache
+    if final.exists():
+        aside = final.with_name(f".{final.name}.stale-{os.getpid()}")
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(tmp, final)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path, on_wait: Any) -> Iterator[None]:
+    """An exclusive file lock (POSIX ``flock``: released when the process dies); where
+    there is none, no lock (the rename still keeps entries whole)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _WARNED = False

@@ -1,7 +1,7 @@
 """kvcore.testing: the fixture contract plugins implement, and the conformance suite.
 
-* :class:`FixtureCase` / :func:`fixtures`: what a plugin registers through
-  ``kvcore_register_fixtures`` (see :mod:`kvcore.testing.fixtures`).
+* :class:`FixtureCase`: what a plugin registers through ``kvcore_register_fixtures``
+  (the contract: :mod:`kvcore.testing.fixtures`); :func:`registered_fixtures` lists them.
 * :mod:`kvcore.testing.suite`: the checks, importable (``suite.run_checks(["myplugin"])``).
 * ``kvcore check [PLUGIN ...]``: the report (:mod:`kvcore.testing.check`).
 * ``pytest -p kvcore.testing --kvcore-plugin NAME`` (or ``-p kvcore.testing.pytest_plugin``):
@@ -9,9 +9,10 @@
   :mod:`kvcore.testing.pytest_plugin`, so importing this package never imports pytest.
 """
 
-from kvcore.testing.fixtures import FixtureCase, fixtures
+from kvcore.testing.fixtures import FixtureCase, registered_fixtures
+from kvcore.testing.oracle import TokenGroups
 
-__all__ = ["FixtureCase", "fixtures"]
+__all__ = ["FixtureCase", "TokenGroups", "registered_fixtures"]
 
 
 def pytest_addoption(parser):

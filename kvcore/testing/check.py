@@ -24,13 +24,13 @@ __all__ = ["add_arguments", "run", "main", "DESCRIPTION", "EPILOG"]
 
 DESCRIPTION = (
     "Run kvcore's conformance suite on installed plugins: for every format a plugin registers, its fixtures "
-    "(allocations made the way the engine makes them) must detect as that format on the engine's real strides, report "
-    "the declared geometry, resolve look-alike geometries (NH=1, NH=2, BS=NH, NB=2, NL=2) or raise "
+    "(allocations made the way the engine makes them) must detect as that format on the engine's real strides, with "
+    "the name in the tensors' memory order and every hint declared, report the declared geometry, resolve look-alike geometries (NH=1, NH=2, BS=NH, NB=2, NL=2) or raise "
     "AmbiguousLayoutError, and, with every kernel that serves the format on every device present, gather exactly the "
     "values the engine's own view holds (semantic oracle), scatter exactly where the engine's view says, round-trip "
     "every allowed dtype bit-exactly (NaN, -0), skip negative slots, treat empty slot mappings as no-ops, and refuse "
     "every invalid call with TransferError while leaving the cache byte-identical. Kernels must agree with the "
-    "reference kernel on random geometries."
+    "reference kernel on random geometries, and a plugin's detector must answer only for its own engines."
 )
 
 EPILOG = """\

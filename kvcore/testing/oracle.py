@@ -32,6 +32,9 @@ __all__ = [
     "leaves",
     "Snapshot",
     "Plane",
+    "PlaneShape",
+    "PlanesEncoding",
+    "TokenGroups",
     "planes",
     "fill_codes",
     "write_rows",
@@ -298,17 +301,23 @@ class Plane:
     the element bits; writes go to the cache.
     """
 
-    def __init__(self, parts: Sequence[torch.Tensor]):
+    def __init__(self, parts: Sequence[torch.Tensor], *, token_groups: bool = False):
         self.parts = [int_view(p) for p in parts]
-        lead = {tuple(p.shape[:3]) for p in self.parts}
-        if len(lead) != 1 or any(p.dim() < 4 for p in self.parts):
-            raise GeometryError(
-                f"kv_view segments must all be [A, B, NH, *elem] with the same A, B, NH; got {[tuple(p.shape) for p in self.parts]}"
+        self.grouped = token_groups
+        lead_n = 4 if token_groups else 3  # [A, G, E, NH, *elem]: a block's tokens in G groups of E
+        lead = {tuple(p.shape[:lead_n]) for p in self.parts}
+        if len(lead) != 1 or any(p.dim() < lead_n + 1 for p in self.parts):
+            want = (
+                "[NB, BSC, BSE, NH, *elem] with the same NB, BSC, BSE, NH" if token_groups else "[A, B, NH, *elem] with the same A, B, NH"
             )
-        self.widths = [math.prod(int(x) for x in p.shape[3:]) for p in self.parts]
+            raise GeometryError(f"kv_view segments must all be {want}; got {[tuple(p.shape) for p in self.parts]}")
+        self.widths = [math.prod(int(x) for x in p.shape[lead_n:]) for p in self.parts]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
+        if self.grouped:
+            a, g, e, nh = (int(x) for x in self.parts[0].shape[:4])
+            return a, g * e, nh, sum(self.widths)
         a, b, nh = (int(x) for x in self.parts[0].shape[:3])
         return a, b, nh, sum(self.widths)
 
@@ -330,26 +339,40 @@ class Plane:
         for p, part in zip(self.parts, bits.split(self.widths, dim=-1)):
             p.copy_(from_unsigned(part, p.dtype).reshape(p.shape).to(p.device))
 
-    def _ab(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ab(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s = slots.to(self.device, torch.int64)
-        b = self.parts[0].shape[1]
-        return torch.div(s, b, rounding_mode="floor"), s % b
+        b = self.shape[1]
+        a, t = torch.div(s, b, rounding_mode="floor"), s % b
+        if self.grouped:
+            e = int(self.parts[0].shape[2])
+            return a, torch.div(t, e, rounding_mode="floor"), t % e
+        return a, t
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """int64 ``[T, NH*HS]`` rows of ``slots`` (all >= 0), on the CPU."""
-        a, b = self._ab(slots)
+        idx = self._ab(slots)
         t, nh = slots.numel(), self.shape[2]
-        return torch.cat([to_unsigned(p[a, b]).reshape(t, nh, w).cpu() for p, w in zip(self.parts, self.widths)], dim=-1).reshape(t, -1)
+        return torch.cat([to_unsigned(p[idx]).reshape(t, nh, w).cpu() for p, w in zip(self.parts, self.widths)], dim=-1).reshape(t, -1)
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Write int64 ``[T, NH*HS]`` rows at ``slots`` (all >= 0)."""
-        a, b = self._ab(slots)
+        idx = self._ab(slots)
         t, nh = slots.numel(), self.shape[2]
         for p, part in zip(self.parts, rows.reshape(t, nh, sum(self.widths)).split(self.widths, dim=-1)):
-            p[a, b] = from_unsigned(part, p.dtype).reshape(t, *p.shape[2:]).to(p.device)
+            p[idx] = from_unsigned(part, p.dtype).reshape(t, *p.shape[len(idx) :]).to(p.device)
 
     def clone(self) -> Plane:
-        return Plane([p.clone() for p in self.parts])
+        return Plane([p.clone() for p in self.parts], token_groups=self.grouped)
+
+
+class TokenGroups:
+    """A ``kv_view`` answer for a plane whose block's tokens are split in groups (``BSC``/
+    ``BSE``, e.g. a vectorised V ``(NB, NH, BS/x, HS, x)``) so that no single ``[NB, BS, NH,
+    *elem]`` view exists: wrap the view ``[NB, BSC, BSE, NH_p, *elem]`` (token =
+    group * BSE + index; a tuple of segment views likewise) as ``TokenGroups(view)``."""
+
+    def __init__(self, view: torch.Tensor | Sequence[torch.Tensor]):
+        self.view = view
 
 
 def planes(kv_view: Callable[[Any, int, int], Any], kv_caches: Any, num_layers: int, kv_size: int) -> list[list[Plane]]:
@@ -428,3 +451,103 @@ def random_bits(shape: Iterable[int], width: int, gen: torch.Generator) -> torch
     """int64 unsigned random bit patterns of ``width`` bytes."""
     hi = min(_mask(width), (1 << 62) - 1)
     return torch.randint(0, hi, tuple(shape), generator=gen, dtype=torch.int64)
+
+
+# -- multi-plane records -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlaneShape:
+    """One plane of a multi-plane record as the codes see it: its role, heads, elements per
+    head and element width in bytes."""
+
+    role: str
+    num_heads: int
+    head_size: int
+    width: int
+
+
+class PlanesEncoding:
+    """Codes for a multi-plane record: ``code(plane, layer, slot, head, element)``, each plane
+    in its own element width. ``index`` enumerates the record in (plane, layer, slot, head,
+    element) order, so a code of a plane whose width can number every index decodes back to
+    its coordinates, including a code found in another plane of the same width; a plane too
+    narrow for that (1-byte int8 values of any real cache) gets a position-dependent hash
+    instead, as :class:`Encoding` does.
+
+    Staged rows (:meth:`rows`) are int64 ``[L, T, NH_p * HS_p]`` unsigned element bits.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, planes: Sequence[PlaneShape]):
+        self.num_layers, self.num_slots, self.planes = num_layers, num_slots, list(planes)
+        self.offsets = []
+        total = 0
+        for p in self.planes:
+            self.offsets.append(total)
+            total += num_layers * num_slots * p.num_heads * p.head_size
+        self.count = total
+
+    def exact(self, p: int) -> bool:
+        return 2 * self.count + 2 < _mask(self.planes[p].width)
+
+    def _finish(self, p: int, idx: torch.Tensor, src: bool) -> torch.Tensor:
+        w = self.planes[p].width
+        if self.exact(p):
+            return idx + 1 + (self.count if src else 0)
+        base = self.count if src else 0
+        x = (idx + base * 0x9E3779B9 + 0x632BE59B) & 0x7FFFFFFFFFFF
+        x = (x ^ (x >> 17)) * 0x2545F491 & 0x7FFFFFFFFFFF
+        x = x ^ (x >> 13)
+        return (x & _mask(w)) | 1
+
+    def _index(self, p: int, layer, slot, head, elem):
+        ps = self.planes[p]
+        return self.offsets[p] + ((layer * self.num_slots + slot) * ps.num_heads + head) * ps.head_size + elem
+
+    def plane(self, p: int, layer: int, shape: Sequence[int]) -> torch.Tensor:
+        """int64 codes of plane ``p`` of ``layer``, shaped as the engine view ``[A, B, NH_p, *elem]``."""
+        a, b, nh = int(shape[0]), int(shape[1]), int(shape[2])
+        hs = math.prod(int(s) for s in shape[3:])
+        slot = torch.arange(a * b).view(a, b, 1, 1)
+        head = torch.arange(nh).view(1, 1, nh, 1)
+        elem = torch.arange(hs).view(1, 1, 1, hs)
+        return self._finish(p, self._index(p, layer, slot, head, elem), False).reshape(tuple(shape))
+
+    def rows(self, p: int, layers: Sequence[int], slots: torch.Tensor, *, src: bool = False) -> torch.Tensor:
+        """int64 ``[L, T, NH_p*HS_p]`` codes of plane ``p`` (source codes with ``src``); rows
+        of negative slots are 0."""
+        ps = self.planes[p]
+        slots = slots.to("cpu", torch.int64)
+        lay = torch.tensor(list(layers), dtype=torch.int64).view(-1, 1, 1, 1)
+        s = slots.clamp(min=0).view(1, -1, 1, 1)
+        head = torch.arange(ps.num_heads).view(1, 1, -1, 1)
+        elem = torch.arange(ps.head_size).view(1, 1, 1, -1)
+        codes = self._finish(p, self._index(p, lay, s, head, elem), src).reshape(len(layers), slots.numel(), ps.num_heads * ps.head_size)
+        return torch.where((slots >= 0).view(1, -1, 1), codes, torch.zeros_like(codes))
+
+    def decode(self, p: int, value: int) -> str | None:
+        """Where a value found in plane ``p`` (of that plane's width) belongs, or None."""
+        if value <= 0:
+            return None
+        w = self.planes[p].width
+        i = value - 1
+        what = "the cache value of"
+        if i >= self.count:
+            i -= self.count
+            what = "the staged source value for"
+        if not (0 <= i < self.count):
+            return None
+        for q in range(len(self.planes) - 1, -1, -1):
+            if i >= self.offsets[q]:
+                break
+        pq = self.planes[q]
+        if pq.width != w or not self.exact(q):
+            return None
+        i -= self.offsets[q]
+        e = i % pq.head_size
+        i //= pq.head_size
+        h = i % pq.num_heads
+        i //= pq.num_heads
+        s = i % self.num_slots
+        layer = i // self.num_slots
+        return f"{what} plane {pq.role}, layer {layer}, slot {s}, head {h}, element {e}"

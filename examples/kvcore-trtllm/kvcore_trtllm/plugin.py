@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvcore import Candidate, DetectionError, GeometryError, KVFormat, Source, hookimpl, resolve
+from kvcore import Candidate, DetectionError, GeometryError, Hint, KVFormat, Source, hookimpl, memory_ordered, resolve
 from kvcore.testing import FixtureCase
 
 ENGINES = ("trtllm", "tensorrt_llm", "tensorrt-llm")
@@ -74,6 +74,46 @@ def kvcore_register_formats(register):
     )
 
 
+@hookimpl
+def kvcore_register_hints(register):
+    """The KVCacheManager facts the flat pool needs (``kvcore hints trtllm``)."""
+    manager = "tensorrt_llm/_torch/pyexecutor/resource_manager.py::KVCacheManager"
+    register(
+        Hint(
+            engine="trtllm", name="num_kv_heads", meaning="KV heads per rank (KVCacheManager.num_kv_heads)", type="int > 0", source=manager
+        )
+    )
+    register(
+        Hint(
+            engine="trtllm",
+            name="tokens_per_block",
+            meaning="tokens per block (KvCacheConfig.tokens_per_block, a power of two > 1)",
+            type="int > 0",
+            default="required: the pool's last axis does not show it",
+            source="tensorrt_llm/llmapi/llm_args.py::KvCacheConfig.tokens_per_block",
+        )
+    )
+    register(
+        Hint(
+            engine="trtllm",
+            name="head_dim",
+            meaning="elements per head (MLA: kv_lora_rank + qk_rope_head_dim)",
+            type="int > 0",
+            source=manager,
+        )
+    )
+    register(
+        Hint(
+            engine="trtllm",
+            name="kv_layout",
+            meaning="the head order inside a block; this plugin describes the HND blocks TRT-LLM's attention kernels write",
+            values=["HND", "NHD"],
+            default="HND",
+            source="cpp/tensorrt_llm/kernels/kvCacheUtils.h::KVBlockArray::getKVLocalIdx",
+        )
+    )
+
+
 def _hint_int(hints: dict, key: str) -> int:
     v = hints.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -81,15 +121,25 @@ def _hint_int(hints: dict, key: str) -> int:
     return v
 
 
+#: the manager's names for the geometry the core compares between readings
+GEOMETRY_HINTS = {"block_size": "tokens_per_block", "num_heads": "num_kv_heads", "head_size": "head_dim"}
+
+
 @hookimpl
 def kvcore_detect(kv_caches: Any, engine: str, hints: dict) -> Any:
-    """Recognise the pool tensor ``[NB, NL, kv_factor, BS*NH*HS]``.
+    """Recognise the pool tensor ``[NB, NL, kv_factor, BS*NH*HS]``, or its canonical view
+    ``[NB, NL, 2, NH, BS, HS]`` / ``[NB, NL, 1, BS, HS]`` (what a detected layout holds:
+    detection is idempotent on its own normal form).
+
+    The flat 4-D pool needs the hints ``num_kv_heads``, ``tokens_per_block``, ``head_dim``;
+    the canonical view carries them, and hints given with it must agree.
 
     Raises:
-        DetectionError: not one 4-D pool, a hint missing, the hints do not factor the
-            last axis, kv_factor not 1 or 2, kv_factor 1 with more than one head, or
-            ``kv_layout="NHD"`` with several heads (this plugin describes the HND blocks the
-            TRT-LLM attention kernels write).
+        DetectionError: not one pool, a hint missing or contradicting the shape, the hints
+            do not factor the last axis, kv_factor not 1 or 2, kv_factor 1 with more than
+            one head, ``kv_layout="NHD"`` with several heads (this plugin describes the HND
+            blocks the TRT-LLM attention kernels write), or a canonical view whose strides
+            show tokens outside heads (not what those kernels write).
     """
     if engine not in ENGINES:
         return None
@@ -101,9 +151,14 @@ def kvcore_detect(kv_caches: Any, engine: str, hints: dict) -> Any:
                 "KVCacheManager.get_unique_primary_pool() (detect each pool of a VSWA/VGQA model on its own)"
             )
         pool = pool[0]
+    if isinstance(pool, torch.Tensor) and pool.dim() in (5, 6):
+        return _canonical(pool, hints)
     if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
         what = f"a {pool.dim()}-D tensor {tuple(pool.shape)}" if isinstance(pool, torch.Tensor) else type(pool).__name__
-        raise DetectionError(f"trtllm: expected the 4-D block pool [num_blocks, num_layers, kv_factor, tokens*heads*head_dim], got {what}")
+        raise DetectionError(
+            f"trtllm: expected the 4-D block pool [num_blocks, num_layers, kv_factor, tokens*heads*head_dim] (or its canonical "
+            f"view [NB, NL, 2, NH, BS, HS] / [NB, NL, 1, BS, HS]), got {what}"
+        )
     missing = [k for k in HINTS if k not in hints]
     if missing:
         raise DetectionError(
@@ -117,23 +172,57 @@ def kvcore_detect(kv_caches: Any, engine: str, hints: dict) -> Any:
             f"trtllm: the pool's last axis holds {flat} elements but tokens_per_block*num_kv_heads*head_dim = "
             f"{bs}*{nh}*{hd} = {bs * nh * hd}; the hints do not describe this pool"
         )
-    layout = str(hints.get("kv_layout", "HND")).upper()
     if kvf == 2:
-        if layout == "NHD" and nh > 1:
-            raise DetectionError(
-                "trtllm: kv_layout='NHD' reads the pool's blocks as [tokens, heads, dim]; this plugin describes the "
-                "HND blocks TensorRT-LLM's attention kernels write (kvCacheUtils.h::KVBlockArray::getKVLocalIdx)"
-            )
-        cand = Candidate(HND, pool.unflatten(-1, (nh, bs, hd)), note=f"TRT-LLM pool, {nl} layers, HND blocks of {bs} tokens")
-    elif kvf == 1:
+        return _decide(pool.unflatten(-1, (nh, bs, hd)), hints, f"TRT-LLM pool, {nl} layers, HND blocks of {bs} tokens")
+    if kvf == 1:
         if nh != 1:
             raise DetectionError(f"trtllm: kv_factor 1 is the MLA (SELFKONLY) pool with one latent head, but num_kv_heads={nh}")
-        cand = Candidate(MLA, pool.unflatten(-1, (bs, hd)), note=f"TRT-LLM MLA pool, {nl} layers, latent {hd}")
+        return _decide(pool.unflatten(-1, (nh, bs, hd)).squeeze(3), hints, f"TRT-LLM MLA pool, {nl} layers, latent {hd}", heads=nh)
+    raise DetectionError(f"trtllm: kv_factor (axis 2) is {kvf}; TensorRT-LLM pools have 2 (K, V) or 1 (MLA)")
+
+
+def _canonical(view: torch.Tensor, hints: dict) -> Any:
+    """``[NB, NL, 2, NH, BS, HS]`` or ``[NB, NL, 1, BS, HS]``: the geometry is in the shape;
+    given hints must agree with it."""
+    if view.dim() == 6:
+        _, nl, kvf, nh, bs, hd = (int(x) for x in view.shape)
     else:
-        raise DetectionError(f"trtllm: kv_factor (axis 2) is {kvf}; TensorRT-LLM pools have 2 (K, V) or 1 (MLA)")
-    det = resolve([cand], engine="trtllm", deciding_hints=list(HINTS))
-    if det is None:
-        raise DetectionError(f"trtllm: the pool {tuple(pool.shape)} stride {tuple(pool.stride())} does not fit {cand.format}")
+        (_, nl, kvf, bs, hd), nh = (int(x) for x in view.shape), 1
+    if kvf not in (1, 2) or (view.dim() == 6) != (kvf == 2):
+        raise DetectionError(
+            f"trtllm: a {view.dim()}-D tensor {tuple(view.shape)} is no TRT-LLM pool view: [NB, NL, 2, NH, BS, HS] (K, V) "
+            "or [NB, NL, 1, BS, HS] (MLA)"
+        )
+    shape = {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hd}
+    wrong = {k: (hints[k], v) for k, v in shape.items() if k in hints and hints[k] != v}
+    if wrong:
+        said = ", ".join(f"{k}={given!r} (the view has {v})" for k, (given, v) in wrong.items())
+        raise DetectionError(f"trtllm: the hints contradict the pool view {tuple(view.shape)}: {said}")
+    what = "HND blocks" if kvf == 2 else "MLA latent"
+    return _decide(view, hints, f"TRT-LLM pool view, {nl} layers, {what} of {bs} tokens", heads=nh)
+
+
+def _decide(view: torch.Tensor, hints: dict, note: str, *, heads: int | None = None) -> Any:
+    """The pool view (6-D K/V or 5-D MLA) as this plugin's format. The name is the memory
+    order, so the view's strides must follow its axes: a view whose strides put tokens
+    outside heads is not what TRT-LLM's kernels write."""
+    nh = heads if heads is not None else int(view.shape[3])
+    layout = str(hints.get("kv_layout", "HND")).upper()
+    if view.dim() == 6 and layout == "NHD" and nh > 1:
+        raise DetectionError(
+            "trtllm: kv_layout='NHD' reads the pool's blocks as [tokens, heads, dim]; this plugin describes the "
+            "HND blocks TensorRT-LLM's attention kernels write (kvCacheUtils.h::KVBlockArray::getKVLocalIdx)"
+        )
+    if view.dim() == 5 and nh != 1:
+        raise DetectionError(f"trtllm: kv_factor 1 is the MLA (SELFKONLY) pool with one latent head, but num_kv_heads={nh}")
+    if not memory_ordered(view):
+        raise DetectionError(
+            f"trtllm: the pool view {tuple(view.shape)} has strides {tuple(view.stride())}, whose memory order is not its axis "
+            "order (e.g. tokens outside heads); TensorRT-LLM's pool is one contiguous [NB, NL, kv_factor, NH*BS*HS] tensor, "
+            "HND inside each block: pass the pool itself or its canonical view"
+        )
+    fmt = HND if view.dim() == 6 else MLA
+    det = resolve([Candidate(fmt, view, note=note)], engine="trtllm", geometry_hints=GEOMETRY_HINTS, required=True)
     return det
 
 
@@ -203,4 +292,4 @@ def kvcore_register_fixtures(register):
     )
 
 
-__all__ = ["ENGINES", "HND", "MLA", "HINTS"]
+__all__ = ["ENGINES", "HND", "MLA", "HINTS", "GEOMETRY_HINTS"]

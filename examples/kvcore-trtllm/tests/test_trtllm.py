@@ -71,3 +71,29 @@ def test_nhd_hint_with_one_head_is_the_same_bytes():
     hints = {"num_kv_heads": 1, "tokens_per_block": 4, "head_dim": 8, "kv_layout": "NHD"}
     layout = kvcore.detect(_pool(3, 2, 2, hints), engine="trtllm", hints=hints)
     assert layout.format.name == "NB_NL_TWO_NH_BS_HS" and layout.num_heads == 1
+
+
+def test_detection_is_idempotent_on_its_canonical_view():
+    """The canonical 6-D [NB, NL, 2, NH, BS, HS] (what a layout holds) is accepted as well as
+    the 4-D pool, without hints: its shape carries the geometry."""
+    hints = {"num_kv_heads": 2, "tokens_per_block": 8, "head_dim": 16}
+    pool = _pool(4, 3, 2, hints)
+    layout = kvcore.detect(pool, engine="trtllm", hints=hints)
+    view = layout.kv_caches
+    assert tuple(view.shape) == (4, 3, 2, 2, 8, 16)
+    for given in (None, hints):
+        again = kvcore.detect(view, engine="trtllm", hints=given)
+        assert again.format.name == layout.format.name
+        assert again.stride_table().signature() == layout.stride_table().signature()
+    mla_hints = {"num_kv_heads": 1, "tokens_per_block": 4, "head_dim": 576}
+    mla = kvcore.detect(_pool(2, 2, 1, mla_hints), engine="trtllm", hints=mla_hints)
+    assert kvcore.detect(mla.kv_caches, engine="trtllm").stride_table().signature() == mla.stride_table().signature()
+
+
+def test_a_canonical_view_must_agree_with_hints_and_strides():
+    view = torch.zeros(4, 3, 2, 2, 8, 16)
+    with pytest.raises(DetectionError, match=r"num_kv_heads=4 \(the view has 2\)"):
+        kvcore.detect(view, engine="trtllm", hints={"num_kv_heads": 4})
+    nhd_memory = torch.zeros(4, 3, 2, 8, 2, 16).transpose(3, 4)  # HND-shaped, but tokens outside heads in memory
+    with pytest.raises(DetectionError, match="memory order is not its axis order"):
+        kvcore.detect(nhd_memory, engine="trtllm")

@@ -33,11 +33,14 @@ page_size``, SGLang 0.5.3 ``memory_pool.py::MHATokenToKVPool._create_buffers``);
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import torch
 
-from kvcore import Candidate, Detection, DetectionError, KVCoreError, build_layout, resolve
+from kvcore import AmbiguousLayoutError, Candidate, Detection, DetectionError, KVCoreError, build_layout, resolve
+from kvcore.detection import physical_permutation
+from kvcore.dtypes import dtype_name, fp8_dtype, rocm_build
 from kvcore_sglang.formats import HOST_FORMATS, INDEXER_FORMAT
 from kvcore_sglang.hints import SGLangHints, element_dtype, parse_hints
 from kvcore_sglang.indexer import RECORD_SCALE_BYTES, index_page_view
@@ -63,6 +66,51 @@ def detect_sglang(kv_caches: Any, hints: dict[str, Any] | None) -> Detection:
         kvcore.AmbiguousLayoutError: two readings fit and no hint decides.
     """
     h = parse_hints(hints)
+    variants = _dtype_variants(h, kv_caches)
+    if len(variants) == 1:
+        return _detect_as(kv_caches, variants[0])
+    found = []
+    for hv in variants:  # SGLang's fp8 string on an unknown platform: OCP on CUDA, FNUZ on ROCm
+        det = _detect_as(kv_caches, hv)
+        found.append(f"{det.format} as {dtype_name(hv.dtype)}")
+    raise AmbiguousLayoutError(
+        f"sglang: kv_cache_dtype={h.dtype!r} is float8_{h.dtype[4:]}fn on CUDA and float8_{h.dtype[4:]}fnuz on ROCm "
+        "(ModelRunner.init_memory_pool picks by is_hip()), and nothing says which platform wrote these tensors (they are on "
+        f"the meta device): {', '.join(found)}. Pass device_type ('cuda' or 'rocm') or the exact dtype",
+        candidates=found,
+        hints=["device_type", "dtype"],
+    )
+
+
+_GIVEN: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kvcore_sglang_given", default=None)
+
+
+def _dtype_variants(h: SGLangHints, kv_caches: Any) -> list[SGLangHints]:
+    """SGLang's ``fp8_e4m3`` / ``fp8_e5m2`` name a platform-dependent dtype (0.5.3
+    ``model_executor/model_runner.py::ModelRunner.init_memory_pool``: ``float8_e4m3fnuz`` /
+    ``float8_e5m2fnuz`` when ``is_hip()``, else the OCP types). The platform comes from the
+    ``device_type`` hint, else from the torch build of the process holding the tensors
+    (SGLang's own ``is_hip()`` test); for meta tensors (a description) both remain."""
+    if not isinstance(h.dtype, str):
+        return [h]
+    kind = h.dtype[len("fp8_") :]
+    if h.device_type is not None:
+        return [h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=h.device_type == "rocm")})]
+    rocm = rocm_build(kv_caches)
+    if rocm is not None:
+        return [h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=rocm)})]
+    return [h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=False)}), h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=True)})]
+
+
+def _detect_as(kv_caches: Any, h: SGLangHints) -> Detection:
+    token = _GIVEN.set(h.model_dump(exclude_none=True))
+    try:
+        return _detect(kv_caches, h)
+    finally:
+        _GIVEN.reset(token)
+
+
+def _detect(kv_caches: Any, h: SGLangHints) -> Detection:
     if isinstance(kv_caches, torch.Tensor):
         return _decide(_host_candidates(kv_caches, h), "host pool", ["mem_layout", "layout", "num_layers", "num_kv_heads", "is_mla"])
     if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
@@ -84,9 +132,14 @@ def detect_sglang(kv_caches: Any, hints: dict[str, Any] | None) -> Detection:
 # -- deciding -----------------------------------------------------------------------
 
 
+#: the SGLang hints that fix a layout's geometry (kvcore.resolve names the ones that differ)
+_GEOMETRY = {"block_size": "page_size", "num_heads": "num_kv_heads", "head_size": "head_size", "num_layers": "num_layers"}
+
+
 def _decide(cands: list[Candidate], what: str, deciding: list[str], reasons: list[str] | None = None) -> Detection:
     reasons = reasons or []
-    det = resolve(cands, engine=ENGINE, deciding_hints=deciding) if cands else None
+    given = _GIVEN.get() or {}
+    det = resolve(cands, engine=ENGINE, deciding_hints=deciding, hints=given, geometry_hints=_GEOMETRY) if cands else None
     if det is None:
         for c in cands:  # say why each reading's geometry did not fit
             try:
@@ -270,36 +323,37 @@ def _mha_candidates(
                 )
             )
         return out
-    # 4-D: HND page rows (P, NH, page_size, HS) or page-split NHD views (NB, BS, NH, HS)
-    a, b = int(k.shape[1]), int(k.shape[2])
-    if (
-        _check(reasons, h.layout in (None, "HND"), f"{label}: layout={h.layout!r} excludes HND")
-        and _check(reasons, ps in (None, b), f"{label}: HND reading has page_size {b}, hint says {ps}")
-        and _check(reasons, h.num_kv_heads in (None, a), f"{label}: HND reading has {a} heads, hint says {h.num_kv_heads}")
-    ):
+    # 4-D: HND page rows (P, NH, page_size, HS) or page-split NHD views (NB, BS, NH, HS). SGLang allocates both
+    # contiguous; a view whose strides are permuted is read through them, and the format names its memory order
+    # (kvcore's rule), so the layout hint is checked against the memory, not the shape: a hint the strides
+    # contradict is an error (kvcore.resolve, Candidate.against)
+    perm = physical_permutation(k)
+    if physical_permutation(v) != perm:
+        reasons.append(f"{label}: K strides {tuple(k.stride())} and V strides {tuple(v.stride())} put the axes in different orders")
+        return out
+    for labels, what in ((("NB", "NH", "BS", "HS"), "HND page rows"), (("NB", "BS", "NH", "HS"), "NHD page-split")):
+        phys = tuple(labels[i] for i in perm)
+        if phys[0] != "NB" or phys[-1] != "HS":
+            reasons.append(f"{label} {what}: the strides {tuple(k.stride())} put {phys[0]} outermost / {phys[-1]} innermost")
+            continue
+        fam = "HND" if phys.index("NH") < phys.index("BS") else "NHD"
+        bs, nh = int(k.shape[labels.index("BS")]), int(k.shape[labels.index("NH")])
+        if not (
+            _check(reasons, ps in (None, bs), f"{label} {what}: page_size {bs}, hint says {ps}")
+            and _check(reasons, h.num_kv_heads in (None, nh), f"{label} {what}: {nh} heads, hint says {h.num_kv_heads}")
+        ):
+            continue
+        permuted = list(perm) != [0, 1, 2, 3]
         out.append(
             Candidate(
-                "TWO_X_NL_X_NB_NH_BS_HS",
-                [ks, vs],
+                "TWO_X_NL_X_" + "_".join(phys),
+                [[t.permute(perm) for t in ks], [t.permute(perm) for t in vs]],
                 dtype,
-                note=f"SGLang {label}, HND page rows",
-                decided_by={**decided, "layout": "HND"},
-                label=f"{label} HND",
-            )
-        )
-    if (
-        _check(reasons, h.layout in (None, "NHD"), f"{label}: layout={h.layout!r} excludes page-split NHD")
-        and _check(reasons, ps in (None, a), f"{label}: page-split NHD reading has page_size {a}, hint says {ps}")
-        and _check(reasons, h.num_kv_heads in (None, b), f"{label}: page-split NHD reading has {b} heads, hint says {h.num_kv_heads}")
-    ):
-        out.append(
-            Candidate(
-                "TWO_X_NL_X_NB_BS_NH_HS",
-                [ks, vs],
-                dtype,
-                note=f"SGLang {label}, NHD page-split",
-                decided_by={**decided, "layout": "NHD"},
-                label=f"{label} NHD",
+                note=f"SGLang {label}, {what}" + (" read through permuted strides" if permuted else ""),
+                decided_by={**decided, "layout": fam},
+                label=f"{label} {what}" + (f" ({fam} in memory)" if permuted else ""),
+                order="allocated" if permuted else None,
+                against={"layout": h.layout} if h.layout not in (None, fam) else {},
             )
         )
     return out

@@ -8,10 +8,9 @@ extra page (slot 0's page) absorbing dummy writes of padded tokens.
 
 The DSA/NSA indexer pool is the blocked-scale format ``NL_X_NB_BSV_BSS`` (per page: all
 tokens' fp8 values, then all tokens' fp32 scales). vLLM's DeepSeek-V3.2 indexer cache has
-the same bytes, and the kvcore-vllm plugin registers that name (two plugins may not
-register one name), so this plugin does not register it; it detects SGLang's indexer pool
-as that format and answers ``kvcore_spec`` for it (:mod:`kvcore_sglang.indexer`), which
-serves it whether or not kvcore-vllm is installed.
+the same bytes and kvcore-vllm declares the same name; a name is one layout, so this
+plugin declares it too (identically: the core's spec reads it, given the scale width,
+:mod:`kvcore_sglang.indexer`), and it works whether or not kvcore-vllm is installed.
 """
 
 from __future__ import annotations
@@ -135,6 +134,17 @@ FORMATS: list[KVFormat] = [
         attention_backends=["MLATokenToKVPoolHost page_first_direct"],
         description="SGLang HiCache MLA host pool, page_first_direct: (page_num, NL, page_size, 1, kv_cache_dim)",
         sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
+    ),
+    # -- the DSA/NSA indexer pool (also vLLM's DeepSeek-V3.2 indexer layout) ------------------
+    KVFormat(
+        name=INDEXER_FORMAT,
+        engines=["sglang"],
+        attention_backends=["NSATokenToKVPool", "DSATokenToKVPool"],
+        description="SGLang DSA/NSA indexer keys: per layer uint8 (num_pages, page_size * 132), a page's fp8 keys then its fp32 scales",
+        sources=[
+            _src("0.5.3", f"{MEMORY_POOL}::NSATokenToKVPool.__init__"),
+            _src("0.5.23", "python/sglang/srt/mem_cache/index_key_cache.py::IndexKeyCache"),
+        ],
     ),
 ]
 

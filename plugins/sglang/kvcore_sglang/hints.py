@@ -28,10 +28,19 @@ Fields (all optional; aliases in brackets):
   ``v_head_dim``, ``layer_num``. Each must agree with the tensors (a contradiction is a
   :class:`kvcore.DetectionError`); they also decide between candidate readings.
 * ``dtype`` [``kv_cache_dtype``]: ``--kv-cache-dtype`` (``auto``, ``fp8_e4m3``,
-  ``fp8_e5m2``, ``bf16``/``bfloat16``, ``fp16``/``float16``, ``fp32``/``float32``) or
-  a ``torch.dtype``. SGLang stores fp8 as ``torch.uint8`` (``store_dtype``, 0.5.3
+  ``fp8_e5m2``), any dtype name of :mod:`kvcore.dtypes` (``bfloat16``, ``float8_e4m3fnuz``,
+  ...) or a ``torch.dtype``. SGLang stores fp8 as ``torch.uint8`` (``store_dtype``, 0.5.3
   ``memory_pool.py::KVCache.__init__``) because ``index_put`` lacks fp8; with an fp8
-  hint the layout's element dtype is the fp8 type over the same bytes.
+  hint the layout's element dtype is the fp8 type over the same bytes. ``fp8_e4m3`` /
+  ``fp8_e5m2`` are FNUZ on ROCm (``ModelRunner.init_memory_pool``: ``is_hip()`` picks
+  ``float8_e4m3fnuz`` / ``float8_e5m2fnuz``): the platform is ``device_type``, else the
+  torch build of the process that holds the tensors (SGLang's own ``is_hip()`` test);
+  for tensors on the meta device (a description) the two readings are an ambiguity.
+* ``device_type`` [``device``]: ``cuda``, ``rocm`` (``hip``), ``cpu``, ``npu``, ``xpu``,
+  ``musa``, ``hpu``: where SGLang runs (decides ``fp8_e4m3`` / ``fp8_e5m2``).
+* ``tensor_order``: kvcore's generic hint (``allocated`` / ``physical``, see
+  :mod:`kvcore.detection`). SGLang allocates its pools contiguous; a 4-D page view whose
+  strides are permuted is read through them, named by its memory order.
 * ``is_mla``: the model uses MLA (``MLATokenToKVPool``).
 * ``sglang_version``: informational (``"0.5.3"``, ``"0.5.23"``); layouts are read
   from the tensors' own shapes and strides, so no version switch is needed.
@@ -54,26 +63,17 @@ import torch
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcore import DetectionError
+from kvcore.detection import tensor_order
+from kvcore.dtypes import parse_dtype
 
 __all__ = ["SGLangHints", "parse_hints", "element_dtype"]
 
-_DTYPE_NAMES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "float8_e5m2": torch.float8_e5m2,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "uint8": torch.uint8,
-}
+#: SGLang's ``--kv-cache-dtype`` strings whose dtype depends on the platform: the OCP fp8
+#: types on CUDA, FNUZ on ROCm (0.5.3 ``model_executor/model_runner.py::ModelRunner.init_memory_pool``:
+#: ``torch.float8_e4m3fnuz`` / ``torch.float8_e5m2fnuz`` when ``is_hip()``). Kept as the string until
+#: detection knows the platform (:func:`kvcore_sglang.detect.detect_sglang`).
+PLATFORM_FP8 = ("fp8_e4m3", "fp8_e5m2")
+DEVICE_TYPES = ("cuda", "rocm", "cpu", "npu", "xpu", "musa", "hpu")
 
 
 class SGLangHints(BaseModel):
@@ -94,6 +94,26 @@ class SGLangHints(BaseModel):
     dtype: Any = Field(None, validation_alias=AliasChoices("dtype", "kv_cache_dtype"))
     is_mla: bool | None = None
     sglang_version: str | None = None
+    device_type: Literal["cuda", "rocm", "cpu", "npu", "xpu", "musa", "hpu"] | None = Field(
+        None, validation_alias=AliasChoices("device_type", "device")
+    )
+    tensor_order: str | None = None
+
+    @field_validator("device_type", mode="before")
+    @classmethod
+    def _device(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        s = str(getattr(v, "type", v)).strip().lower().split(":")[0]
+        return {"hip": "rocm", "ascend": "npu"}.get(s, s)
+
+    @field_validator("tensor_order", mode="before")
+    @classmethod
+    def _order(cls, v: Any) -> Any:
+        try:
+            return tensor_order({"tensor_order": v}) if v is not None else None
+        except DetectionError as e:
+            raise ValueError(str(e)) from None
 
     @field_validator("layout", mode="before")
     @classmethod
@@ -105,11 +125,12 @@ class SGLangHints(BaseModel):
     def _dtype(cls, v: Any) -> Any:
         if v is None or isinstance(v, torch.dtype):
             return v
-        if isinstance(v, str) and v.lower().replace("torch.", "") in _DTYPE_NAMES:
-            return _DTYPE_NAMES[v.lower().replace("torch.", "")]
-        raise ValueError(
-            f"dtype/kv_cache_dtype {v!r} is not one SGLang KV pools store; accepted: a torch.dtype or {', '.join(_DTYPE_NAMES)}"
-        )
+        if isinstance(v, str) and v.strip().lower() in PLATFORM_FP8:
+            return v.strip().lower()
+        try:
+            return parse_dtype(v, what="dtype/kv_cache_dtype", extra={"auto": None})
+        except DetectionError as e:
+            raise ValueError(f"{e} (or SGLang's {', '.join(PLATFORM_FP8)})") from None
 
 
 def parse_hints(hints: Mapping[str, Any] | None) -> SGLangHints:
@@ -158,3 +179,116 @@ def element_dtype(storage: torch.dtype, hints: SGLangHints) -> torch.dtype | Non
         f"sglang: the dtype hint says {want} but the KV tensors hold {storage}; SGLang stores a KV pool in its dtype, "
         "or as torch.uint8 for fp8 (fp8_e4m3 / fp8_e5m2). Fix the hint or pass the pool's own tensors"
     )
+
+
+def declared_hints() -> list[Any]:
+    """The hints :class:`SGLangHints` reads, declared for ``kvcore hints sglang``
+    (``kvcore_register_hints``); meanings as in this module's docstring."""
+    from kvcore import Hint
+    from kvcore.dtypes import DTYPE_ALIASES, DTYPES
+    from kvcore.hints import tensor_order_hint
+
+    pool = "python/sglang/srt/mem_cache/memory_pool.py"
+    return [
+        Hint(
+            engine="sglang",
+            name="page_size",
+            aliases=["tokens_per_block", "block_size"],
+            meaning="SGLang's --page-size: splits a device pool's fused token axis into [NB, BS] views; checks the page axis of "
+            "HND and page-first-direct pools",
+            type="int > 0",
+            default="1: the fused token axis stays NBBS",
+            source="python/sglang/srt/server_args.py::ServerArgs.page_size",
+        ),
+        Hint(
+            engine="sglang",
+            name="kv_list_layout",
+            meaning="how a list of per-layer tensors is arranged: k_v = all K layers then all V layers (2*NL tensors, MHA), "
+            "nested = [k_buffer, v_buffer], pairs = one (k, v) per layer",
+            values=["k_v", "nested", "pairs"],
+            default="read from the nesting",
+        ),
+        Hint(
+            engine="sglang",
+            name="layout",
+            aliases=["kv_cache_layout"],
+            meaning="token rows (NHD, SGLang's default), page rows (num_pages, NH, page_size, HS) with SGLANG_USE_HND_KVCACHE "
+            "(HND), or AscendTokenToKVPool's cross-layer tensor (ascend)",
+            values=["NHD", "HND", "ascend"],
+            default="NHD for a 3-D token-row pool; ambiguous 4-D buffers name this hint",
+            source=pool,
+        ),
+        Hint(
+            engine="sglang",
+            name="mem_layout",
+            aliases=["hicache_mem_layout"],
+            meaning="a HiCache host pool's --hicache-mem-layout",
+            values=["layer_first", "page_first", "page_first_direct", "page_head"],
+            default="read from the shape where it can; else this hint is named",
+            source="python/sglang/srt/mem_cache/pool_host/mha.py::MHATokenToKVPoolHost.init_kv_buffer",
+        ),
+        Hint(
+            engine="sglang",
+            name="num_kv_heads",
+            meaning="the pool's head_num (KV heads per rank)",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="head_size",
+            aliases=["head_dim"],
+            meaning="the pool's head_dim (K; MLA: kv_lora_rank + qk_rope_head_dim)",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="v_head_size",
+            aliases=["v_head_dim"],
+            meaning="the pool's v_head_dim when V's head size differs from K's",
+            type="int > 0",
+            default="head_size",
+        ),
+        Hint(
+            engine="sglang",
+            name="num_layers",
+            aliases=["layer_num"],
+            meaning="the pool's layer_num",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="dtype",
+            aliases=["kv_cache_dtype"],
+            meaning="--kv-cache-dtype: fp8 pools are stored as uint8 (store_dtype) and carry fp8 elements",
+            values=["auto", *PLATFORM_FP8, *DTYPES, *DTYPE_ALIASES],
+            type="torch.dtype or name",
+            default="the tensors' own dtype",
+            source=f"{pool}::KVCache.__init__",
+        ),
+        Hint(
+            engine="sglang",
+            name="is_mla",
+            meaning="the model uses MLA (MLATokenToKVPool): one latent head",
+            type="bool",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="sglang",
+            name="device_type",
+            aliases=["device"],
+            meaning="where SGLang runs: rocm (hip) makes fp8_e4m3 / fp8_e5m2 FNUZ (ModelRunner.init_memory_pool picks by is_hip())",
+            values=list(DEVICE_TYPES),
+            default="the torch build of the process holding the tensors; for meta tensors an fp8 name is ambiguous",
+            source="python/sglang/srt/model_executor/model_runner.py::ModelRunner.init_memory_pool",
+        ),
+        tensor_order_hint("sglang"),
+        Hint(
+            engine="sglang",
+            name="sglang_version",
+            meaning="informational: layouts are read from the tensors' shapes and strides",
+            type="version string",
+        ),
+    ]

@@ -22,6 +22,14 @@ def kvcore_detect(kv_caches, engine, hints):
 
 
 @hookimpl
+def kvcore_register_hints(register):
+    from kvcore_sglang.hints import declared_hints
+
+    for h in declared_hints():
+        register(h)
+
+
+@hookimpl
 def kvcore_register_fixtures(register):
     from kvcore_sglang.fixtures import CASES
 

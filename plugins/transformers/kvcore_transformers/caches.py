@@ -48,12 +48,14 @@ from typing import Any
 import torch
 
 from kvcore import DetectionError
+from kvcore.dtypes import parse_dtype
 
 from .versions import check_version
 
 __all__ = [
     "PAGED_FORMAT",
     "LAYER_PAIRS_FORMAT",
+    "LAYER_PAIRS_NHD_FORMAT",
     "PagedGroup",
     "is_paged_cache",
     "is_layered_cache",
@@ -61,6 +63,7 @@ __all__ = [
     "paged_groups",
     "paged_view",
     "layer_pairs",
+    "CachePair",
     "kv_caches",
 ]
 
@@ -68,35 +71,20 @@ __all__ = [
 PAGED_FORMAT = "NB_NL_TWO_BS_NH_HS"
 #: DynamicCache / StaticCache: NL ``(K, V)`` pairs of ``[batch, NH, seq, HS]``.
 LAYER_PAIRS_FORMAT = "NL_X_TWO_X_NB_NH_BS_HS"
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-}
+#: the same pairs while they are still attention's ``key_states.transpose(1, 2)`` views (4.53
+#: ``DynamicCache.update`` after a prefill): memory ``[batch, seq, NH, HS]``, a name being the
+#: physical order.
+LAYER_PAIRS_NHD_FORMAT = "NL_X_TWO_X_NB_BS_NH_HS"
 
 
 def as_dtype(x: Any, what: str = "dtype") -> torch.dtype:
-    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``, ``"bf16"``).
+    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``,
+    ``"bf16"``, ``"float8_e4m3fnuz"``), read through kvcore's one table (:mod:`kvcore.dtypes`).
 
     Raises:
         DetectionError: an unknown name (listing the accepted ones).
     """
-    if isinstance(x, torch.dtype):
-        return x
-    if isinstance(x, str):
-        key = x.replace("torch.", "").lower()
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise DetectionError(f"hint {what}={x!r} is not a dtype; pass a torch.dtype or one of {', '.join(sorted(_DTYPES))}")
+    return parse_dtype(x, what=f"hint {what}")
 
 
 # -- the continuous-batching paged cache ------------------------------------------------
@@ -297,7 +285,17 @@ def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
             raise DetectionError(
                 f"layer {i} of this {name} has keys {tuple(p[0].shape)} and values {tuple(p[1].shape)}; transformers stores [batch, NH, seq, HS]"
             )
-    return pairs
+    return [None if p is None else CachePair(p) for p in pairs]
+
+
+class CachePair(tuple):
+    """One layer's ``(keys, values)`` read out of a transformers cache object by
+    :func:`layer_pairs`: the tensors as transformers allocated them (``[batch, NH, seq, HS]``,
+    strides as the cache made them). Detection reads such pairs as allocated; plain tuples
+    could also be tensors someone permuted into memory order (see
+    :mod:`kvcore_transformers.detect`)."""
+
+    __slots__ = ()
 
 
 def kv_caches(cache: Any, attention_type: str | None = None) -> Any:

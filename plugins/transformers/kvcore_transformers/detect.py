@@ -5,7 +5,9 @@ Accepted inputs (the plugin answers only for ``engine == "transformers"``):
 * a cache object: ``DynamicCache`` / ``StaticCache`` (both API generations) or a
   continuous-batching ``PagedAttentionCache`` (see :mod:`kvcore_transformers.caches`);
 * what :func:`kvcore_transformers.kv_caches` returns: a list of per-layer ``(K, V)``
-  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS``; or one 6-D
+  pairs of ``[batch, NH, seq, HS]`` → ``NL_X_TWO_X_NB_NH_BS_HS`` (while the pairs are still
+  attention's ``transpose(1, 2)`` views, tokens outside heads in memory, the physical name
+  ``NL_X_TWO_X_NB_BS_NH_HS`` over views permuted back); or one 6-D
   ``[NB, NL, 2, page_size, NH, HS]`` paged view → ``NB_NL_TWO_BS_NH_HS``;
 * ``[K list, V list]`` (the 4.53 ``key_cache``/``value_cache`` lists as they are): two
   lists of n != 2 tensors can only be that; two lists of two tensors also read as two
@@ -26,11 +28,14 @@ from typing import Any
 
 import torch
 
-from kvcore import Detection, DetectionError
+from kvcore import Candidate, Detection, DetectionError, memory_ordered, resolve
+from kvcore.detection import physical_permutation, tensor_order
 
 from .caches import (
     LAYER_PAIRS_FORMAT,
+    LAYER_PAIRS_NHD_FORMAT,
     PAGED_FORMAT,
+    CachePair,
     as_dtype,
     is_layered_cache,
     is_legacy_cache,
@@ -54,6 +59,7 @@ HINTS = (
     "page_size",
     "block_size",
     "dtype",
+    "tensor_order",  # kvcore's generic hint: transformers' tensors are contiguous, their axes in memory order
 )
 
 
@@ -76,6 +82,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
     unknown = sorted(set(hints) - set(HINTS))
     if unknown:
         raise DetectionError(f"engine 'transformers' does not know the hints {unknown}; it reads {', '.join(HINTS)}")
+    tensor_order(hints)  # validated; transformers' caches read the same either way (contiguous, in memory order)
     if hints.get("transformers_version") is not None:
         check_version("cache", version=str(hints["transformers_version"]))
     if is_paged_cache(kv_caches):
@@ -85,7 +92,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
         return det
     if is_layered_cache(kv_caches) or is_legacy_cache(kv_caches) or type(kv_caches).__module__.startswith("transformers."):
         # any other transformers object gets layer_pairs' message (encoder-decoder, unknown cache class)
-        return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers")
+        return _pairs_detection(layer_pairs(kv_caches), f"{type(kv_caches).__name__} layers", hints)
     if isinstance(kv_caches, torch.Tensor):
         if kv_caches.dim() == 6 and kv_caches.shape[2] == 2:
             return _paged_detection(kv_caches, "6-D [NB, NL, 2, page_size, NH, HS] paged view")
@@ -112,7 +119,7 @@ def detect(kv_caches: Any, hints: dict[str, Any]) -> Detection | None:
         ]
         if not all(ok):
             return None
-        return _pairs_detection(pairs, "per-layer (K, V) pairs")
+        return _pairs_detection(pairs, "per-layer (K, V) pairs", hints)
     return None
 
 
@@ -171,9 +178,15 @@ def _raw_paged(buf: torch.Tensor, hints: dict[str, Any]) -> Detection:
     return _paged_detection(view, "uint8 paged buffer viewed with the given hints")
 
 
-def _pairs_detection(entries: list, note: str) -> Detection:
+def _pairs_detection(entries: list, note: str, hints: dict[str, Any]) -> Detection:
     """Per-layer (K, V) pairs; ``None`` entries are layers without per-token KV (left out,
-    ``layer_ids`` says which layers the layout covers)."""
+    ``layer_ids`` says which layers the layout covers).
+
+    Pairs read out of a cache object (:class:`~kvcore_transformers.caches.CachePair`) are
+    as transformers allocated them. Plain contiguous tensors can also be a transposed
+    allocation someone permuted into memory order; when that reading's geometry differs
+    (heads and sequence swapped) ``num_kv_heads`` or ``tensor_order`` decides
+    (:class:`kvcore.AmbiguousLayoutError` without them: never a guess)."""
     ids = [i for i, p in enumerate(entries) if p is not None]
     if not ids:
         return Detection(format=None, excluded="these layers hold no per-token KV (DummyLayer / linear-attention state)")
@@ -202,9 +215,56 @@ def _pairs_detection(entries: list, note: str) -> Detection:
     left_out = [i for i, p in enumerate(entries) if p is None]
     if left_out:
         note += f"; layers {left_out} hold no per-token KV and are left out"
-    return Detection(
-        format=LAYER_PAIRS_FORMAT,
-        kv_caches=[tuple(p) for p in pairs],
-        note=f"transformers {note}; block = batch row, slot = b * seq + position",
-        layer_ids=tuple(ids) if left_out else None,
-    )
+    # a name is the physical order: pairs that are still attention's transpose(1, 2) views
+    # keep tokens outside heads in memory (4.53 DynamicCache.update after a prefill)
+    note = f"transformers {note}; block = batch row, slot = b * seq + position"
+    k0, v0 = pairs[0]
+    orders = {tuple(physical_permutation(k0)), tuple(physical_permutation(v0))}
+    views = [tuple(p) for p in pairs]
+    own = all(isinstance(p, CachePair) for p in pairs)
+    if len(orders) > 1:
+        raise DetectionError(
+            f"the keys ({_shape(k0)}) and values ({_shape(v0)}) of this transformers cache lie in memory in different orders; "
+            "describe them as two key-only layouts (kvcore.build_layout on the keys and on the values)"
+        )
+    if orders == {(0, 2, 1, 3)}:  # [batch, NH, seq, HS] over [batch, seq, NH, HS] memory: read through the strides
+        t_views = [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in pairs]
+        cands = [
+            Candidate(
+                LAYER_PAIRS_NHD_FORMAT,
+                t_views,
+                note=f"{note}; keys and values are still attention's transposed views: tokens outside heads in memory",
+                label="as allocated [batch, NH, seq, HS], tokens outside heads in memory",
+                order="allocated",
+            )
+        ]
+        heads = {LAYER_PAIRS_NHD_FORMAT: 2}
+    else:
+        # read as transformers allocates them: [batch, NH, seq, HS]
+        ordered = all(memory_ordered(t) for p in views for t in p)
+        cands = [
+            Candidate(
+                LAYER_PAIRS_FORMAT, views, note=note, label="as allocated [batch, NH, seq, HS]", order=None if ordered else "allocated"
+            )
+        ]
+        heads = {LAYER_PAIRS_FORMAT: 1, LAYER_PAIRS_NHD_FORMAT: 2}
+        if ordered and not own:
+            # plain tensors in memory order may also be a transposed allocation (4.53's first update keeps the
+            # transposed key_states view, memory [batch, seq, NH, HS]) someone permuted into memory order
+            cands.append(
+                Candidate(
+                    LAYER_PAIRS_NHD_FORMAT,
+                    views,
+                    note=f"{note}; the tensors read as [batch, seq, NH, HS] already in memory order",
+                    label="[batch, seq, NH, HS] in memory order",
+                    order="physical",
+                )
+            )
+    nh = hints.get("num_kv_heads")
+    if nh is not None:
+        cands = [c for c in cands if int(c.kv_caches[0][0].shape[heads[c.format]]) == nh]
+        if not cands:
+            raise DetectionError(f"hint num_kv_heads={nh} but these tensors {_shape(k0)} hold another number of heads")
+    det = resolve(cands, engine="transformers", hints=hints, geometry_hints={"num_heads": "num_kv_heads"}, required=True)
+    det.layer_ids = tuple(ids) if left_out else None
+    return det

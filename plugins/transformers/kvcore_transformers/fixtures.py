@@ -36,7 +36,7 @@ import torch
 from kvcore import GeometryError
 from kvcore.testing import FixtureCase
 
-from .caches import LAYER_PAIRS_FORMAT, PAGED_FORMAT, layer_pairs
+from .caches import LAYER_PAIRS_FORMAT, LAYER_PAIRS_NHD_FORMAT, PAGED_FORMAT, layer_pairs
 
 __all__ = ["fixture_cases", "Legacy453DynamicCache", "Legacy453StaticCache", "make_paged_cache", "make_paged_object", "OBJECT_BUILDERS"]
 
@@ -308,7 +308,7 @@ def fixture_cases() -> list[FixtureCase]:
         FixtureCase(
             name="transformers-4.53-DynamicCache-prefill",
             engine="transformers",
-            format=LAYER_PAIRS_FORMAT,
+            format=LAYER_PAIRS_NHD_FORMAT,
             make=_pairs(_make_legacy_dynamic_object),
             kv_view=_view_pairs,
             sizes=dict(_DEFAULT),

@@ -191,3 +191,25 @@ def test_layers_without_per_token_kv_are_left_out_with_their_model_ids():
     cache.layers[2] = DummyLayer()
     with pytest.raises(kvcore.DetectionError, match="no layer of this DynamicCache holds per-token KV"):
         kvcore.detect(cache, engine="transformers")
+
+
+def test_dtype_names_and_the_generic_tensor_order_hint():
+    from kvcore_transformers.caches import CachePair, as_dtype
+
+    assert as_dtype("float8_e4m3fnuz") is torch.float8_e4m3fnuz and as_dtype("bf16") is torch.bfloat16  # kvcore's one table
+    pairs = [(torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 5, 8)) for _ in range(2)]
+    # plain contiguous tensors: as allocated [batch, NH=3, seq=5, HS], or a transposed allocation
+    # [batch, seq=3, NH=5, HS] someone permuted into memory order -- never guessed
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
+        kvcore.detect(pairs, engine="transformers")
+    assert set(ei.value.hints) == {"num_kv_heads", "tensor_order"}
+    lay = kvcore.detect(pairs, engine="transformers", hints={"tensor_order": "allocated"})
+    assert (lay.format.name, lay.num_heads, lay.block_size) == (LAYER_PAIRS_FORMAT, 3, 5)
+    assert kvcore.detect(pairs, engine="transformers", hints={"num_kv_heads": 3}).num_heads == 3
+    lay = kvcore.detect(pairs, engine="transformers", hints={"tensor_order": "physical", "num_kv_heads": 5})
+    assert (lay.format.name, lay.num_heads, lay.block_size) == ("NL_X_TWO_X_NB_BS_NH_HS", 5, 3)
+    # pairs read out of the cache object are as transformers allocated them
+    own = [CachePair(p) for p in pairs]
+    assert kvcore.detect(own, engine="transformers").num_heads == 3
+    with pytest.raises(kvcore.DetectionError, match="tensor_order='sideways' is not known"):
+        kvcore.detect(pairs, engine="transformers", hints={"tensor_order": "sideways"})

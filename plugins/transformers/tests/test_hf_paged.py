@@ -193,5 +193,5 @@ def test_raw_buffer_needs_hints_and_then_matches_the_object():
     assert alloc.bytes_per_block == raw.stride_table().planes[0].block
     with pytest.raises(kvcore.DetectionError, match="whole number of blocks"):
         kvcore.detect(cache.cache_tensor[:-4], engine="transformers", hints=hints)
-    with pytest.raises(kvcore.DetectionError, match="not a dtype"):
+    with pytest.raises(kvcore.DetectionError, match="unknown hint dtype .float64x."):
         kvcore.detect(cache.cache_tensor, engine="transformers", hints={**hints, "dtype": "float64x"})

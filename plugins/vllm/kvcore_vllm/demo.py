@@ -422,7 +422,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Detect, offload and restore vLLM KV caches of Llama-3-8B (FlashAttention NHD and HND) and "
         "DeepSeek-V3 (MLA) geometry, and verify every value bit-exactly and semantically.",
-        epilog="examples:\n  kvcore demo\n  kvcore demo --num-blocks 64 --json\n  kvcore demo --case llama-hnd --device cuda",
+        epilog="examples:\n  kvcore demo\n  kvcore demo --num-blocks 64 --json\n  kvcore demo --case llama-hnd --device cuda\n"
+        "  kvcore demo --engine vllm --pd   # prefill NHD TP 1 -> decode HND TP 2 between two processes",
     )
     p.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
     p.add_argument("--device", default="cpu", help="device to allocate the caches on (default cpu)")
@@ -436,6 +437,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the block shuffling")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pd", action="store_true", help="run the prefill/decode demo instead (kvcore demo --engine vllm --pd --help)")
     return p
 
 
@@ -456,7 +458,12 @@ def _load_kernels(device: torch.device) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Run the demo; returns the exit code (0 all verified, 1 a mismatch, 2 bad options)."""
+    """Run the demo; returns the exit code (0 all verified, 1 a mismatch, 2 bad options).
+    ``--pd`` runs the prefill/decode demo instead (:mod:`kvcore_vllm.pd_demo`)."""
+    if argv and "--pd" in argv:
+        from kvcore_vllm.pd_demo import run as run_pd
+
+        return run_pd([a for a in argv if a != "--pd"])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2): an exit code, not an exception

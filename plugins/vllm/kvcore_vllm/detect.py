@@ -3,44 +3,56 @@
 Input: the runner's per-layer container with dicts already turned into lists in layer
 order by the core (``runner.kv_caches`` or the ``{layer_name: tensor}`` dict handed to KV
 connectors). Each entry is one layer's tensor: a per-layer allocation (<= 0.26), a
-permuted view of a cross-layer buffer (0.13-0.2x with a cross-layer connector), or a
-0.33 view into the one int8 buffer.
+permuted view of a cross-layer buffer (0.13-0.2x with a cross-layer connector), a 0.33
+view into the one int8 buffer, or a ``(K, V)`` pair (vllm-ascend). One tensor on its own
+may also be a whole cross-layer buffer (what a cross-layer connector is handed).
 
 Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
 
-1. entries that are lists of tensors (vLLM's Mamba state), or 4-D ``[NB, 1, 1, C]``
-   pages no rule reads (0.33 ``MambaSpec``: one state per block), are not KV: returned as
-   ``Detection(format=None, excluded=...)``;
-2. every rule of :mod:`kvcore_vllm.rules` consistent with the hints and the tensors'
-   shapes and strides gives a candidate; :func:`kvcore.resolve` merges candidates that
-   place bytes identically and raises :class:`kvcore.AmbiguousLayoutError` (naming the
-   deciding hints) for the rest -- shape alone never decides between layouts that share a
-   shape (``NB == 2``, ``NH == 1`` MLA vs one KV head, ``BS == NH`` without stride
-   evidence, packed ``NH == 2`` across versions);
-3. when the hints rule out every reading the tensors allow, :class:`kvcore.DetectionError`
-   says what the hints said and what the strides show.
+1. entries that are lists of tensors are per-layer ``(K, V)`` pairs when they can be
+   (two tensors ``[NB, BS, NH, HS]`` of one shape: vllm-ascend
+   ``NPUModelRunner._reshape_kv_cache_tensors``), else vLLM's Mamba state (a list of state
+   tensors of different shapes, 0.11 ``gpu_model_runner.py::_reshape_kv_cache_tensors``);
+   the ``kv_cache_spec`` hint (``attention`` / ``mamba``) says which outright. 4-D
+   ``[NB, 1, 1, C]`` pages no rule reads (0.33 ``MambaSpec``: one state per block) are not
+   KV either. Not-KV entries come back as ``Detection(format=None, excluded=...)``;
+2. entries that are the same memory (KV sharing: one cache under several layer names)
+   stay one layer each, reported as ``layout.aliases``;
+3. every rule of :mod:`kvcore_vllm.rules` consistent with the hints and the tensors'
+   shapes and strides gives a candidate -- the tensors as vLLM allocated them and, for a
+   contiguous tensor, as an HND/NHD cache already permuted into memory order;
+   :func:`kvcore.resolve` merges candidates that place bytes identically and raises
+   :class:`kvcore.AmbiguousLayoutError` for the rest, naming only hints that decide and
+   that the caller did not give -- shape alone never decides between layouts that share a
+   shape (``NB == 2``, ``NH == 1`` MLA vs one KV head, an NHD/HND twin, packed ``NH == 2``
+   across versions, OCP vs FNUZ fp8 on ROCm);
+4. a layout hint the strides contradict raises :class:`kvcore.DetectionError` naming both
+   (``tensor_order="physical"`` says the tensor was permuted into memory order);
+   hints that rule out every reading the tensors allow, likewise.
 
 vLLM 0.33 int8 byte views with neither ``dtype`` nor an fp8 ``cache_dtype`` hint are
 described in bytes (dtype int8, head_size in bytes): transfers still move exactly the
 right bytes, K before V; pass ``dtype`` for element geometry.
-
-A contiguous per-layer 5-D tensor with distinct BS and NH and no hints is vLLM's default
-NHD (``get_kv_cache_layout`` falls back to NHD; 0.11 ``vllm/v1/attention/backends/utils.py``
-l.345).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-from kvcore import AmbiguousLayoutError, Detection, DetectionError, GeometryError, build_layout, resolve
-from kvcore.detection import describe_input
+from kvcore import AmbiguousLayoutError, Candidate, Detection, DetectionError, GeometryError, build_layout, resolve, split_aliases
+from kvcore.detection import describe_input, memory_ordered
+from kvcore.dtypes import dtype_name, fp8_dtype, is_fp8, rocm_build
 from kvcore_vllm.hints import LAYOUT_FAMILY, VllmHints, parse_hints
-from kvcore_vllm.rules import Reading, candidates
+from kvcore_vllm.pairs import ASCEND_SOURCE as _ASCEND
+from kvcore_vllm.pairs import PAIRS_FORMAT
+from kvcore_vllm.rules import Reading, bare_candidates, candidates
 
 __all__ = ["detect_vllm"]
+
+_GEOMETRY = {"block_size": "block_size", "num_heads": "num_kv_heads", "head_size": "head_size"}
 
 
 def _layout_class(r: Reading) -> tuple[str, bool] | None:
@@ -52,17 +64,18 @@ def _layout_class(r: Reading) -> tuple[str, bool] | None:
 
 
 def _deciding(readings: list[Reading]) -> list[str]:
-    """The hints whose values differ between readings that place bytes differently."""
+    """The vLLM hints that select between readings that place bytes differently (the
+    geometry hints and ``tensor_order`` the core adds itself)."""
     groups: dict[tuple, list[Reading]] = {}
-    geo: dict[int, tuple] = {}
     for r in readings:
         c = r.candidate
+        if c.against:
+            continue
         try:
             lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
         except GeometryError:
             continue
-        groups.setdefault((lay.kv_size, lay.stride_table().signature()), []).append(r)
-        geo[id(r)] = (lay.block_size, lay.num_heads, lay.head_size)
+        groups.setdefault((lay.kv_size, lay.dtype, lay.stride_table().signature()), []).append(r)
     gs = list(groups.values())
     keys: list[str] = []
 
@@ -80,16 +93,16 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("attention_backend")
     if differs(_layout_class) and all(_layout_class(r) is not None for g in gs for r in g):
         keys.append("kv_cache_layout")
-    if differs(lambda r: r.candidate.note.endswith("physical order)")):
+    if differs(lambda r: r.candidate.order == "physical"):
         keys.append("kv_cache_layout")
-    if differs(lambda r: geo[id(r)][0]):
-        keys.append("block_size")
-    if differs(lambda r: geo[id(r)][1]):
-        keys.append("num_kv_heads")
-    if differs(lambda r: geo[id(r)][2]):
-        keys.append("head_size")
     if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm")):
         keys.append("device_type")
+    # settings vLLM reads at run time that no tensor shows (IPEX importable, an env var)
+    for field, name in (("use_ipex", "use_ipex"), ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")):
+        if differs(lambda r, f=field: dict(r.rule.requires).get(f)):
+            keys.append(name)
+    if differs(lambda r: r.candidate.dtype):
+        keys.append("dtype")
     return list(dict.fromkeys(keys))
 
 
@@ -105,15 +118,12 @@ def _fitting(readings: list[Reading]) -> list[Reading]:
     return out
 
 
-def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict) -> None:
-    """Raise DetectionError when the hints exclude every reading the tensors allow."""
-    loose = _fitting(candidates(tensors, h, check_layout=False))
-    if loose and (h.kv_cache_layout is not None or h.device_type == "xpu"):
-        said = h.kv_cache_layout or "NHD (forced on XPU)"
-        shows = sorted({f"{r.layout} ({r.candidate.format})" for r in loose})
+def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict, needs: list[str]) -> None:
+    """Raise DetectionError when the hints exclude every reading the tensors allow, or a
+    reading needs hints it did not get."""
+    if needs:
         raise DetectionError(
-            f"vLLM: the kv_cache_layout hint says {said}, but the tensors' strides show {', '.join(shows)}.\n"
-            f"tensors:\n{describe_input(tensors)}\nFix the hint (or VLLM_KV_CACHE_LAYOUT), or pass the tensors vLLM allocated."
+            f"vLLM: these tensors can be read only with more hints: {'; '.join(dict.fromkeys(needs))}.\ntensors:\n{describe_input(tensors)}"
         )
     free = _fitting(candidates(tensors, VllmHints(device_type=h.device_type)))
     if raw_hints and free:
@@ -124,81 +134,233 @@ def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict) 
         )
 
 
-def _distinct(items: list[torch.Tensor]) -> tuple[list[torch.Tensor], str, tuple[int, ...] | None]:
-    """Drop entries that are the very same view as an earlier one: vLLM registers one tensor
-    under several layer names for KV groups that alias one buffer (0.11
-    ``kv_cache_utils.py::get_kv_cache_config_from_groups``: ``shared_by=[full.i, sw.i]``) and
-    for cross-layer KV sharing (``shared_kv_cache_layers``: the entry *is* the target
-    layer's tensor). One memory is one layer of the layout (kvcore refuses two planes at
-    one address: a scatter would write it twice)."""
-    seen: dict[tuple, int] = {}
-    keep: list[torch.Tensor] = []
-    kept: list[int] = []
-    aliases: list[str] = []
-    for i, t in enumerate(items):
-        if t.is_meta:  # meta tensors have no addresses: only the same object is the same memory
-            key: tuple = ("object", id(t))
-        else:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if key in seen:
-            aliases.append(f"{i}->{seen[key]}")
-            continue
-        seen[key] = i
-        keep.append(t)
-        kept.append(i)
-    if not aliases:
-        return items, "", None
-    return (
-        keep,
-        (
-            f"; entries {', '.join(aliases)} alias an earlier entry (shared KV / aliased KV cache groups): "
-            f"the layout holds the {len(keep)} distinct layers"
-        ),
-        tuple(kept),
+def _layout_source(h: VllmHints, hints: Any) -> str:
+    """Where the layout hint came from, for messages."""
+    raw = hints if isinstance(hints, dict) else {}
+    if raw.get("kv_cache_layout") is not None or h.kv_cache_layout is None:
+        return "kv_cache_layout"
+    env = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    from_obj = any(
+        getattr(o, "kv_cache_layout", None) is not None
+        for o in (raw.get("cache_config"), getattr(raw.get("vllm_config"), "cache_config", None))
+        if o is not None
     )
+    if env and not from_obj:
+        return "VLLM_KV_CACHE_LAYOUT"
+    return "cache_config.kv_cache_layout"
+
+
+# -- fp8: OCP or FNUZ -------------------------------------------------------------------
+
+
+def _gfx94(tensors: list[torch.Tensor]) -> bool | None:
+    """vLLM's ``RocmPlatform.is_fp8_fnuz``: ``"gfx94" in gcnArchName``, read from the GPU
+    that holds the tensors; None when they are not on a ROCm GPU of this process."""
+    for t in tensors:
+        if t.device.type == "cuda" and getattr(torch.version, "hip", None):
+            try:
+                return "gfx94" in torch.cuda.get_device_properties(t.device).gcnArchName
+            except Exception:  # noqa: BLE001 - no arch name: unknown, not an error
+                return None
+    return None
+
+
+def _fp8_variants(h: VllmHints, tensors: list[torch.Tensor]) -> tuple[list[tuple[VllmHints, str]], list[str]]:
+    """The hints to read the tensors with, one per fp8 element dtype the platform allows.
+
+    Returns:
+        ([(hints, label suffix)], extra deciding hints).
+    Raises:
+        DetectionError: a ``dtype`` hint that is fp8 of the other kind than ``cache_dtype``.
+    """
+    kind = h.fp8_kind
+    if kind is None:
+        return [(h, "")], []
+    if is_fp8(h.dtype):
+        if ("e4m3" in dtype_name(h.dtype)) != (kind == "e4m3"):
+            raise DetectionError(
+                f"vLLM: cache_dtype={h.cache_dtype!r} stores fp8 {kind} but the dtype hint says {dtype_name(h.dtype)}; fix one of them"
+            )
+        return [(h, "")], []
+    if h.device_type == "rocm":
+        platform: str | None = "rocm"
+    elif h.device_type is not None:
+        platform = "other"
+    else:
+        built = rocm_build(tensors)
+        platform = None if built is None else ("rocm" if built else "other")
+    if platform == "other":
+        return [(h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=False)}), "")], []
+    if platform == "rocm":
+        fnuz = _gfx94(tensors)
+        if fnuz is not None:
+            return [(h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=fnuz)}), "")], []
+    ocp, nuz = fp8_dtype(kind, fnuz=False), fp8_dtype(kind, fnuz=True)
+    return [
+        (h.model_copy(update={"dtype": ocp}), f" as {dtype_name(ocp)} (CUDA; ROCm gfx950)"),
+        (h.model_copy(update={"dtype": nuz}), f" as {dtype_name(nuz)} (ROCm gfx94x: MI300X, MI325X)"),
+    ], (["device_type"] if platform is None else [])
+
+
+# -- per-layer lists: (K, V) pairs or Mamba state -----------------------------------------
+
+
+def _pair_shape(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(K shape, V shape) when ``x`` can be one layer's (K, V): two rank-4 tensors
+    ``[NB, BS, NH, *]`` of one dtype, device and leading shape."""
+    if not isinstance(x, (list, tuple)) or len(x) != 2 or not all(isinstance(t, torch.Tensor) for t in x):
+        return None
+    k, v = x
+    if k.dim() != 4 or v.dim() != 4 or k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype or k.device != v.device:
+        return None
+    return tuple(k.shape), tuple(v.shape)
+
+
+def _mamba(items: list[Any]) -> Detection:
+    shapes = [[tuple(t.shape) for t in x] if isinstance(x, (list, tuple)) else tuple(x.shape) for x in items]
+    return Detection(
+        format=None,
+        excluded=f"Mamba state (a list of state tensors per layer, shapes {shapes[:3]}): not KV "
+        "(vLLM 0.11 gpu_model_runner.py::_reshape_kv_cache_tensors builds Mamba layers a list of as_strided state tensors)",
+    )
+
+
+def _lists(items: list[Any], h: VllmHints) -> Detection | None:
+    if h.kv_cache_spec == "mamba":
+        return _mamba(items)
+    shapes = [_pair_shape(x) for x in items]
+    if any(s is None for s in shapes):
+        if h.kv_cache_spec == "attention":
+            raise DetectionError(
+                "vLLM: kv_cache_spec='attention' but these per-layer lists are not (K, V) pairs of two [NB, BS, NH, HS] "
+                f"tensors of one shape:\n{describe_input(items)}"
+            )
+        if all(isinstance(x, (list, tuple)) for x in items):
+            return _mamba(items)
+        return None  # tensors and lists mixed: the core groups entries by kind (detect_per_layer)
+    if len(set(shapes)) != 1:
+        return None  # layers of different shapes: detect_per_layer
+    k_shape, v_shape = shapes[0]
+    if k_shape != v_shape:
+        raise DetectionError(
+            f"vLLM: per-layer (K, V) pairs whose K {list(k_shape)} and V {list(v_shape)} differ in width (vllm-ascend MLA keeps "
+            "(nope, rope) caches of kv_lora_rank and qk_rope_head_dim): kvcore's staging layout [2, NL, T, NH*HS] needs one "
+            "width for K and V; describe each as a key-only layout, e.g. kvcore.build_layout('NL_X_NB_BS_NH_HS', [p[0] for p in kv])"
+        )
+    distinct, aliases = split_aliases(items)
+    pairs = [tuple(p) for p in distinct]
+    k0 = pairs[0][0]
+    variants, extra = _fp8_variants(h, [t for p in pairs for t in p])
+    cands: list[Candidate] = []
+    for hv, suffix in variants:
+        dtype = _pair_dtype(k0, hv)
+        if not all(memory_ordered(t) for p in pairs for t in p):
+            raise DetectionError(
+                "vLLM: per-layer (K, V) pairs are [NB, BS, NH, HS] tensors in memory order as vllm-ascend allocates them "
+                f"({_ASCEND}); these strides are permuted:\n{describe_input(items)}"
+            )
+        nb, bs, nh, hs = k0.shape
+        if h.block_size not in (None, bs) or h.num_kv_heads not in (None, nh) or h.head_size not in (None, hs):
+            raise DetectionError(
+                f"vLLM: per-layer (K, V) pairs [NB={nb}, BS={bs}, NH={nh}, HS={hs}] but the hints say block_size="
+                f"{h.block_size}, num_kv_heads={h.num_kv_heads}, head_size={h.head_size}; fix the hints"
+            )
+        cands.append(
+            Candidate(
+                PAIRS_FORMAT,
+                pairs,
+                dtype,
+                note=f"vLLM per-layer (K, V) pairs ({_ASCEND}){suffix}",
+                decided_by={"dtype": dtype_name(dtype)} if suffix and dtype is not None else {},
+                label=f"(K, V) pairs{suffix}",
+            )
+        )
+    det = resolve(cands, engine="vllm", deciding_hints=extra, hints=_given(h), geometry_hints=_GEOMETRY, required=True)
+    det.aliases = aliases or None
+    return det
+
+
+def _pair_dtype(k: torch.Tensor, h: VllmHints) -> torch.dtype | None:
+    want = h.element_dtype()
+    if k.dtype in (torch.uint8, torch.int8) and want is not None and want != k.dtype and torch.empty(0, dtype=want).element_size() == 1:
+        return want
+    if want is not None and want != k.dtype and h.cache_dtype not in (None, "auto"):
+        raise DetectionError(f"vLLM: the (K, V) tensors are {k.dtype} but cache_dtype={h.cache_dtype!r} says {dtype_name(want)}")
+    return None
+
+
+def _given(h: VllmHints) -> dict[str, Any]:
+    """The hints the caller gave, by field name (the environment's layout included) and by
+    the names messages use for them."""
+    d = h.model_dump(exclude_none=True)
+    if "prefill_decode_attention" in d:
+        d["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"] = d["prefill_decode_attention"]
+    return d
+
+
+# -- the decision -------------------------------------------------------------------------
 
 
 def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     """Detect one vLLM KV cache group (see the module docstring).
 
     Returns:
-        a :class:`kvcore.Detection`, a not-KV Detection (``format=None``), or None when
-        no vLLM layout has this shape at all.
+        a :class:`kvcore.Detection` (``aliases`` set when entries share memory), a not-KV
+        Detection (``format=None``), or None when no vLLM layout has this shape at all.
     Raises:
         AmbiguousLayoutError: two layouts fit and place bytes differently.
         DetectionError: the hints contradict the tensors, or a hint value is unknown.
     """
     h = parse_hints(hints)
     raw = {k: v for k, v in (hints or {}).items() if v is not None} if isinstance(hints, dict) else {}
-    items = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+    bare = isinstance(kv_caches, torch.Tensor)
+    items = [kv_caches] if bare else list(kv_caches)
     if any(isinstance(x, (list, tuple)) for x in items):
-        shapes = [[tuple(t.shape) for t in x] if isinstance(x, (list, tuple)) else tuple(x.shape) for x in items]
-        return Detection(
-            format=None,
-            excluded=f"Mamba state (a list of state tensors per layer, shapes {shapes[:3]}): not KV "
-            "(vLLM 0.11 gpu_model_runner.py::_reshape_kv_cache_tensors builds Mamba layers a list of as_strided state tensors)",
-        )
+        return _lists(items, h)
     if not all(isinstance(x, torch.Tensor) for x in items):
         return None
+    if h.kv_cache_spec == "mamba":
+        return _mamba(items)
     t0 = items[0]
     if any(t.dim() != t0.dim() or t.dtype != t0.dtype for t in items):
         return None  # the core groups by signature; a mixed list is not one layout
-    items, alias_note, kept = _distinct(items)
-    readings = candidates(items, h)
-    if alias_note:
-        for r in readings:
-            r.candidate.note += alias_note
+    items, aliases = split_aliases(items)
+    source = _layout_source(h, hints)
+    layout_given = h.kv_cache_layout is not None or h.device_type == "xpu"
+    variants, extra = _fp8_variants(h, items)
+    readings: list[Reading] = []
+    needs: list[str] = []
+    for hv, suffix in variants:
+        rs = candidates(items, hv, evidence=layout_given, layout_source=source, needs=needs)
+        # one tensor given on its own may be a whole cross-layer buffer (as a cross-layer connector is handed it);
+        # in a list it is one layer, unless its rank is no per-layer tensor's
+        if bare or (len(items) == 1 and not any(r.rule.rank == t0.dim() for r in rs) and t0.dim() >= 5):
+            rs += bare_candidates(items[0], hv, evidence=layout_given, layout_source=source)
+        for r in rs:
+            if suffix:
+                r.candidate.label += suffix
+                r.candidate.note += suffix
+                r.candidate.decided_by["dtype"] = dtype_name(r.candidate.dtype) if r.candidate.dtype else None
+        readings += rs
     if readings:
-        try:
-            deciding = _deciding(readings)
-            if deciding:
-                for r in readings:
-                    r.candidate.decided_by = {k: v for k, v in r.candidate.decided_by.items() if k in deciding}
-            det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=deciding)
-        except AmbiguousLayoutError:
-            raise
+        deciding = _deciding(readings) + extra
+        for r in readings:
+            r.candidate.decided_by = {k: v for k, v in r.candidate.decided_by.items() if k in deciding}
+        det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=deciding, hints=_given(h), geometry_hints=_GEOMETRY)
+        if det is not None and needs:
+            # another reading exists that only more hints could build (vLLM 0.11 CPU's flat pages): not a decision
+            missing = [m for n in needs for m in ("block_size", "head_size", "num_kv_heads") if m in n and m not in _given(h)]
+            raise AmbiguousLayoutError(
+                f"vllm: these tensors read as {det.format} ({det.note}), and may also be a layout that needs more hints: "
+                f"{'; '.join(dict.fromkeys(needs))}.\ntensors:\n{describe_input(items)}\n"
+                f"Pass attention_backend, or {', '.join(dict.fromkeys(missing))} to build the other reading",
+                candidates=[det.format] + [n.split(":")[0] for n in dict.fromkeys(needs)],
+                hints=["attention_backend", *dict.fromkeys(missing)],
+            )
         if det is not None:
-            det.layer_ids = kept  # the entries the layout's layers are (aliases dropped), or None: all
+            if aliases:
+                det.aliases = aliases
+                det.note += f"; entries {', '.join(f'{i}->{j}' for i, j in aliases.items())} are the memory of an earlier entry (shared KV)"
             return det
     if t0.dim() == 4 and t0.shape[1] == 1 and t0.shape[2] == 1:
         return Detection(
@@ -208,5 +370,5 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         )
     if t0.dim() < 3:
         return Detection(format=None, excluded=f"tensor of shape {tuple(t0.shape)}: rank < 3 is not a paged vLLM KV cache")
-    _explain_misfit(items, h, raw)
+    _explain_misfit(items, h, raw, needs)
     return None

@@ -1,50 +1,87 @@
-"""Allocate KV caches exactly as vLLM does, per version, and view them as vLLM's attention does.
+"""Allocate KV caches exactly as vLLM does, per version, and read them as vLLM's attention does.
 
-Independent of :mod:`kvcore_vllm.rules` on purpose: these functions restate vLLM's own
-code (shapes from ``get_kv_cache_shape``, stride orders from
-``get_kv_cache_stride_order``, 0.33 strides from ``compute_layout_strides``), so tests
-that detect their output check the rules against vLLM, not against themselves.
+This module is the plugin's **engine truth**. It restates vLLM's own allocation and reading
+code, per release, and is written independently of :mod:`kvcore_vllm.rules`,
+:mod:`kvcore_vllm.specs` and kvcore's detection: it imports neither, so a test that detects
+a cache allocated here and gathers it against :func:`kv_view` checks kvcore against vLLM,
+not against itself. ``plugins/vllm/SOURCES.md`` lists the facts, per version, with the
+vLLM file and function each one comes from (0.11.0, 0.13.0, 0.24.0, 0.26.0 and 0.33.0
+wheels from PyPI).
 
-* per-layer era (0.11-0.26): ``raw = torch.zeros(page_size_bytes * num_blocks,
-  dtype=torch.int8)`` -> ``raw.view(dtype)`` -> ``.view(shape permuted by the stride
-  order)`` -> ``.permute(inverse order)`` (vLLM 0.11.0
-  ``vllm/v1/worker/gpu_model_runner.py::_allocate_kv_cache_tensors`` l.3758 and
-  ``::_reshape_kv_cache_tensors`` l.3797); fp8 cache dtypes are stored as uint8
-  (``STR_DTYPE_TO_TORCH_DTYPE``).
-* cross-layer (0.13-0.2x, ``cross_layer=True``): one int8 buffer for all layers, logical
-  shape ``(L,) + backend_shape`` permuted by the 6-D stride order, per-layer views
-  ``permuted[i]`` (``vllm/v1/worker/kv_connector_model_runner_mixin.py::allocate_uniform_kv_caches``).
-* 0.33: one int8 buffer, ``torch.as_strided`` 5-D ``[L, B, H, N, C]`` (C in bytes) by the
-  ``KVCacheLayout`` permutation, per-layer 4-D views ``view_5d[l].view(dtype)``
-  (``vllm/v1/kv_cache_interface.py::create_kv_cache_views``,
-  ``::compute_layout_strides``); ``byte_views=True`` keeps them int8.
-* TPU Pallas (<= 0.13): ``torch.zeros((NB, BS, 2*NH, ceil128(HS)))`` per layer
-  (``tpu_model_runner``).
+Allocation (:func:`allocate`)
+-----------------------------
+* **0.11 - 0.26, per layer** (``vllm/v1/worker/gpu_model_runner.py::_allocate_kv_cache_tensors``
+  and ``::_reshape_kv_cache_tensors``): one flat ``int8`` buffer per layer of
+  ``page_size_bytes * num_blocks`` bytes; ``shape = backend.get_kv_cache_shape(kernel_num_blocks,
+  kernel_block_size, NH, HS, cache_dtype)``; ``order = backend.get_kv_cache_stride_order()``
+  (identity when the backend has none); ``raw.view(dtype).view(shape permuted by order)
+  .permute(inverse order)``. From 0.13 the shape is built in kernel blocks (a manager block of
+  ``block_size`` tokens split into ``block_size // kernel_block_size`` kernel blocks).
+  fp8 cache dtypes are stored as ``uint8`` (``STR_DTYPE_TO_TORCH_DTYPE``).
+* **0.11, attention beside Mamba layers** (``::_update_hybrid_attention_mamba_layout``): a
+  ``(2, NB, ...)`` tensor is restrided in place to strides ``(hidden, 2*hidden, ...)``.
+* **0.13 - 0.26, cross-layer** (``vllm/v1/worker/kv_connector_model_runner_mixin.py::
+  use_uniform_kv_cache`` / ``::allocate_uniform_kv_caches``): one ``int8`` buffer for all
+  layers, logical shape ``(L,) + get_kv_cache_shape(...)`` viewed in the physical order
+  ``get_kv_cache_stride_order(include_num_layers_dimension=True)`` and permuted back;
+  layer ``i`` is ``permuted[i]``. Only backends whose layered order has one more axis (and,
+  from 0.24, does not keep layers first: ``AttentionBackend.indexes_kv_by_block_stride``).
+* **0.33** (``vllm/v1/worker/utils.py::allocate_kv_cache``,
+  ``vllm/v1/kv_cache_interface.py::create_kv_cache_views`` / ``::compute_layout_strides`` /
+  ``::compute_layer_kv_cache_shape_bytes``, ``vllm/v1/core/kv_cache_planning.py::
+  get_kv_cache_config_from_groups``): one ``int8`` buffer; each ``KVCacheTensor`` places layer
+  ``l``'s block ``b`` at ``offset + l*layer_stride + b*block_stride`` bytes; a 5-D
+  ``[L, B, H, N, C]`` byte view (``torch.as_strided``), then per-layer ``view_5d[l].view(dtype)``.
+  ``H``/``C`` come from the backend's ``customize_spec`` (ROCM_ATTN: ``H = 2`` head slots,
+  ``C = NH*HS*itemsize``; MLA: ``H = 1``, ``C = 576*itemsize``, 656 B for ``fp8_ds_mla``).
+  Kernel-block splitting divides the block stride by ``block_size // kernel_block_size``.
+* **TPU Pallas (<= 0.13)**: ``torch.zeros((NB, BS, 2*NH, ceil128(HS)))`` per layer.
 
-:func:`kv_view` builds the engine-side ``[NB, BS, NH, HS]`` view of one layer's K or V the
-way the backend's forward splits it (``unbind(0)``, ``unbind(1)``,
-``transpose(1, 2).split(head_size, -1)``, ``chunk(2, dim=2)``, ``split_kv_cache``...).
+Reading (:func:`kv_view`, the oracle)
+-------------------------------------
+One layer's K (``kv=0``) or V (``kv=1``) as ``[NB, BS, NH, *elem]``, built with the very
+operations the backend's ``forward`` uses (``unbind(0)``, ``unbind(1)``, ``kv_cache[:, 0]``,
+``transpose(1, 2).split(head_size, -1)``, ``view(NB, NH, 2*BS, HS).chunk(2, dim=2)``,
+``PagedAttention.split_kv_cache``, ``squeeze(1)``), then only a ``permute`` to put the block,
+token and head axes first. Writing into the view writes the cache.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
 from kvcore import GeometryError
 from kvcore.testing import FixtureCase
-from kvcore_vllm.hints import BACKEND_FAMILY, era_of
-from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
 
-__all__ = ["allocate", "kv_view", "blocked_views", "VllmKVCaches", "fixture_cases", "LAYOUT_ORDERS", "MLA_HEAD_SIZE"]
+__all__ = [
+    "allocate",
+    "allocate_dsv32",
+    "kv_view",
+    "blocked_views",
+    "VllmKVCaches",
+    "fixture_cases",
+    "LAYOUT_ORDERS",
+    "MLA_HEAD_SIZE",
+    "ERAS",
+    "era_of",
+    "MATRIX",
+    "case_name",
+]
 
-MLA_HEAD_SIZE = 576
-FP8_DS_MLA_BYTES = 656
+MLA_HEAD_SIZE = 576  # kv_lora_rank 512 + qk_rope_head_dim 64 (ModelConfig.get_head_size with MLA)
+FP8_DS_MLA_BYTES = 656  # 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE (mla/flashmla_sparse.py)
 NVFP4_DS_MLA_BYTES = 352
-INDEXER_BYTES = 132
+INDEXER_BYTES = 132  # DeepseekV32IndexerCache: head_dim 128 + 128 // 128 * 4 scale bytes
+INDEXER_VALUE_BYTES = 128
 
-#: vLLM 0.33 ``KVCacheLayout``: physical order of the logical ``[L, B, H, N, C]`` axes.
+#: Layout eras: each vLLM version reads as the latest era at or below it (0.11 covers 0.12,
+#: 0.13 covers 0.14-0.23: the shapes below are identical across each range's wheels read).
+ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
+
+#: vLLM 0.33 ``vllm/v1/kv_cache_layout.py::KVCacheLayout``: physical order of ``[L, B, H, N, C]``.
 LAYOUT_ORDERS = {
     "LBHNC": (0, 1, 2, 3, 4),
     "LBNHC": (0, 1, 3, 2, 4),
@@ -53,88 +90,257 @@ LAYOUT_ORDERS = {
     "BLNHC": (1, 0, 3, 2, 4),
     "BHLNC": (1, 2, 0, 3, 4),
 }
-_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}  # vllm/config/cache.py::_LAYOUT_COMPAT_ALIASES
 
-#: 6-D cross-layer stride orders over ``(L,) + backend_shape`` (engine_layouts.md §1.13).
-_CROSS_ORDERS = {
-    ("0.13", "FLASH_ATTN", "NHD"): (2, 0, 1, 3, 4, 5),
-    ("0.13", "FLASH_ATTN", "HND"): (2, 4, 0, 1, 3, 5),
-    ("0.13", "FLASHINFER", "NHD"): (1, 0, 2, 3, 4, 5),
-    ("0.13", "FLASHINFER", "HND"): (1, 2, 4, 0, 3, 5),
-    ("0.24", "FLASH_ATTN", "NHD"): (1, 0, 2, 3, 4, 5),
-    ("0.24", "FLASH_ATTN", "HND"): (1, 4, 0, 2, 3, 5),
-    ("0.26", "FLASH_ATTN", "NHD"): (1, 0, 3, 2, 4),
+MLA_BACKENDS = ("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA", "ROCM_AITER_MLA")
+GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+ROCM_BACKENDS = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN")
+CPU_BACKENDS = ("TORCH_SDPA", "CPU_ATTN")
+BACKENDS = GPU_BACKENDS + ROCM_BACKENDS + CPU_BACKENDS + MLA_BACKENDS + ("PALLAS", "INDEXER")
+
+#: backends each era's wheel has (``vllm/v1/attention/backends/``).
+_ERA_BACKENDS = {
+    "0.11": set(GPU_BACKENDS) | {"ROCM_ATTN", "ROCM_AITER_FA", "TORCH_SDPA", "PALLAS", "INDEXER"} | set(MLA_BACKENDS),
+    "0.13": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "PALLAS", "INDEXER"} | set(MLA_BACKENDS),
+    "0.24": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
+    "0.26": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
+    "0.33": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
 }
 
-_STORAGE = {"fp8": torch.uint8, "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8, "fp8_ds_mla": torch.uint8, "nvfp4_ds_mla": torch.uint8}
+_STORAGE = {
+    "fp8": torch.uint8,
+    "fp8_e4m3": torch.uint8,
+    "fp8_e5m2": torch.uint8,
+    "fp8_ds_mla": torch.uint8,
+    "nvfp4_ds_mla": torch.uint8,
+}
 _FP8_ELEMENT = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def era_of(version: str) -> str:
+    """``"0.24.1"`` -> ``"0.24"``, ``"0.15"`` -> ``"0.13"``, ``"0.40"`` -> ``"0.33"``.
+
+    Raises:
+        GeometryError: not a version, or older than 0.11.
+    """
+    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(version))
+    if not m:
+        raise GeometryError(f"{version!r} is not a vLLM version ('0.11.0', '0.24', ...)")
+    mm = (int(m.group(1)), int(m.group(2)))
+    era = None
+    for e in ERAS:
+        if mm >= tuple(int(x) for x in e.split(".")):
+            era = e
+    if era is None:
+        raise GeometryError(f"vLLM {version} predates 0.11: the fixtures reproduce the V1 engine's allocation only")
+    return era
 
 
 class VllmKVCaches(dict):
     """``dict[layer_name, Tensor]`` as vLLM's runner keeps it, plus ``meta``: how it was
-    allocated (version, backend, layout, element dtype...) so :func:`kv_view` can view it."""
+    allocated (version era, backend, layout, element dtype...), so :func:`kv_view` reads
+    it the way that backend does."""
 
     meta: dict[str, Any]
 
 
-def _family(backend: str) -> str:
-    b = backend.upper()
-    if b == "INDEXER":
-        return "INDEXER"
-    if b not in BACKEND_FAMILY:
-        raise GeometryError(f"unknown vLLM attention backend {backend!r}; use one of {', '.join(BACKEND_FAMILY)} or INDEXER")
-    return BACKEND_FAMILY[b]
-
-
-def _kv_shape(era: str, fam: str, nb: int, bs: int, nh: int, hs: int, cache_dtype: str) -> tuple[int, ...]:
-    """``get_kv_cache_shape`` per era and backend family (engine_layouts.md §1.3-§1.11)."""
-    if fam == "MLA":
-        width = FP8_DS_MLA_BYTES if cache_dtype == "fp8_ds_mla" else NVFP4_DS_MLA_BYTES if cache_dtype == "nvfp4_ds_mla" else hs
-        return (nb, bs, width)
-    if fam == "INDEXER":
-        return (nb, bs, INDEXER_BYTES)
-    if fam == "PALLAS":
-        return (nb, bs, 2 * nh, -(-hs // 128) * 128)
-    if fam == "ROCM_ATTN":
-        return (2, nb, bs, nh, hs)  # rocm_attn.py::RocmAttentionBackend.get_kv_cache_shape
-    if fam == "CPU":
-        if era == "0.11":
-            return (2, nb, bs * nh * hs)
-        if era == "0.13":
-            return (2, nb, nh, bs, hs)
-        return (nb, nh, bs, 2 * hs)
-    if era == "0.26":
-        return (nb, nh, bs, 2 * hs)
-    if era in ("0.11", "0.13") and fam in ("FLASH_ATTN", "FLEX_ATTENTION"):
-        return (2, nb, bs, nh, hs)
-    return (nb, 2, bs, nh, hs)
-
-
-def _stride_order(era: str, fam: str, layout: str, rank: int) -> tuple[int, ...]:
-    """``get_kv_cache_stride_order`` per era, backend family and NHD/HND."""
-    ident = tuple(range(rank))
-    if fam in ("MLA", "INDEXER", "PALLAS", "CPU", "ROCM_ATTN"):
-        return ident  # no stride-order override: memory follows the logical shape
-    if era == "0.26":
-        return (0, 2, 1, 3) if layout == "NHD" else ident
-    if era == "0.24" and fam == "FLEX_ATTENTION":
-        return (0, 2, 1, 3, 4)
-    if layout == "HND":
-        if fam == "TRITON_ATTN" or fam == "FLEX_ATTENTION":
-            raise GeometryError(f"vLLM {era} {fam} has no HND stride order (it allocates NHD only)")
-        return (0, 1, 3, 2, 4)
-    return ident
+def _esz(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(order)
-    for i, o in enumerate(order):
-        inv[o] = i
-    return tuple(inv)
+    return tuple(order.index(i) for i in range(len(order)))
 
 
-def _esz(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p
+
+
+# -- vLLM <= 0.26: get_kv_cache_shape / get_kv_cache_stride_order per backend -----------
+
+
+def kv_cache_shape(era: str, backend: str, nb: int, bs: int, nh: int, hs: int, cache_dtype: str = "auto") -> tuple[int, ...]:
+    """``<Backend>.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size,
+    cache_dtype_str)`` of vLLM ``era`` (<= 0.26); see SOURCES.md for each line.
+
+    Raises:
+        GeometryError: the backend rejects the geometry (block_size % 16, ...).
+    """
+    kvfirst = (2, nb, bs, nh, hs)
+    blocks_first = (nb, 2, bs, nh, hs)
+    packed = (nb, nh, bs, 2 * hs)
+    if backend in MLA_BACKENDS:  # mla/common.py::MLACommonBackend.get_kv_cache_shape; flashmla_sparse for fp8_ds_mla
+        if cache_dtype == "fp8_ds_mla":
+            return (nb, bs, FP8_DS_MLA_BYTES)
+        return (nb, bs, hs)
+    if backend == "INDEXER":  # mla/indexer.py::DeepseekV32IndexerBackend.get_kv_cache_shape
+        return (nb, bs, hs)
+    if backend == "PALLAS":  # pallas.py::PallasAttentionBackend.get_kv_cache_shape
+        return (nb, bs, 2 * nh, -(-hs // 128) * 128)
+    if backend == "TORCH_SDPA":  # cpu_attn.py::_PagedAttention.get_kv_cache_shape (IPEX inherits it)
+        return (2, nb, bs * nh * hs)
+    if backend == "CPU_ATTN":  # cpu_attn.py::CPUAttentionBackend.get_kv_cache_shape
+        return (2, nb, nh, bs, hs) if era == "0.13" else packed
+    if backend in ("FLASH_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "TRITON_ATTN") and bs % 16:
+        raise GeometryError(f"vLLM {era} {backend}.get_kv_cache_shape: Block size must be a multiple of 16 (got {bs})")
+    if backend == "ROCM_ATTN":  # rocm_attn.py::RocmAttentionBackend.get_kv_cache_shape (0.11-0.26)
+        return kvfirst
+    if era == "0.26":  # every GPU/AITER backend packs K|V in the content dim
+        return packed
+    if era in ("0.11", "0.13") and backend in ("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"):
+        return kvfirst
+    return blocks_first
+
+
+def kv_cache_stride_order(era: str, backend: str, layout: str, include_layers: bool, cache_dtype: str = "auto") -> tuple[int, ...] | None:
+    """``<Backend>.get_kv_cache_stride_order(include_num_layers_dimension)`` of vLLM ``era``
+    (<= 0.26), ``layout`` being ``get_kv_cache_layout()`` (``NHD``/``HND``); None where the
+    backend does not define one (the runner then uses the identity, the mixin refuses
+    cross-layer)."""
+    if backend in MLA_BACKENDS:
+        if era == "0.11" or backend == "FLASHMLA_SPARSE":  # 0.11 MLA and FlashMLASparseBackend define no stride order
+            return None
+        if era in ("0.24", "0.26") and backend == "ROCM_AITER_MLA":  # MLACommonBackend keeps layers first
+            return (0, 1, 2, 3) if include_layers else (0, 1, 2)
+        return (1, 0, 2, 3) if include_layers else (0, 1, 2)  # mla/common.py (0.13), each MLA backend (0.24/0.26)
+    if backend == "INDEXER":
+        return (0, 1, 2, 3) if include_layers else (0, 1, 2)
+    nhd = layout == "NHD"
+    if era == "0.26" and backend in GPU_BACKENDS:
+        if backend == "FLEX_ATTENTION":  # flex_attention.py: layout-independent
+            return (1, 0, 3, 2, 4) if include_layers else (0, 2, 1, 3)
+        if include_layers:
+            return (1, 0, 3, 2, 4) if nhd else (1, 2, 0, 3, 4)
+        return (0, 2, 1, 3) if nhd else (0, 1, 2, 3)
+    if era == "0.24":
+        if backend == "FLEX_ATTENTION":
+            return (1, 0, 3, 2, 4, 5) if include_layers else (0, 2, 1, 3, 4)
+        if backend in ("FLASH_ATTN", "TRITON_ATTN"):
+            if include_layers:
+                return (1, 0, 2, 3, 4, 5) if nhd else (1, 4, 0, 2, 3, 5)
+            return (0, 1, 2, 3, 4) if nhd else (0, 1, 3, 2, 4)
+        if backend == "FLASHINFER":
+            if include_layers:
+                return (1, 0, 2, 3, 4, 5) if nhd else (1, 2, 4, 0, 3, 5)
+            return (0, 1, 2, 3, 4) if nhd else (0, 1, 3, 2, 4)
+        return None
+    if era in ("0.11", "0.13") and backend in ("FLASH_ATTN", "FLASHINFER"):
+        if include_layers:
+            if era == "0.11":
+                return None
+            if backend == "FLASH_ATTN":
+                return (2, 0, 1, 3, 4, 5) if nhd else (2, 4, 0, 1, 3, 5)
+            return (1, 0, 2, 3, 4, 5) if nhd else (1, 2, 4, 0, 3, 5)
+        return (0, 1, 2, 3, 4) if nhd else (0, 1, 3, 2, 4)
+    return None
+
+
+def _cross_layer_allowed(era: str, order: tuple[int, ...] | None, rank: int) -> bool:
+    """``use_uniform_kv_cache``: 0.13 needs a layered order of rank + 1; 0.24/0.26 also
+    ``indexes_kv_by_block_stride`` (the layered order does not keep layers first)."""
+    if order is None or len(order) != rank + 1:
+        return False
+    return era == "0.13" or order[0] != 0
+
+
+# -- vLLM 0.33: specs, KVCacheTensor strides, views --------------------------------------
+
+#: ``supported_kv_cache_layouts()`` where a backend restricts them (None: every member).
+SUPPORTED_LAYOUTS_033 = {
+    "FLEX_ATTENTION": ("LBNHC",),
+    "CPU_ATTN": ("LBHNC",),
+    "ROCM_ATTN": ("LHBNC", "LBHNC"),
+    "ROCM_AITER_FA": ("LBHNC", "LHBNC"),
+    "ROCM_AITER_UNIFIED_ATTN": ("LBHNC", "LHBNC"),
+}
+
+
+def spec_033(backend: str, nh: int, hs: int, storage: torch.dtype, cache_dtype: str = "auto") -> tuple[int, int]:
+    """``(num_heads, state_content_size_bytes)`` of the layer's ``AttentionSpec`` after the
+    backend's ``customize_spec`` (vLLM 0.33 ``kv_cache_interface.py::AttentionSpec``)."""
+    esz = _esz(storage)
+    if backend in MLA_BACKENDS:  # MLAAttentionSpec: head_size_v = 0; fp8_ds_mla / nvfp4_ds_mla records
+        if cache_dtype == "fp8_ds_mla":
+            return 1, FP8_DS_MLA_BYTES
+        if cache_dtype == "nvfp4_ds_mla":
+            return 1, NVFP4_DS_MLA_BYTES
+        return 1, hs * esz
+    if backend == "INDEXER":
+        return 1, hs * esz
+    if backend == "ROCM_ATTN":  # rocm_attn.py::RocmAttentionBackend.customize_spec
+        return 2, nh * hs * esz
+    return nh, 2 * hs * esz  # (head_size + head_size_v) * dtype size
+
+
+def layout_strides_033(shape: tuple[int, ...], layout: str, page_padded: int | None = None, fixed=(None,) * 5) -> list[int]:
+    """``compute_layout_strides``: byte strides of logical ``[L, B, H, N, C]``."""
+    order = LAYOUT_ORDERS[layout]
+    grid_end = max(order.index(0), order.index(1)) + 1
+    strides = [0] * 5
+    cur = 1
+    for idx, dim in reversed(tuple(enumerate(order))):
+        if page_padded is not None and idx == grid_end - 1:
+            cur = max(cur, page_padded)
+        strides[dim] = fixed[dim] or cur
+        cur = strides[dim] * shape[dim]
+    return strides
+
+
+def _views_033(raw, n_layers, nb, heads, n, c, layout, layer_stride, block_stride, offset, ratio, storage, byte_views):
+    """``create_kv_cache_views``: kernel-block split, 5-D as_strided, per-layer ``.view(dtype)``."""
+    if ratio > 1:
+        if block_stride != heads * n * ratio * c:
+            raise GeometryError(
+                f"vLLM 0.33 create_kv_cache_views: layout {layout} does not store blocks as dense pages (block stride "
+                f"{block_stride} != page {heads * n * ratio * c}); a manager block cannot be split into {ratio} kernel blocks"
+            )
+        block_stride //= ratio
+        nb *= ratio
+    shape = (n_layers, nb, heads, n, c)
+    strides = layout_strides_033(shape, layout, fixed=(layer_stride, block_stride, None, None, None))
+    view5 = torch.as_strided(raw, shape, tuple(strides), raw.storage_offset() + offset)
+    return [view5[i] if byte_views else view5[i].view(storage) for i in range(n_layers)]
+
+
+def _allocate_033(out, names, backend, lay, nb, bs, nh, hs, storage, device, cache_dtype, byte_views, padding, kernel_bs):
+    lay = _ALIASES.get(lay, lay)
+    if lay not in LAYOUT_ORDERS:
+        raise GeometryError(f"vLLM 0.33 KVCacheLayout is one of {', '.join(LAYOUT_ORDERS)} (or NHD/HND), not {lay!r}")
+    allowed = SUPPORTED_LAYOUTS_033.get(backend)
+    if allowed and lay not in allowed:
+        raise GeometryError(f"vLLM 0.33 {backend}.supported_kv_cache_layouts() is {allowed}; {lay} is never resolved for it")
+    heads, c = spec_033(backend, nh, hs, storage, cache_dtype)
+    L = len(names)
+    page = heads * bs * c
+    padded = page + padding if padding else None
+    if padded is not None and heads > 1 and lay in ("LHBNC", "BHLNC"):
+        raise GeometryError(f"vLLM 0.33 compute_layout_strides: page padding requires L and B outside the page tail, not {lay}")
+    if padded is not None and kernel_bs not in (None, bs):
+        raise GeometryError("vLLM 0.33: padded KV pages do not support kernel block splitting")
+    # kv_cache_planning.get_kv_cache_config_from_groups: one KVCacheTensor for the group
+    order = LAYOUT_ORDERS[lay]
+    fixed_block = padded if (padded is not None and order[0] != 1) else None
+    if order[0] == 1:  # block-outermost: bytes per block = all layers' pages (padded pages only widen it)
+        fixed_block = L * (padded or page)
+    strides = layout_strides_033((L, nb, heads, bs, c), lay, padded, (None, fixed_block, None, None, None))
+    layer_stride, block_stride = strides[0], strides[1]
+    total = max(sum((n - 1) * s for n, s in zip((L, nb, heads, bs, c), strides)) + 1, 1)
+    if order[0] == 1:
+        total = nb * block_stride
+    raw = torch.zeros(total, dtype=torch.int8, device=device)
+    ratio = bs // kernel_bs if kernel_bs else 1
+    if kernel_bs and bs % kernel_bs:
+        raise GeometryError(f"kernel block size {kernel_bs} must divide block_size {bs}")
+    n = kernel_bs or bs
+    for name, v in zip(names, _views_033(raw, L, nb, heads, n, c, lay, layer_stride, block_stride, 0, ratio, storage, byte_views)):
+        out[name] = v
+    return out
+
+
+# -- allocation --------------------------------------------------------------------------
 
 
 def allocate(
@@ -154,142 +360,198 @@ def allocate(
     mamba_hybrid: bool = False,
     byte_views: bool = False,
     block_padding: int = 0,
+    kernel_block_size: int | None = None,
+    use_ipex: bool = False,
+    prefill_decode_attention: bool = False,
     layer_name: str = "model.layers.{i}.self_attn.attn",
 ) -> VllmKVCaches:
-    """Allocate a vLLM KV cache (see the module docstring for each version's path).
+    """Allocate a vLLM KV cache as vLLM ``version``'s runner does (see the module docstring).
 
     Args:
         version: a vLLM version (``"0.11.0"``, ``"0.24"``, ``"0.33.0"``...).
-        backend: vLLM's backend name (``FLASH_ATTN``, ``FLASHINFER``, ``TRITON_ATTN``,
-            ``FLEX_ATTENTION``, ``FLASHMLA``, ``CPU_ATTN``, ``TORCH_SDPA``, ``PALLAS``...),
-            or ``INDEXER`` for the DeepSeek-V3.2 indexer cache (uint8, 132 B per token).
-        layout: ``NHD``/``HND`` (<= 0.26) or a 0.33 ``KVCacheLayout`` member.
-        num_layers, num_blocks, block_size, num_kv_heads, head_size: geometry (MLA:
-            num_kv_heads 1, head_size 576).
-        dtype: the model dtype (``cache_dtype="auto"``) or the element dtype to store.
+        backend: vLLM's backend name: ``FLASH_ATTN``, ``FLASHINFER``, ``TRITON_ATTN``,
+            ``FLEX_ATTENTION``, ``ROCM_ATTN``, ``ROCM_AITER_FA``, ``ROCM_AITER_UNIFIED_ATTN``,
+            ``TORCH_SDPA`` (0.11), ``CPU_ATTN`` (0.13+), ``PALLAS`` (<= 0.13), an MLA backend
+            (``FLASHMLA``, ``FLASHMLA_SPARSE``, ``TRITON_MLA``...), or ``INDEXER`` (the
+            DeepSeek-V3.2 indexer K cache, uint8, head_size 132).
+        layout: ``NHD``/``HND`` (``get_kv_cache_layout()``, <= 0.26) or a 0.33
+            ``KVCacheLayout`` member.
+        num_layers, num_blocks, block_size, num_kv_heads, head_size: geometry; ``num_blocks``
+            and ``block_size`` are the manager's (``KVCacheConfig.num_blocks``,
+            ``cache_config.block_size``).
+        dtype: the model dtype (``cache_dtype="auto"``).
         cache_dtype: vLLM's ``--kv-cache-dtype`` (``fp8*`` and ``*_ds_mla`` store uint8).
-        cross_layer: 0.13-0.2x cross-layer buffer (one int8 buffer, per-layer views).
-        mamba_hybrid: <= 0.2x attention layers of a Mamba hybrid: a ``(2, NB, ...)`` tensor is
-            restrided in place to stride ``(hidden, 2*hidden, ...)`` so a block's K and V sit
-            together (0.11 ``gpu_model_runner.py::_update_hybrid_attention_mamba_layout``).
-        byte_views: 0.33 only: keep the per-layer views int8 (C in bytes).
-        block_padding: extra bytes per page (MLA / indexer / 0.33: a dim-0 padded pool).
+        cross_layer: 0.13-0.26 cross-layer buffer (``allocate_uniform_kv_caches``).
+        mamba_hybrid: 0.11 attention layers of a Mamba hybrid (restrided ``(2, NB, ...)``).
+        byte_views: 0.33: keep the per-layer views int8 (C in bytes).
+        block_padding: extra bytes per page (``page_size_padded``; MLA/indexer <= 0.26, 0.33).
+        kernel_block_size: 0.13+: the attention kernel's block size when it is smaller than
+            ``block_size`` (the tensors then have ``num_blocks * ratio`` blocks of it).
+        use_ipex: 0.11 TORCH_SDPA: ``intel_extension_for_pytorch`` importable (shape is the
+            same; only :func:`kv_view` reads it differently).
+        prefill_decode_attention: 0.11 ROCM_ATTN: ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION=1``.
     Returns:
         :class:`VllmKVCaches` keyed ``model.layers.{i}.self_attn.attn``.
     Raises:
         GeometryError: an unknown backend/layout, or a combination vLLM does not allocate.
     """
     era = era_of(version)
-    fam = _family(backend)
+    b = backend.upper()
+    if b not in BACKENDS:
+        raise GeometryError(f"unknown vLLM attention backend {backend!r}; one of {', '.join(BACKENDS)}")
+    if b not in _ERA_BACKENDS[era]:
+        raise GeometryError(f"vLLM {version} has no {b} backend (its wheel's vllm/v1/attention/backends/ lacks it)")
     lay = layout.upper()
+    if b == "INDEXER":  # DeepseekV32IndexerCache: MLAAttentionSpec(head_size=132, dtype=uint8)
+        head_size, dtype, cache_dtype = INDEXER_BYTES, torch.uint8, "auto"
+    if cache_dtype == "nvfp4_ds_mla" and era != "0.33":
+        raise GeometryError(f"vLLM {version} has no nvfp4_ds_mla cache dtype (first in 0.33 flashmla_sparse.py)")
     storage = _STORAGE.get(cache_dtype, dtype)
     element = _FP8_ELEMENT.get(cache_dtype, storage)
     esz = _esz(storage)
     names = [layer_name.format(i=i) for i in range(num_layers)]
     out = VllmKVCaches()
     out.meta = dict(
-        era=era, family=fam, backend=backend.upper(), layout=lay, head_size=head_size, num_kv_heads=num_kv_heads,
-        block_size=block_size, storage=storage, element=element, cache_dtype=cache_dtype, byte_views=byte_views,
+        era=era, backend=b, layout=_ALIASES.get(lay, lay) if era == "0.33" else lay, head_size=head_size,
+        num_kv_heads=num_kv_heads, block_size=block_size, kernel_block_size=kernel_block_size or block_size,
+        storage=storage, element=element, cache_dtype=cache_dtype, byte_views=byte_views, use_ipex=use_ipex,
+        prefill_decode_attention=prefill_decode_attention,
     )  # fmt: skip
+    if b == "TORCH_SDPA" and cache_dtype.startswith("fp8") and not use_ipex:
+        raise GeometryError("vLLM 0.11 TORCH_SDPA: FP8 KV cache requires intel_extension_for_pytorch (TorchSDPABackendImpl.__init__)")
     if era == "0.33":
-        return _allocate_v033(
-            out, names, fam, lay, num_blocks, block_size, num_kv_heads, head_size, storage, device, cache_dtype, byte_views, block_padding
-        )
+        return _allocate_033(
+            out, names, b, lay, num_blocks, block_size, num_kv_heads, head_size, storage, device, cache_dtype, byte_views,
+            block_padding, kernel_block_size,
+        )  # fmt: skip
     if lay not in ("NHD", "HND"):
-        raise GeometryError(f"vLLM {version} knows layouts NHD and HND, not {layout!r}")
-    shape = _kv_shape(era, fam, num_blocks, block_size, num_kv_heads, head_size, cache_dtype)
-    if (fam == "ROCM_ATTN" or (fam == "CPU" and era == "0.11")) and (head_size * esz) % 16:
-        raise GeometryError(
-            f"vLLM 0.11 TORCH_SDPA stores K in 16-byte chunks (split_kv_cache x = 16 // element_size): "
-            f"head_size {head_size} of {storage} is not a multiple of {16 // esz}"
-        )
-    if fam == "PALLAS":
+        raise GeometryError(f"vLLM {version} knows layouts NHD and HND (get_kv_cache_layout), not {layout!r}")
+    kbs = kernel_block_size or block_size
+    if era == "0.11" and kbs != block_size:
+        raise GeometryError("vLLM 0.11 has no kernel block splitting: its shapes use cache_config.block_size")
+    if block_size % kbs:
+        raise GeometryError(f"kernel block size {kbs} must divide block_size {block_size}")
+    knb = num_blocks * (block_size // kbs)
+    shape = kv_cache_shape(era, b, knb, kbs, num_kv_heads, head_size, cache_dtype)
+    if b == "PALLAS":  # tpu_model_runner: torch.zeros(shape) per layer, real float8 dtypes
         for n in names:
-            out[n] = torch.zeros(shape, dtype=storage, device=device)
+            out[n] = torch.zeros(shape, dtype=dtype, device=device)
+        out.meta["storage"] = out.meta["element"] = dtype
         return out
-    if fam in ("MLA", "INDEXER"):
-        page = block_size * shape[-1] * esz + block_padding
-        if page % esz:
-            raise GeometryError(f"block_padding {block_padding} is not a whole number of {storage} elements")
-        for n in names:
-            raw = torch.zeros(page * num_blocks, dtype=torch.int8, device=device)
-            out[n] = torch.as_strided(raw.view(storage), shape, (page // esz, shape[-1], 1))
-        return out
-    order = _stride_order(era, fam, lay, len(shape))
-    per_layer = 1
-    for s in shape:
-        per_layer *= s
+    # no stride order: the backend allocates one physical order whatever get_kv_cache_layout() says
+    order = kv_cache_stride_order(era, b, lay, False, cache_dtype) or tuple(range(len(shape)))
+    per_layer = _prod(shape)
     if cross_layer:
-        key = (era, "FLASH_ATTN" if fam == "FLEX_ATTENTION" else fam, lay)
-        if key not in _CROSS_ORDERS:
-            raise GeometryError(f"vLLM {version} {backend} has no cross-layer stride order for {lay}")
-        order6 = _CROSS_ORDERS[key]
+        order6 = kv_cache_stride_order(era, b, lay, True, cache_dtype)
+        if not _cross_layer_allowed(era, order6, len(shape)):
+            raise GeometryError(
+                f"vLLM {version} {b}: use_uniform_kv_cache is False (get_kv_cache_stride_order(include_num_layers_dimension=True) "
+                f"is {order6}); no cross-layer buffer is allocated"
+            )
         full = (num_layers, *shape)
         raw = torch.zeros(per_layer * num_layers * esz, dtype=torch.int8, device=device)
         permuted = raw.view(storage).view(tuple(full[i] for i in order6)).permute(*_inverse(order6))
         for i, n in enumerate(names):
             out[n] = permuted[i]
+        out.meta["cross_layer"] = True
         return out
+    page = per_layer * esz // num_blocks
+    if block_padding and b not in MLA_BACKENDS and b != "INDEXER":
+        raise GeometryError("block_padding (page_size_padded) applies to MLA/indexer pages before 0.33")
     for n in names:
-        raw = torch.zeros(per_layer * esz, dtype=torch.int8, device=device)
-        t = raw.view(storage).view(tuple(shape[i] for i in order)).permute(*_inverse(order))
-        if mamba_hybrid and t.shape[0] == 2:
-            hidden = per_layer // (2 * t.shape[1])
-            t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
+        if block_padding:  # MLA/indexer pages padded to page_size_padded: the block stride grows
+            raw = torch.zeros((page + block_padding) * num_blocks, dtype=torch.int8, device=device)
+            if (page + block_padding) % esz:
+                raise GeometryError(f"block_padding {block_padding} is not a whole number of {storage} elements")
+            t = torch.as_strided(raw.view(storage), shape, ((page + block_padding) // esz, shape[-1], 1))
+        else:
+            raw = torch.zeros(per_layer * esz, dtype=torch.int8, device=device)
+            t = raw.view(storage).view(tuple(shape[i] for i in order)).permute(*_inverse(order))
+        if mamba_hybrid:
+            if era != "0.11":
+                raise GeometryError("mamba_hybrid: _update_hybrid_attention_mamba_layout is vLLM 0.11's")
+            if t.shape[0] == 2:
+                hidden = _prod(t.shape[2:])
+                t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
         out[n] = t
     return out
 
 
-def _allocate_v033(out, names, fam, lay, nb, bs, nh, hs, storage, device, cache_dtype, byte_views, padding):
-    lay = _ALIASES.get(lay, lay)
-    if lay not in LAYOUT_ORDERS:
-        raise GeometryError(f"vLLM 0.33 KVCacheLayout is one of {', '.join(LAYOUT_ORDERS)} (or NHD/HND), not {lay!r}")
-    if fam == "CPU" and lay != "LBHNC":
-        raise GeometryError("vLLM 0.33 CPU_ATTN supports only LBHNC (cpu_attn.py l.82)")
-    if fam == "FLEX_ATTENTION" and lay != "LBNHC":
-        raise GeometryError("vLLM 0.33 FLEX_ATTENTION supports only LBNHC (flex_attention.py l.130)")
-    esz = _esz(storage)
-    if fam == "MLA":
-        heads, c = (
-            1,
-            (FP8_DS_MLA_BYTES if cache_dtype == "fp8_ds_mla" else NVFP4_DS_MLA_BYTES if cache_dtype == "nvfp4_ds_mla" else hs * esz),
-        )
-    elif fam == "INDEXER":
-        heads, c = 1, INDEXER_BYTES
-    elif fam == "ROCM_ATTN":
-        if lay not in ("LBHNC", "LHBNC"):
-            raise GeometryError("vLLM 0.33 ROCM_ATTN supports LHBNC and LBHNC (engine_layouts.md §1.12)")
-        heads, c = 2, nh * hs * esz  # customize_spec: num_head_slots=2 (K, V), C = NH*HS*dtype
-    else:
-        heads, c = nh, 2 * hs * esz
-    L = len(names)
-    shape = (L, nb, heads, bs, c)
+def allocate_dsv32(
+    layout: str,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    cache_dtype: str = "auto",
+    device: Any = "cpu",
+) -> tuple[VllmKVCaches, VllmKVCaches]:
+    """vLLM 0.33 DeepSeek-V3.2: ``num_layers`` MLA latent caches (``FLASHMLA_SPARSE``,
+    576 elements or the 656 B ``fp8_ds_mla`` record) and ``num_layers`` indexer K caches
+    (132 B), one KV cache group with two specs (``UniformTypeKVCacheSpecs``) in one buffer.
+
+    ``kv_cache_planning.get_kv_cache_config_from_groups``: the MLA layers' ``KVCacheTensor``
+    at offset 0, the indexer layers' right after them (``L * page`` under block-outermost
+    layouts, ``L * layer_stride`` otherwise); block-outermost layouts share one block stride,
+    the group's bytes per block ``L*(page_mla + page_idx)``.
+
+    Returns:
+        ``(mla, indexer)``: two :class:`VllmKVCaches` (layer names ``...self_attn.attn`` and
+        ``...self_attn.indexer.k_cache``) whose tensors share one buffer.
+    """
+    lay = _ALIASES.get(layout.upper(), layout.upper())
+    if lay not in LAYOUT_ORDERS or lay[1:3] not in ("BH", "BN", "LH", "LN") or not {lay[0], lay[1]} == {"L", "B"}:
+        raise GeometryError(f"DeepSeek-V3.2 needs a block-compact layout (LBHNC, LBNHC, BLHNC, BLNHC), not {layout!r}")
+    storage = _STORAGE.get(cache_dtype, dtype)
+    c_mla = spec_033("FLASHMLA_SPARSE", 1, MLA_HEAD_SIZE, storage, cache_dtype)[1]
+    c_idx = INDEXER_BYTES
+    L, nb = num_layers, num_blocks
+    p_mla, p_idx = block_size * c_mla, block_size * c_idx
     order = LAYOUT_ORDERS[lay]
-    page = heads * bs * c
-    padded = page + padding if padding else None
-    grid_end = max(order.index(0), order.index(1)) + 1
-    strides = [0] * 5
-    cur = 1
-    for idx, dim in reversed(tuple(enumerate(order))):
-        if padded is not None and idx == grid_end - 1:
-            cur = max(cur, padded)
-        strides[dim] = cur
-        cur = strides[dim] * shape[dim]
-    total = max(sum((n - 1) * s for n, s in zip(shape, strides)) + 1, 1)
-    raw = torch.zeros(total, dtype=torch.int8, device=device)
-    view5 = torch.as_strided(raw, shape, tuple(strides), 0)
-    for i, n in enumerate(names):
-        v = view5[i]
-        out[n] = v if byte_views else v.view(storage)
-    return out
+    block_outer = order[0] == 1
+    bytes_per_block = L * (p_mla + p_idx)
+    raw = torch.zeros(bytes_per_block * nb, dtype=torch.int8, device=device)
+    res = []
+    offset = 0
+    for name, c, st, page in (("attn", c_mla, storage, p_mla), ("indexer.k_cache", c_idx, torch.uint8, p_idx)):
+        fixed_block = bytes_per_block if block_outer else None
+        strides = layout_strides_033((L, nb, 1, block_size, c), lay, None, (None, fixed_block, None, None, None))
+        views = _views_033(raw, L, nb, 1, block_size, c, lay, strides[0], strides[1], offset, 1, st, False)
+        out = VllmKVCaches()
+        backend = "FLASHMLA_SPARSE" if name == "attn" else "INDEXER"
+        out.meta = dict(
+            era="0.33", backend=backend, layout=lay, head_size=MLA_HEAD_SIZE if name == "attn" else INDEXER_BYTES,
+            num_kv_heads=1, block_size=block_size, kernel_block_size=block_size, storage=st,
+            element=_FP8_ELEMENT.get(cache_dtype, st) if name == "attn" else st, cache_dtype=cache_dtype if name == "attn" else "auto",
+            byte_views=False, use_ipex=False, prefill_decode_attention=False,
+        )  # fmt: skip
+        for i, v in enumerate(views):
+            out[f"model.layers.{i}.self_attn.{name}"] = v
+        res.append(out)
+        offset += L * (page if block_outer else strides[0])
+    return res[0], res[1]
+
+
+# -- the oracle: vLLM's reading -----------------------------------------------------------
 
 
 def _layers(kv_caches: Any) -> list[torch.Tensor]:
     if isinstance(kv_caches, dict):
-        from kvcore.detection import normalize_container
-
-        return list(normalize_container(kv_caches)[0])
+        return list(kv_caches.values())
     return list(kv_caches)
+
+
+def _split_kv_cache(kv: torch.Tensor, nh: int, hs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PagedAttention.split_kv_cache`` (``attention/ops/paged_attn.py`` 0.11, ``v1/attention/
+    ops/paged_attn.py`` 0.24+; 0.11 CPU ``_PagedAttention.split_kv_cache``): K ``(B, H, D/x, N,
+    x)`` with ``x = 16 // element_size``, V ``(B, H, D, N)``; returned as ``[B, N, H, D/x, x]``
+    and ``[B, N, H, D]``."""
+    x = 16 // kv.element_size()
+    num_blocks = kv.shape[1]
+    key_cache = kv[0].view(num_blocks, nh, hs // x, -1, x)
+    value_cache = kv[1].view(num_blocks, nh, hs, -1)
+    return key_cache.permute(0, 3, 1, 2, 4), value_cache.permute(0, 3, 1, 2)
 
 
 def kv_view(
@@ -301,96 +563,102 @@ def kv_view(
     backend: str | None = None,
     layout: str | None = None,
     head_size: int | None = None,
+    num_kv_heads: int | None = None,
     dtype: torch.dtype | None = None,
+    use_ipex: bool | None = None,
+    prefill_decode_attention: bool | None = None,
     hints: dict | None = None,
 ) -> torch.Tensor:
-    """One layer's K (``kv=0``) or V (``kv=1``) as vLLM's attention forward sees it:
-    ``[NB, BS, NH, HS]`` (MLA: ``[NB, BS, 1, HS]``, kv 0 only; the 0.11 CPU K view is
-    ``[NB, BS, NH, HS/x, x]``), in the element dtype; writing into it writes the cache.
+    """One layer's K (``kv=0``) or V (``kv=1``) as the backend's ``forward`` reads it:
+    ``[NB, BS, NH, HS]`` (split K of ``split_kv_cache``: ``[NB, BS, NH, HS/x, x]``; MLA:
+    ``[NB, BS, 1, W]``, kv 0 only), in the element dtype; writing into it writes the cache.
 
-    Arguments default to ``hints`` (the detection hints: vllm_version, attention_backend,
-    head_size, cache_dtype, dtype), then to the ``meta`` that :func:`allocate` attached.
+    Facts default to the ``meta`` :func:`allocate` attached, then to ``hints`` (vllm_version,
+    attention_backend, head_size, num_kv_heads, cache_dtype, dtype, use_ipex,
+    VLLM_V1_USE_PREFILL_DECODE_ATTENTION).
 
     Raises:
-        GeometryError: an unknown combination, missing facts, or kv 1 of an MLA cache.
+        GeometryError: missing facts, kv 1 of an MLA cache, or a blocked-scale page (use
+            :func:`blocked_views`).
     """
     meta = dict(getattr(kv_caches, "meta", {}))
     h = dict(hints or {})
-    version = version or h.get("vllm_version")
-    backend = backend or h.get("attention_backend")
-    if not (version or "era" in meta) or not (backend or "family" in meta):
-        raise GeometryError("kv_view needs the vLLM version and backend (arguments, hints, or a cache from allocate())")
-    era = era_of(version) if version else meta["era"]
-    fam = _family(backend) if backend else meta["family"]
-    hs = head_size or h.get("head_size") or meta.get("head_size")
-    if dtype is None and h:
-        cd = h.get("cache_dtype") or "auto"
-        dtype = _FP8_ELEMENT.get(cd) or (h.get("dtype") if cd == "auto" else None)
+    era = meta.get("era") or (era_of(version or h["vllm_version"]) if (version or h.get("vllm_version")) else None)
+    b = (backend or meta.get("backend") or h.get("attention_backend") or "").upper()
+    if era is None or not b:
+        raise GeometryError("kv_view needs the vLLM version and backend (a cache from allocate(), arguments, or hints)")
+    hs = head_size or meta.get("head_size") or h.get("head_size")
+    nh = num_kv_heads or meta.get("num_kv_heads") or h.get("num_kv_heads")
+    ipex = use_ipex if use_ipex is not None else meta.get("use_ipex", h.get("use_ipex"))
+    pda = prefill_decode_attention
+    if pda is None:
+        pda = meta.get("prefill_decode_attention", h.get("VLLM_V1_USE_PREFILL_DECODE_ATTENTION"))
     element = dtype or meta.get("element")
+    if element is None and h:
+        cd = h.get("cache_dtype") or "auto"
+        element = _FP8_ELEMENT.get(cd) or (h.get("dtype") if cd == "auto" else None)
     t = _layers(kv_caches)[layer]
     if era == "0.33" and t.dtype == torch.int8 and meta.get("storage", torch.int8) != torch.int8:
-        t = t.view(meta["storage"])
-    if hs is None:  # not given: what the shape says (packed K|V halves; Pallas: the padded width)
-        if fam == "CPU" and era == "0.11":
-            raise GeometryError("kv_view of vLLM 0.11 TORCH_SDPA needs head_size (and block_size): (2, NB, BS*NH*HS) cannot tell")
-        packed = (era in ("0.26", "0.33") and fam not in ("MLA", "INDEXER", "ROCM_ATTN")) or (fam == "CPU" and era == "0.24")
-        hs = t.shape[-1] // 2 if packed else t.shape[-1]
-    blocked_mla = (
-        fam == "MLA" and t.dtype == torch.uint8 and t.shape[-1] in BLOCKED_SCALE_RECORDS and meta.get("cache_dtype") == "fp8_ds_mla"
-    )
-    if fam == "INDEXER" or blocked_mla:
-        raise GeometryError(
-            f"a blocked-scale page ({t.shape[-1]} B records: a block's values, then its scales) has no per-token view; "
-            "use kvcore_vllm.fixtures.blocked_views(kv_caches, layer)"
-        )
-    if fam == "MLA":
+        t = t.view(meta["storage"])  # a byte view (byte_views=True): the runner's .view(dtype)
+    if b == "INDEXER":
+        raise GeometryError("a blocked-scale page (values of a block, then its scales) has no per-token view; use blocked_views()")
+    if b in MLA_BACKENDS:
         if kv != 0:
             raise GeometryError("an MLA latent cache has no V plane (kv_size 1): use kv=0")
-        if t.dim() == 4:
-            t = t.squeeze(1)  # MLAAttention.bind_kv_cache
-        v = t.unsqueeze(2)
-    elif fam == "PALLAS":
+        if era == "0.33":
+            t = t.squeeze(1)  # MLAAttention.bind_kv_cache: [B, 1, N, C] -> [B, N, C]
+        v = t.unsqueeze(2)  # FlashMLA unsqueeze(-2) / Triton MLA unsqueeze(2): [B, N, 1, C]
+    elif b == "PALLAS":
         v = t[:, :, kv::2, :hs]  # write_to_kv_cache: cat([k, v], -1).reshape(-1, 2H, D): k0, v0, k1, v1...
-    elif fam == "ROCM_ATTN" and era == "0.33":
-        nh = meta.get("num_kv_heads") or h.get("num_kv_heads") or t.shape[-1] // hs
-        v = t[:, kv].unflatten(-1, (nh, t.shape[-1] // nh))  # the K (V) head slot: [NB, BS, NH*HS]
-    elif fam == "ROCM_ATTN":
-        nb, bs, nh = t.shape[1], t.shape[2], t.shape[3]
-        x = 16 // t.element_size()
-        if kv == 0:  # PagedAttention.split_kv_cache
-            v = t[0].view(nb, nh, hs // x, bs, x).permute(0, 3, 1, 2, 4)
-        else:
-            v = t[1].view(nb, nh, hs, bs).permute(0, 3, 1, 2)
-    elif fam == "CPU" and era == "0.11":
+    elif b == "TORCH_SDPA":  # 0.11 cpu_attn.py: _get_paged_attn_impl().split_kv_cache
+        if ipex is None:
+            raise GeometryError("vLLM 0.11 TORCH_SDPA reads K/V differently with and without IPEX: pass use_ipex")
         nb = t.shape[1]
-        bs = meta.get("block_size") or h.get("block_size")
-        nh = meta.get("num_kv_heads") or t.shape[2] // (bs * hs)
-        if kv == 0:
-            x = 16 // t.element_size()
-            v = t[0].view(nb, nh, hs // x, bs, x).permute(0, 3, 1, 2, 4)  # split_kv_cache: K (B, H, D/x, N, x)
+        if ipex:  # _IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)
+            v = t[kv].view(nb, nh, -1, hs).transpose(1, 2)
         else:
-            v = t[1].view(nb, nh, hs, bs).permute(0, 3, 1, 2)  # V (B, H, D, N)
-    elif fam == "CPU" and era == "0.13":
-        v = t.unbind(0)[kv].transpose(1, 2)
-    elif fam == "CPU" and era == "0.33":
-        b, h, n, c = t.shape
-        v = t.view(b, h, 2 * n, c // 2).chunk(2, dim=2)[kv].transpose(1, 2)  # cpu_attn.py l.420-425
-    elif era in ("0.26", "0.33") or (fam == "CPU" and era == "0.24"):
-        v = t.transpose(1, 2).split(hs, dim=-1)[kv]  # FlashAttentionImpl.forward
-    elif era in ("0.11", "0.13") and fam in ("FLASH_ATTN", "FLEX_ATTENTION"):
+            v = _split_kv_cache(t, nh, hs)[kv]
+    elif b == "ROCM_ATTN" and era == "0.33":
+        # rocm_attn.py forward: split_kv_cache(kv_cache.transpose(0, 1), ...) of the [B, 2, N, H*hs] view
+        v = _split_kv_cache(t.transpose(0, 1), nh, hs)[kv]
+    elif b == "ROCM_ATTN":
+        if era == "0.11" and pda is None:
+            raise GeometryError("vLLM 0.11 ROCM_ATTN reads K/V by VLLM_V1_USE_PREFILL_DECODE_ATTENTION: pass it")
+        if era == "0.11" and not pda:
+            v = t.unbind(0)[kv]  # RocmAttentionImpl.forward: kv_cache.unbind(0) (unified attention)
+        else:
+            v = _split_kv_cache(t, nh, hs)[kv]  # PagedAttention.split_kv_cache
+    elif b == "CPU_ATTN" and era == "0.13":
+        v = t.unbind(0)[kv].transpose(1, 2)  # (NB, NH, BS, HS) per side
+    elif b == "CPU_ATTN":
+        nb, heads, bs, _ = t.shape
+        # 0.24-0.33 cpu_attn.py forward: view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+        v = t.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)[kv].transpose(1, 2)
+    elif era in ("0.26", "0.33"):
+        v = t.transpose(1, 2).split(hs, dim=-1)[kv]  # FlashAttentionImpl.forward and the other packed backends
+    elif b == "FLASHINFER":
+        v = t[:, kv]  # reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], ...)
+    elif era in ("0.11", "0.13") and b in ("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"):
         v = t.unbind(0)[kv]
     else:
-        v = t.unbind(1)[kv]
+        v = t.unbind(1)[kv]  # Triton (<= 0.24), 0.24 FlashAttention / Flex / AITER
     if element is not None and element != v.dtype and _esz(element) == v.element_size():
         v = v.view(element)
     return v
 
 
+#: record bytes per token -> scale bytes per token of blocked-scale pages. 132 is vLLM's own
+#: DeepSeek-V3.2 indexer (deepseek_v2.py::DeepseekV32IndexerCache: 128 + 128 // 128 * 4); the
+#: other widths are LMCache's table (lmcache_kv_format.md section 6.4), not read from vLLM.
+BLOCKED_RECORDS = {132: 4, 68: 4, 584: 8, 528: 16, 352: 32}
+
+
 def blocked_views(kv_caches: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two views of one layer's blocked-scale page (DeepSeek-V3.2 indexer ``(NB, BS, 132)``,
-    nvfp4 352 B records): ``values [NB, BS, V]`` and ``scales [NB, BS, S]`` -- per block all
-    BS tokens' value bytes, then all BS tokens' scale bytes (vLLM 0.11
-    ``deepseek_v2.py::DeepseekV32IndexerCache``; widths from lmcache_kv_format.md §6.4).
+    """The two views of one layer's blocked-scale page ``(NB, BS, W)`` uint8 (the
+    DeepSeek-V3.2 indexer: W = 132): ``values [NB, BS, W - S]`` and ``scales [NB, BS, S]`` --
+    per block all BS tokens' value bytes, then all BS tokens' scale bytes (vLLM 0.11
+    ``deepseek_v2.py::DeepseekV32IndexerCache``, ``indexer_k_quant_and_cache``). A 0.33
+    ``[B, 1, N, W]`` view is squeezed first (``DeepseekV32IndexerCache.bind_kv_cache``).
 
     Raises:
         GeometryError: the record width is not a known blocked-scale record.
@@ -399,9 +667,9 @@ def blocked_views(kv_caches: Any, layer: int) -> tuple[torch.Tensor, torch.Tenso
     if t.dim() == 4:
         t = t.squeeze(1)
     nb, bs, w = t.shape
-    if w not in BLOCKED_SCALE_RECORDS:
-        raise GeometryError(f"record width {w} is not a blocked-scale record ({sorted(BLOCKED_SCALE_RECORDS)})")
-    sb = BLOCKED_SCALE_RECORDS[w]
+    if w not in BLOCKED_RECORDS:
+        raise GeometryError(f"record width {w} is not a blocked-scale record ({sorted(BLOCKED_RECORDS)})")
+    sb = BLOCKED_RECORDS[w]
     v = w - sb
     values = torch.as_strided(t, (nb, bs, v), (t.stride(0), v, 1), t.storage_offset())
     scales = torch.as_strided(t, (nb, bs, sb), (t.stride(0), sb, 1), t.storage_offset() + bs * v)
@@ -410,84 +678,143 @@ def blocked_views(kv_caches: Any, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
 # -- conformance fixtures ------------------------------------------------------------
 
-_SMALL = dict(num_layers=2, num_blocks=6, block_size=16, num_heads=3, head_size=16)
-_MLA_SMALL = dict(num_layers=2, num_blocks=5, block_size=4, num_heads=1, head_size=MLA_HEAD_SIZE)
+_SMALL = dict(num_layers=2, num_blocks=3, block_size=16, num_heads=2, head_size=16)
+_MLA_SMALL = dict(num_layers=2, num_blocks=3, block_size=16, num_heads=1, head_size=MLA_HEAD_SIZE)
 
-#: (version, backend, layout, cross_layer, format) -- the matrix the plugin supports.
-MATRIX: tuple[tuple[str, str, str, bool, str], ...] = (
-    ("0.11.0", "FLASH_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS"),
-    ("0.11.0", "FLASH_ATTN", "HND", False, "NL_X_TWO_NB_NH_BS_HS"),
-    ("0.11.0", "FLEX_ATTENTION", "NHD", False, "NL_X_TWO_NB_BS_NH_HS"),
-    ("0.11.0", "FLASHINFER", "NHD", False, "NL_X_NB_TWO_BS_NH_HS"),
-    ("0.11.0", "FLASHINFER", "HND", False, "NL_X_NB_TWO_NH_BS_HS"),
-    ("0.11.0", "TRITON_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS"),
-    ("0.11.0", "FLASHMLA", "NHD", False, "NL_X_NB_BS_HS"),
-    ("0.11.0", "TORCH_SDPA", "HND", False, "NL_X_TWO_NB_NH_HS_BS"),
-    ("0.11.0", "PALLAS", "NHD", False, "NL_X_NB_BS_NH_TWO_HS"),
-    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS"),
-    ("0.13.0", "FLASH_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS"),
-    ("0.13.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS"),
-    ("0.13.0", "FLASHINFER", "NHD", True, "NB_NL_TWO_BS_NH_HS"),
-    ("0.13.0", "FLASHINFER", "HND", True, "NB_TWO_NH_NL_BS_HS"),
-    ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_TWO_NB_NH_BS_HS"),
-    ("0.24.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS"),
-    ("0.24.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS"),
-    ("0.24.0", "FLASH_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS"),
-    ("0.24.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS"),
-    ("0.24.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_BS_TWO_NH_HS"),
-    ("0.24.0", "TRITON_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS"),
-    ("0.24.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_BS_CS"),
-    ("0.26.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_BS_NH_CS"),
-    ("0.26.0", "FLASH_ATTN", "HND", False, "NL_X_NB_NH_BS_CS"),
-    ("0.26.0", "FLASH_ATTN", "NHD", True, "NB_NL_BS_NH_CS"),
-    ("0.26.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_BS_CS"),
-    ("0.33.0", "FLASH_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS"),
-    ("0.33.0", "FLASH_ATTN", "LBHNC", False, "NL_X_NB_NH_BS_CS"),
-    ("0.33.0", "FLASH_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS"),
-    ("0.33.0", "FLASH_ATTN", "BLHNC", False, "NB_NL_NH_BS_CS"),
-    ("0.33.0", "FLASH_ATTN", "BLNHC", False, "NB_NL_BS_NH_CS"),
-    ("0.33.0", "FLASH_ATTN", "BHLNC", False, "NB_NH_NL_BS_CS"),
-    ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS"),
-    ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS"),
-    ("0.33.0", "CPU_ATTN", "LBHNC", False, "NL_X_NB_NH_TWO_BS_HS"),
-    ("0.33.0", "ROCM_ATTN", "LBHNC", False, "NL_X_NB_TWO_BS_NH_HS"),
-    ("0.33.0", "ROCM_ATTN", "LHBNC", False, "NL_X_TWO_NB_BS_NH_HS"),
+_PD = {"prefill_decode_attention": True}
+_IPEX = {"use_ipex": True}
+_NO_IPEX = {"use_ipex": False}
+_PD_OFF = {"prefill_decode_attention": False}
+
+#: (version, backend, layout, cross_layer, format kvcore must detect, allocate() extras).
+#: Every row is a cache vLLM's own code allocates (SOURCES.md), read back by :func:`kv_view`.
+MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
+    ("0.11.0", "FLASH_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
+    ("0.11.0", "FLASH_ATTN", "HND", False, "NL_X_TWO_NB_NH_BS_HS", {}),
+    ("0.11.0", "FLEX_ATTENTION", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
+    ("0.11.0", "FLASHINFER", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.11.0", "FLASHINFER", "HND", False, "NL_X_NB_TWO_NH_BS_HS", {}),
+    ("0.11.0", "TRITON_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.11.0", "ROCM_AITER_FA", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", _PD_OFF),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", _PD),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, "NL_X_TWO_NB_NH_BS_HS", _IPEX),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", _NO_IPEX),
+    ("0.11.0", "FLASHMLA", "NHD", False, "NL_X_NB_BS_HS", {}),
+    ("0.11.0", "PALLAS", "NHD", False, "NL_X_NB_BS_NH_TWO_HS", {}),
+    ("0.13.0", "FLASH_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
+    ("0.13.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS", {}),
+    ("0.13.0", "FLASHINFER", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
+    ("0.13.0", "FLASHINFER", "HND", True, "NB_TWO_NH_NL_BS_HS", {}),
+    ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_TWO_NB_NH_BS_HS", {}),
+    ("0.13.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.13.0", "ROCM_AITER_UNIFIED_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
+    ("0.13.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
+    ("0.24.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.24.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", {}),
+    ("0.24.0", "FLASH_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
+    ("0.24.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS", {}),
+    ("0.24.0", "FLASHINFER", "HND", False, "NL_X_NB_TWO_NH_BS_HS", {}),
+    ("0.24.0", "FLASHINFER", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
+    ("0.24.0", "FLASHINFER", "HND", True, "NB_TWO_NH_NL_BS_HS", {}),
+    ("0.24.0", "TRITON_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.24.0", "TRITON_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", {}),
+    ("0.24.0", "TRITON_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
+    ("0.24.0", "TRITON_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS", {}),
+    ("0.24.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_BS_TWO_NH_HS", {}),
+    ("0.24.0", "FLEX_ATTENTION", "NHD", True, "NB_NL_BS_TWO_NH_HS", {}),
+    ("0.24.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_TWO_BS_HS", {}),
+    ("0.24.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.24.0", "ROCM_AITER_FA", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.24.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
+    ("0.26.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_BS_NH_CS", {}),
+    ("0.26.0", "FLASH_ATTN", "HND", False, "NL_X_NB_NH_BS_CS", {}),
+    ("0.26.0", "FLASH_ATTN", "NHD", True, "NB_NL_BS_NH_CS", {}),
+    ("0.26.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_BS_CS", {}),
+    ("0.26.0", "FLASHINFER", "HND", True, "NB_NH_NL_BS_CS", {}),
+    ("0.26.0", "TRITON_ATTN", "NHD", True, "NB_NL_BS_NH_CS", {}),
+    ("0.26.0", "FLEX_ATTENTION", "NHD", True, "NB_NL_BS_NH_CS", {}),
+    ("0.26.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_TWO_BS_HS", {}),
+    ("0.26.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.26.0", "ROCM_AITER_FA", "HND", False, "NL_X_NB_NH_BS_CS", {}),
+    ("0.26.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
+    ("0.33.0", "FLASH_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
+    ("0.33.0", "FLASH_ATTN", "LBHNC", False, "NL_X_NB_NH_BS_CS", {}),
+    ("0.33.0", "FLASH_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
+    ("0.33.0", "FLASH_ATTN", "BLHNC", False, "NB_NL_NH_BS_CS", {}),
+    ("0.33.0", "FLASH_ATTN", "BLNHC", False, "NB_NL_BS_NH_CS", {}),
+    ("0.33.0", "FLASH_ATTN", "BHLNC", False, "NB_NH_NL_BS_CS", {}),
+    ("0.33.0", "FLASHINFER", "BLHNC", False, "NB_NL_NH_BS_CS", {}),
+    ("0.33.0", "TRITON_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
+    ("0.33.0", "FLEX_ATTENTION", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
+    ("0.33.0", "CPU_ATTN", "LBHNC", False, "NL_X_NB_NH_TWO_BS_HS", {}),
+    ("0.33.0", "ROCM_ATTN", "LBHNC", False, "NL_X_NB_TWO_NH_HS_BS", {}),
+    ("0.33.0", "ROCM_ATTN", "LHBNC", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
+    ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
+    ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS", {}),
 )
 
+#: multi-plane names these rows get once the core's multi-plane layouts land (K and V differ).
+MULTI_PLANE = {
+    "NL_X_TWO_NB_NH_HS_BS": "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS",
+    "NL_X_NB_TWO_NH_HS_BS": "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS",
+}
 
-def case_name(version: str, backend: str, layout: str, cross: bool) -> str:
-    return f"vllm-{era_of(version)}-{backend}-{layout}" + ("-cross" if cross else "")
+
+def case_name(version: str, backend: str, layout: str, cross: bool, extra: dict | None = None) -> str:
+    tag = ""
+    extra = extra or {}
+    if "use_ipex" in extra:
+        tag = "-ipex" if extra["use_ipex"] else "-noipex"
+    if "prefill_decode_attention" in extra:
+        tag = "-prefill_decode" if extra["prefill_decode_attention"] else "-unified"
+    if extra.get("kernel_block_size"):
+        tag += f"-kernel{extra['kernel_block_size']}"
+    return f"vllm-{era_of(version)}-{backend}-{layout}" + ("-cross" if cross else "") + tag
 
 
-def _hints(version: str, backend: str, layout: str, cache_dtype: str, element: torch.dtype, fam: str) -> dict:
+def fixture_hints(version: str, backend: str, layout: str, cache_dtype: str, element: torch.dtype, extra: dict) -> dict:
+    """The hints vLLM itself knows for a fixture row, in vLLM's names."""
     h: dict[str, Any] = {"vllm_version": version, "attention_backend": backend, "cache_dtype": cache_dtype}
-    if fam not in ("MLA", "INDEXER"):
+    if backend not in MLA_BACKENDS and backend != "INDEXER":
         h["kv_cache_layout"] = layout
-    if fam == "CPU":
+    if backend in CPU_BACKENDS:
         h["device_type"] = "cpu"
-    if fam == "PALLAS":
+    if backend == "PALLAS":
         h["device_type"] = "tpu"
-    if cache_dtype == "auto":
+    if backend in ROCM_BACKENDS:
+        h["device_type"] = "rocm"
+    if cache_dtype == "auto" or backend in ROCM_BACKENDS:
+        # on ROCm an fp8 cache's element dtype is the platform's (RocmPlatform.fp8_dtype(): FNUZ on gfx94x),
+        # which vLLM knows and the uint8 bytes do not show
         h["dtype"] = element
+    if "use_ipex" in extra:
+        h["use_ipex"] = extra["use_ipex"]
+    if "prefill_decode_attention" in extra:
+        h["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"] = extra["prefill_decode_attention"]
     return h
 
 
-def _make(version: str, backend: str, layout: str, cross: bool):
-    fam = _family(backend)
-
+def _make(version: str, backend: str, layout: str, cross: bool, extra: dict):
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         cache_dtype = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}.get(dtype, "auto")
-        if fam == "PALLAS":
-            cache_dtype = "auto"  # TPU stores real float8 dtypes (engine_layouts.md §1.11)
+        if backend == "PALLAS":
+            cache_dtype = "auto"  # TPU stores real float8 dtypes
+        kw = {k: v for k, v in extra.items() if k not in ("block_size",)}
+        bs = sizes["block_size"]
+        if extra.get("kernel_block_size"):
+            bs = sizes["block_size"] * 4  # the manager block holds 4 kernel blocks of sizes["block_size"]
+            kw["kernel_block_size"] = sizes["block_size"]
         kv = allocate(
             version, backend, layout,
-            num_layers=sizes["num_layers"], num_blocks=sizes["num_blocks"], block_size=sizes["block_size"],
+            num_layers=sizes["num_layers"], num_blocks=sizes["num_blocks"], block_size=bs,
             num_kv_heads=sizes["num_heads"], head_size=sizes["head_size"], dtype=dtype, device=device,
-            cache_dtype=cache_dtype, cross_layer=cross, block_padding=int(sizes.get("block_padding") or 0),
+            cache_dtype=cache_dtype, cross_layer=cross, block_padding=int(sizes.get("block_padding") or 0), **kw,
         )  # fmt: skip
-        h = _hints(version, backend, layout, cache_dtype, dtype, fam)
+        h = fixture_hints(version, backend, layout, cache_dtype, dtype, extra)
         h["head_size"] = sizes["head_size"]
-        h["block_size"] = sizes["block_size"]
+        h["block_size"] = bs  # the manager's block size (cache_config.block_size), as vLLM reports it
         h["num_kv_heads"] = sizes["num_heads"]
         return kv, h
 
@@ -495,45 +822,82 @@ def _make(version: str, backend: str, layout: str, cross: bool):
 
 
 def fixture_cases() -> list[FixtureCase]:
-    """One :class:`kvcore.testing.FixtureCase` per row of :data:`MATRIX`."""
+    """One :class:`kvcore.testing.FixtureCase` per row of :data:`MATRIX`, plus the indexer."""
     out = []
-    for version, backend, layout, cross, fmt in MATRIX:
-        fam = _family(backend)
-        sizes = dict(_MLA_SMALL if fam == "MLA" else _SMALL)
-        dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+    for version, backend, layout, cross, fmt, extra in MATRIX:
+        era = era_of(version)
+        mla = backend in MLA_BACKENDS
+        sizes = dict(_MLA_SMALL if mla else _SMALL)
+        dtypes: tuple[torch.dtype, ...] = (
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+            torch.uint8,
+        )
         cons: dict[str, Any] = {}
-        if fam == "CPU" and era_of(version) == "0.11":
-            dtypes = (torch.bfloat16, torch.float16, torch.float32)  # TORCH_SDPA: fp16/bf16/fp32 (engine_layouts.md §1.9)
-            cons["head_size_multiple"] = 8  # K is stored in 16-byte chunks: head_size * element_size % 16 == 0
-        if fam == "FLASH_ATTN" and era_of(version) in ("0.11", "0.13"):
-            cons["block_size_multiple"] = 16  # FlashAttention requires block_size % 16 == 0
-        if fam == "ROCM_ATTN" and era_of(version) != "0.33":
-            cons["block_size_multiple"] = 16  # rocm_attn.py: "Block size must be a multiple of 16"
-            cons["head_size_multiple"] = 16  # split_kv_cache: 16-byte K chunks for every element size
+        if backend == "TORCH_SDPA":
+            dtypes = (torch.bfloat16, torch.float16, torch.float32)  # fp8 needs IPEX; keep the matrix to model dtypes
+        if backend in ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN") and era != "0.33":
+            cons["block_size_multiple"] = 16  # get_kv_cache_shape: "Block size must be a multiple of 16"
+        if fmt in MULTI_PLANE or (backend == "TORCH_SDPA" and not extra.get("use_ipex")):
+            cons["head_size_multiple"] = 16  # split_kv_cache: 16-byte K chunks (x = 16 // element_size) for every element size
+        if extra.get("kernel_block_size"):
+            cons["fixed"] = ("block_size",)
+        # page_size_padded: MLA pages before 0.33; 0.33 only where L and B are the outer axes (compute_layout_strides)
+        pad = (mla and era != "0.11" and not cross) or (era == "0.33" and layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC"))
         out.append(
             FixtureCase(
-                name=case_name(version, backend, layout, cross),
+                name=case_name(version, backend, layout, cross, extra),
                 engine="vllm",
                 format=fmt,
-                make=_make(version, backend, layout, cross),
+                make=_make(version, backend, layout, cross, extra),
                 kv_view=lambda kv, layer, k, hints=None: kv_view(kv, layer, k, hints=hints),
                 sizes=sizes,
                 dtypes=dtypes,
-                supports_padding=fam == "MLA" or era_of(version) == "0.33",
-                source=f"vllm {version} {backend} {layout}" + (" cross-layer" if cross else ""),
+                supports_padding=bool(pad),
+                source=f"vllm {version} {backend} {layout}" + (" cross-layer" if cross else "") + (f" {extra}" if extra else ""),
                 size_constraints=cons,
             )
         )
     out.append(_indexer_case())
+    out.append(_dsv32_indexer_case())
     return out
 
 
+def _dsv32_indexer_case() -> FixtureCase:
+    """vLLM 0.33 DeepSeek-V3.2 under BLHNC: the indexer K caches of :func:`allocate_dsv32`
+    (block-outermost pages beside the MLA layers' pages in each block)."""
+
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        _mla, idx = allocate_dsv32(
+            "BLHNC", num_layers=sizes["num_layers"], num_blocks=sizes["num_blocks"], block_size=sizes["block_size"], device=device
+        )
+        return idx, {"vllm_version": "0.33.0", "attention_backend": "FLASHMLA_SPARSE", "kv_cache_layout": "BLHNC"}
+
+    def view(kv_caches: Any, layer: int, kv: int, hints: dict | None = None):
+        if kv != 0:
+            raise GeometryError("the indexer cache is key-only: kv must be 0")
+        values, scales = blocked_views(kv_caches, layer)
+        return values.unsqueeze(2), scales.unsqueeze(2)
+
+    return FixtureCase(
+        name="vllm-0.33-INDEXER-BLHNC",
+        engine="vllm",
+        format="NB_NL_BSV_BSS",
+        make=make,
+        kv_view=view,
+        sizes=dict(num_layers=2, num_blocks=3, block_size=16, num_heads=1, head_size=INDEXER_BYTES),
+        dtypes=(torch.uint8,),
+        source="vllm 0.33.0 v1/core/kv_cache_planning.py::get_kv_cache_config_from_groups (DeepSeek-V3.2, BLHNC)",
+        size_constraints={"fixed": ("num_heads", "head_size")},
+    )
+
+
 def _indexer_case() -> FixtureCase:
-    """The DeepSeek-V3.2 lightning-indexer K cache: ``(NB, BS, 132)`` uint8 per layer, each
-    block holding all BS tokens' 128 fp8 key bytes, then their BS fp32 scales (vLLM 0.11
-    ``mla/indexer.py``, ``models/deepseek_v2.py::DeepseekV32IndexerCache``). The oracle is the
-    pair of segment views from :func:`blocked_views`: a token's staged row is its 128 value
-    bytes followed by its 4 scale bytes."""
+    """The DeepSeek-V3.2 lightning-indexer K cache: ``(NB, BS, 132)`` uint8 per layer; the
+    oracle is the pair of segment views from :func:`blocked_views`."""
 
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         kv = allocate(

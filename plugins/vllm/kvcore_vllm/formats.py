@@ -35,7 +35,9 @@ def vllm_formats() -> tuple[KVFormat, ...]:
             for s in rule.sources:
                 if s not in d["sources"]:
                     d["sources"].append(s)
-    out = []
+    from kvcore_vllm.pairs import pairs_format  # per-layer (K, V) pairs: no per-layer-tensor rule describes them
+
+    out = [pairs_format()]
     for name, d in acc.items():
         out.append(
             KVFormat(

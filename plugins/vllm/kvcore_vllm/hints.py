@@ -14,13 +14,28 @@ Precedence (highest first)
 3. **the environment**: ``VLLM_KV_CACHE_LAYOUT`` is read only when neither of the above
    gave a layout (vLLM 0.11 ``vllm/v1/attention/backends/utils.py::get_kv_cache_layout``
    reads the same variable);
-4. **strides**: where the tensors' strides show the physical order they decide NHD vs HND
-   and layer- vs block-outermost by themselves; a hint that contradicts them raises
+4. **strides**: where the tensors' strides show the physical order (a permuted
+   allocation, e.g. FlashAttention HND in <= 0.23) they decide NHD vs HND and layer- vs
+   block-outermost by themselves; a hint that contradicts them raises
    :class:`kvcore.DetectionError` naming both;
-5. **version defaults**: a contiguous per-layer 5-D tensor with no hint is vLLM's default
-   NHD (``get_kv_cache_layout`` falls back to NHD, 0.11 l.345; 0.33's
-   ``_DEFAULT_LAYOUT_PREFERENCE`` starts with LBNHC); device ``xpu`` forces NHD
-   (``vllm/platforms/xpu.py``) and defaults block_size to 64.
+5. **tensor order**: a contiguous tensor is either as vLLM allocated it or an HND / NHD
+   cache the caller already permuted into memory order (some connectors do). When the two
+   readings give different geometry (``[2, NB, 16, 4, 64]``: NHD with block size 16 and 4
+   heads, or HND in memory order with 16 heads and block size 4) nothing in the bytes
+   decides: :class:`kvcore.AmbiguousLayoutError` names ``kv_cache_layout``,
+   ``num_kv_heads``, ``block_size`` and ``tensor_order`` (``"allocated"``: as vLLM
+   allocated it; ``"physical"``: already in memory order). vLLM's default layout is not
+   assumed: detection never guesses;
+6. **version defaults**: device ``xpu`` forces NHD (``vllm/platforms/xpu.py``) and
+   defaults block_size to 64.
+
+fp8: an fp8 ``cache_dtype`` is stored as uint8; its element dtype is ``float8_e4m3fn`` /
+``float8_e5m2`` on CUDA and on ROCm ``current_platform.fp8_dtype()``: FNUZ
+(``float8_e4m3fnuz``) on gfx94x (MI300X, MI325X), OCP on gfx950. Detection reads the
+platform from ``device_type`` or, for tensors in this process, from the torch build
+(``torch.version.hip``) and the GPU's ``gcnArchName``; where that cannot tell, the two
+readings are an ambiguity that ``dtype`` (e.g. ``"float8_e4m3fnuz"``) decides. A
+``dtype`` hint that is an fp8 of the cache dtype's kind is always the element dtype.
 
 Sources: ``../shared/reference/engine_layouts.md`` §1.2, §1.5, §1.10, §1.15.
 """
@@ -36,6 +51,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kvcore import DetectionError
+from kvcore.detection import tensor_order
+from kvcore.dtypes import fp8_dtype, is_fp8, parse_dtype
 
 __all__ = [
     "VllmHints",
@@ -64,14 +81,14 @@ LAYOUT_FAMILY = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND",
 BACKEND_FAMILY = {
     "FLASH_ATTN": "FLASH_ATTN",
     "FLASH_ATTN_VLLM_V1": "FLASH_ATTN",
-    "ROCM_AITER_FA": "FLASH_ATTN",
+    "ROCM_AITER_FA": "ROCM_AITER_FA",
     "FLEX_ATTENTION": "FLEX_ATTENTION",
     "FLASHINFER": "FLASHINFER",
     "FLASHINFER_VLLM_V1": "FLASHINFER",
     "TRITON_ATTN": "TRITON_ATTN",
     "TRITON_ATTN_VLLM_V1": "TRITON_ATTN",
     "ROCM_ATTN": "ROCM_ATTN",
-    "ROCM_AITER_UNIFIED_ATTN": "TRITON_ATTN",
+    "ROCM_AITER_UNIFIED_ATTN": "ROCM_AITER_UNIFIED",
     "TREE_ATTN": "FLASH_ATTN",
     "FLASHMLA": "MLA",
     "FLASHMLA_SPARSE": "MLA",
@@ -89,7 +106,12 @@ BACKENDS = tuple(BACKEND_FAMILY)
 
 #: vLLM ``CacheConfig.cache_dtype`` strings -> storage kind. fp8 variants are stored as
 #: uint8 (``STR_DTYPE_TO_TORCH_DTYPE``, engine_layouts.md §1.2) and viewed as float8 by
-#: the kernels; ``fp8`` means e4m3 on CUDA.
+#: the kernels. Which fp8 is platform-dependent (:data:`FP8_KINDS`): OCP ``float8_e4m3fn``
+#: on CUDA; on ROCm ``current_platform.fp8_dtype()``, FNUZ ``float8_e4m3fnuz`` on gfx94x
+#: (MI300X/MI325X) and OCP on gfx950 (MI350X/MI355X) -- vLLM ``vllm/platforms/rocm.py::
+#: RocmPlatform.is_fp8_fnuz`` (``"gfx94" in gcnArchName``) and ``fp8_dtype``; ROCm's cache
+#: kernels accept ``fp8``/``fp8_e4m3`` only (``csrc/quantization/fp8/amd/quant_utils.cuh``
+#: ``DISPATCH_BY_KV_CACHE_DTYPE``). The values below are the CUDA ones.
 CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "bfloat16": torch.bfloat16,
@@ -108,28 +130,17 @@ CACHE_DTYPES: dict[str, torch.dtype | None] = {
 }
 #: cache dtypes that only MLA backends use.
 MLA_CACHE_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
-
-_MODEL_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
+#: fp8 cache dtypes -> their fp8 kind; the exact dtype (OCP or FNUZ) depends on the platform.
+FP8_KINDS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_inc": "e4m3", "fp8_e5m2": "e5m2"}
+#: ``kv_cache_spec`` hint values: what vLLM's ``KVCacheSpec`` says a layer is.
+KV_CACHE_SPECS = ("attention", "mamba")
 
 #: Layout eras (first release of each): every vLLM version maps to the latest era at or
 #: below it. 0.11 also covers 0.12; 0.13 covers 0.14-0.23 (engine_layouts.md §1.1: the
 #: FA/FlashInfer formulas hold "up to about v0.23").
 ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
 
-DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu")
+DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
 
 
 def era_of(version: str) -> str:
@@ -172,8 +183,21 @@ class VllmHints(BaseModel):
         cache_dtype: vLLM's ``--kv-cache-dtype`` string (``auto``, ``fp8_e4m3``, ...).
         dtype: the model dtype (torch dtype or its name); the element dtype of byte views.
         vllm_version: ``"0.11.0"``, ``"0.24"``...; selects that era's rules only.
-        device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``; ``cpu`` selects vLLM's CPU
-            backend rules, ``tpu`` the Pallas rules, ``xpu`` forces NHD.
+        device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``/``hpu``/``npu``; ``cpu``
+            selects vLLM's CPU backend rules, ``tpu`` the Pallas rules, ``xpu`` forces
+            NHD, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x).
+        kv_cache_spec: ``attention`` or ``mamba``: what vLLM's ``KVCacheSpec`` says the
+            layers are, for per-layer lists of tensors (K/V pairs or Mamba state).
+        tensor_order: the core's generic hint (:data:`kvcore.TENSOR_ORDER`): ``allocated``
+            (the tensors as vLLM allocated them) or ``physical`` (already permuted into
+            memory order).
+        use_ipex: vLLM 0.11 ``TORCH_SDPA``: whether ``intel_extension_for_pytorch`` was
+            importable in the engine (``cpu_attn.py::_use_ipex``): with it K and V are
+            ``(NB, NH, BS, HS)``, without it K is stored in 16-byte chunks. An fp8 cache
+            implies it (vLLM refuses fp8 without IPEX).
+        prefill_decode_attention: vLLM 0.11 ``ROCM_ATTN``: the engine's
+            ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION`` (pass it under that name, or set the
+            variable): on, K/V are read by ``split_kv_cache``; off, by ``unbind(0)``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
@@ -197,6 +221,23 @@ class VllmHints(BaseModel):
     dtype: Any = None
     vllm_version: str | None = None
     device_type: str | None = None
+    kv_cache_spec: str | None = None
+    tensor_order: str | None = None
+    use_ipex: bool | None = None
+    prefill_decode_attention: bool | None = None
+
+    @field_validator("use_ipex", "prefill_decode_attention", mode="before")
+    @classmethod
+    def _flag(cls, v, info):
+        if v is None or isinstance(v, bool):
+            return v
+        s = str(v).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off", ""):
+            return False
+        name = "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" if info.field_name == "prefill_decode_attention" else info.field_name
+        raise DetectionError(f"vLLM hint {name}={v!r} must be a bool (True/False, 1/0)")
 
     @field_validator("kv_cache_layout", mode="before")
     @classmethod
@@ -233,12 +274,25 @@ class VllmHints(BaseModel):
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype(cls, v):
-        if v is None or isinstance(v, torch.dtype):
-            return v
-        s = str(v).strip().lower().replace("torch.", "")
-        if s not in _MODEL_DTYPES:
-            raise _bad("dtype", v, _MODEL_DTYPES)
-        return _MODEL_DTYPES[s]
+        if v is None:
+            return None
+        return parse_dtype(v, what="vLLM hint dtype")
+
+    @field_validator("kv_cache_spec", mode="before")
+    @classmethod
+    def _spec(cls, v):
+        if v is None:
+            return None
+        s = str(v).strip().lower().removesuffix("spec").removesuffix("_")
+        s = {"fullattention": "attention", "full_attention": "attention", "slidingwindow": "attention"}.get(s, s)
+        if s not in KV_CACHE_SPECS:
+            raise _bad("kv_cache_spec", v, KV_CACHE_SPECS)
+        return s
+
+    @field_validator("tensor_order", mode="before")
+    @classmethod
+    def _order(cls, v):
+        return tensor_order({"tensor_order": v}) if v is not None else None
 
     @field_validator("vllm_version", mode="before")
     @classmethod
@@ -301,9 +355,22 @@ class VllmHints(BaseModel):
             return None
         return self.family == "MLA"
 
+    @property
+    def fp8_kind(self) -> str | None:
+        """``"e4m3"`` / ``"e5m2"`` for the fp8 cache dtypes, else None."""
+        return FP8_KINDS.get(self.cache_dtype or "")
+
     def element_dtype(self) -> torch.dtype | None:
-        """The element dtype a byte (int8/uint8) view carries: the fp8 dtype for fp8 cache
-        dtypes, the model dtype for ``auto``, None when unknown."""
+        """The element dtype a byte (int8/uint8) view carries: for an fp8 cache dtype the
+        ``dtype`` hint when it is that kind of fp8 (``float8_e4m3fnuz`` on ROCm MI300),
+        else the CUDA fp8 type (detection settles the platform first:
+        :func:`kvcore_vllm.detect.detect_vllm`); the model dtype for ``auto``; None when
+        unknown."""
+        kind = self.fp8_kind
+        if kind is not None:
+            if is_fp8(self.dtype):
+                return self.dtype
+            return fp8_dtype(kind, fnuz=False)
         cd = CACHE_DTYPES.get(self.cache_dtype or "auto")
         if cd is not None:
             return cd
@@ -351,14 +418,141 @@ def parse_hints(hints: Any) -> VllmHints:
             val = getattr(obj, attr, None)
             if field not in d and val is not None:
                 d[field] = val
+    if "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in d:
+        d["prefill_decode_attention"] = d.pop("VLLM_V1_USE_PREFILL_DECODE_ATTENTION")
+    elif "prefill_decode_attention" not in d and os.environ.get("VLLM_V1_USE_PREFILL_DECODE_ATTENTION") is not None:
+        d["prefill_decode_attention"] = os.environ["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"]
     if "kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT"):
         d["kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
     # the core passes hints meant for every plugin; keep ours, refuse misspellings of ours
     known = set(VllmHints.model_fields)
-    generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}
+    generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}  # tensor_order is a field
     unknown = set(d) - known - generic
     if unknown:
-        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(known | {'cache_config', 'vllm_config'})}")
+        accepted = (known - {"prefill_decode_attention"}) | {"cache_config", "vllm_config", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"}
+        raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
     if "page_size" in d and "block_size" not in d:
         d["block_size"] = d["page_size"]
     return VllmHints(**{k: v for k, v in d.items() if k in known})
+
+
+def declared_hints() -> list[Any]:
+    """The hints :func:`parse_hints` reads, declared for ``kvcore hints vllm``
+    (``kvcore_register_hints``). Accepted values are this module's tables."""
+    from kvcore import Hint
+    from kvcore.dtypes import DTYPE_ALIASES, DTYPES
+    from kvcore.hints import tensor_order_hint
+
+    src = "engine_layouts.md §1.2"
+    return [
+        Hint(
+            engine="vllm",
+            name="kv_cache_layout",
+            meaning="vLLM's KV cache layout: NHD (tokens outside heads) or HND (heads outside tokens) up to 0.26; a 0.33 "
+            "KVCacheLayout member (L=layer, B=block, N=token, H=head, C=channel, outermost first) from 0.33. A layout the "
+            "strides contradict is an error",
+            values=[*LAYOUT_ALIASES, *KV_CACHE_LAYOUTS],
+            default="read from the strides; VLLM_KV_CACHE_LAYOUT, then NHD (0.11) / LBNHC (0.33) when they cannot tell",
+            source="vllm/v1/attention/backends/utils.py::get_kv_cache_layout; 0.33 vllm/v1/kv_cache_layout.py::KVCacheLayout",
+        ),
+        Hint(
+            engine="vllm",
+            name="attention_backend",
+            meaning="the attention backend that allocated the cache; selects its get_kv_cache_shape rule (MLA backends: one latent head)",
+            values=list(BACKENDS),
+            default="read from the shapes; ambiguous shapes name this hint",
+            source="vllm/attention/backends/registry.py",
+        ),
+        Hint(
+            engine="vllm",
+            name="vllm_version",
+            meaning="the vLLM version that allocated the cache; selects that era's layout rules only",
+            type=f"version string ({', '.join(ERAS)} or later; 0.11 and later)",
+            default="every era whose rules fit the tensors",
+        ),
+        Hint(
+            engine="vllm",
+            name="cache_dtype",
+            meaning="vLLM's --kv-cache-dtype: fp8 variants are stored as uint8 and carry fp8 elements",
+            values=list(CACHE_DTYPES),
+            default="auto: the tensors' own dtype",
+            source="vllm/utils/torch_utils.py::STR_DTYPE_TO_TORCH_DTYPE",
+        ),
+        Hint(
+            engine="vllm",
+            name="dtype",
+            meaning="the model dtype: the element dtype of byte (int8/uint8) views of the cache",
+            type="torch.dtype or name",
+            values=[*DTYPES, *DTYPE_ALIASES],
+        ),
+        Hint(engine="vllm", name="num_kv_heads", meaning="KV heads per tensor-parallel rank", type="int > 0", default="from the shapes"),
+        Hint(
+            engine="vllm",
+            name="block_size",
+            meaning="tokens per block (CacheConfig.block_size)",
+            type="int > 0",
+            aliases=["page_size"],
+            default=f"from the shapes; 16 (64 on XPU) where they cannot tell ({src})",
+        ),
+        Hint(
+            engine="vllm",
+            name="head_size",
+            meaning="elements per head (MLA: kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V3)",
+            type="int > 0",
+            default="from the shapes",
+        ),
+        Hint(
+            engine="vllm",
+            name="device_type",
+            meaning="the platform: cpu selects the CPU backend's rules, tpu the Pallas rules, xpu forces NHD, rocm makes an fp8 "
+            "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype)",
+            values=list(DEVICE_TYPES),
+            default="the tensors' device",
+        ),
+        Hint(
+            engine="vllm",
+            name="use_ipex",
+            meaning="vLLM 0.11 TORCH_SDPA: whether intel_extension_for_pytorch was importable in the engine; with it K and V "
+            "are (NB, NH, BS, HS), without it K is stored in 16-byte chunks (an fp8 cache implies it)",
+            type="bool",
+            default="from the cache dtype where it decides; else the shapes name this hint",
+            source="vllm/v1/attention/backends/cpu_attn.py::_use_ipex",
+        ),
+        Hint(
+            engine="vllm",
+            name="VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
+            aliases=["prefill_decode_attention"],
+            meaning="vLLM 0.11 ROCM_ATTN: the engine's environment variable; on, K/V are read by split_kv_cache, off, by unbind(0)",
+            type="bool",
+            default="the variable in this process's environment",
+            source="vllm/v1/attention/backends/rocm_attn.py",
+        ),
+        Hint(
+            engine="vllm",
+            name="kv_cache_spec",
+            meaning="what vLLM's KVCacheSpec says per-layer lists are: attention ((K, V) pairs, vllm-ascend) or mamba "
+            "(state tensors, not KV)",
+            values=list(KV_CACHE_SPECS),
+            default="(K, V) pairs when two [NB, BS, NH, HS] tensors of one shape; any other list is Mamba state",
+            source="vllm/v1/kv_cache_interface.py::KVCacheSpec",
+        ),
+        tensor_order_hint("vllm"),
+        Hint(
+            engine="vllm",
+            name="cache_config",
+            meaning="vLLM's CacheConfig (or any object with .cache_dtype, .block_size, .kv_cache_layout): fills those hints",
+            type="object",
+        ),
+        Hint(
+            engine="vllm",
+            name="vllm_config",
+            meaning="vLLM's VllmConfig: its cache_config, the model dtype and the model's head size",
+            type="object",
+        ),
+        Hint(
+            engine="vllm",
+            name="layer_groups",
+            meaning="the KV cache groups (lists of layer indices sharing a block table), for kvcore.detect_per_layer",
+            type="list of lists of int",
+        ),
+    ]

@@ -39,11 +39,21 @@ def kvcore_spec(format):
 
 
 @hookimpl
+def kvcore_register_hints(register):
+    from kvcore_vllm.hints import declared_hints
+
+    for h in declared_hints():
+        register(h)
+
+
+@hookimpl
 def kvcore_register_fixtures(register):
     from kvcore_vllm.fixtures import fixture_cases
+    from kvcore_vllm.pairs import pairs_fixture
 
     for case in fixture_cases():
         register(case)
+    register(pairs_fixture())
 
 
 @hookimpl

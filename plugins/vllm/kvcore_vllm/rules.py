@@ -35,15 +35,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore import Candidate, DetectionError, Source
-from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_FAMILY, VllmHints
+from kvcore import Candidate, DetectionError, Source, memory_ordered
+from kvcore.dtypes import is_fp8
+from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, VllmHints
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
 
 __all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name"]
 
 #: MLA latent widths vLLM's MLA backends accept: ``get_supported_head_sizes() == [576]``
 #: (0.11 ``mla/common.py``), plus fp8_ds_mla's 656-byte per-token record
-#: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8).
+#: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8). A rank-3
+#: ``[NB, BS, W]`` cache of any other width is a latent too (``NL_X_NB_BS_HS``, kv_size 1):
+#: MiniMax-M3 on 0.26 keeps rank-3 indexer key caches ``(NB, 128, 128)`` bf16 beside its
+#: packed GQA caches; only byte records whose width is in :data:`BLOCKED_SCALE_RECORDS` are
+#: read as blocked-scale pages, unless ``cache_dtype`` / ``head_size`` say per-token.
 MLA_WIDTHS = (576,)
 FP8_DS_MLA_BYTES = 656
 #: uint8 MLA record widths that are either per-token records or blocked-scale pages: shape
@@ -64,6 +69,8 @@ _XL = "vllm/v1/worker/kv_connector_model_runner_mixin.py::allocate_uniform_kv_ca
 _V33 = "vllm/v1/kv_cache_interface.py::create_kv_cache_views; vllm/v1/kv_cache_layout.py::KVCacheLayout"
 _CPU = "vllm/v1/attention/backends/cpu_attn.py"
 _PALLAS = "vllm/v1/attention/backends/pallas.py::PallasAttentionBackend.get_kv_cache_shape"
+_ROCM = "vllm/v1/attention/backends/rocm_attn.py"
+_SPLIT = "PagedAttention.split_kv_cache (K (NB, NH, HS/x, BS, x), x = 16 // element_size; V (NB, NH, HS, BS))"
 _IDX = "vllm/v1/attention/backends/mla/indexer.py; vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache"
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -89,9 +96,15 @@ class Rule:
         gate: "gpu" (excluded when device_type is cpu/tpu), "cpu" (needs device_type cpu
             or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "rocm" (needs
             device_type rocm or ROCM_ATTN), "" (any).
-        physical_ok: a tensor already permuted to a layout's physical order is a valid
-            reading when the layout hint names it (or sizes cannot tell).
+        physical_ok: a tensor already permuted to a layout's physical order (the
+            caller's ``tensor_order="physical"``) is a reading of this rule: offered for
+            every memory-ordered tensor, marked ``order="physical"`` (the core decides,
+            :mod:`kvcore.detection`).
         mla: MLA latent (no K/V axis); blocked: blocked-scale records.
+        requires: ``(hint field, value)`` pairs: a setting vLLM reads at run time that the
+            tensors cannot show (``use_ipex``, ``prefill_decode_attention``); the rule is
+            out when the hint says otherwise, and two rules that differ only here make
+            detection raise AmbiguousLayoutError naming that hint.
     """
 
     label: str
@@ -107,6 +120,7 @@ class Rule:
     mla: bool = False
     blocked: bool = False
     backends_label: tuple[str, ...] = field(default=())
+    requires: tuple[tuple[str, bool], ...] = ()
 
 
 def _src(version: str, file: str) -> Source:
@@ -117,7 +131,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         label="FlashAttention K/V-major (2, NB, BS, NH, HS)",
         eras=("0.11", "0.13"),
-        families=("FLASH_ATTN", "FLEX_ATTENTION"),
+        families=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=5,
         logical=_o("TWO NB BS NH HS"),
         layouts={
@@ -129,12 +143,31 @@ RULES: tuple[Rule, ...] = (
             "HND/mamba": _o("NL NB TWO NH BS HS"),
         },
         sources=(
-            _src("0.11.0", _FA + " (l.78), get_kv_cache_stride_order HND (0,1,3,2,4)"),
-            _src("0.11.0", _FLEX + " (l.86)"),
+            _src("0.11.0", _FA + ", get_kv_cache_stride_order HND (0,1,3,2,4); forward kv_cache.unbind(0)"),
+            _src("0.11.0", _FLEX + "; rocm_aiter_fa.py::AiterFlashAttentionBackend.get_kv_cache_shape (no stride order)"),
+            _src("0.13.0", "vllm/v1/attention/backends/rocm_aiter_unified_attn.py::get_kv_cache_shape; forward unbind(0)"),
             _src("0.11.0", "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (Mamba hybrids)"),
         ),
         physical_ok=True,
-        backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "XPU"),
+        backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "XPU"),
+    ),
+    Rule(
+        label="ROCm 0.11 unified attention (2, NB, BS, NH, HS) read by unbind(0)",
+        eras=("0.11",),
+        families=("ROCM_ATTN",),
+        rank=5,
+        logical=_o("TWO NB BS NH HS"),
+        layouts={"*": _o("NL TWO NB BS NH HS")},
+        sources=(
+            _src(
+                "0.11.0",
+                _ROCM + "::RocmAttentionImpl.forward: kv_cache.unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION "
+                "(also under AITER unified attention)",
+            ),
+        ),
+        gate="rocm",
+        requires=(("prefill_decode_attention", False),),
+        backends_label=("ROCM_ATTN",),
     ),
     Rule(
         label="FlashAttention cross-layer (0.13-0.23)",
@@ -153,41 +186,45 @@ RULES: tuple[Rule, ...] = (
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
-        sources=(_src("0.11.0", _FI + " (l.184), HND stride order (0,1,3,2,4)"), _src("0.24.0", _FI)),
+        sources=(_src("0.11.0", _FI + ", HND stride order (0,1,3,2,4); kv_cache[:, 0] / [:, 1]"), _src("0.24.0", _FI)),
         physical_ok=True,
         backends_label=("FLASHINFER",),
     ),
     Rule(
-        label="FlashInfer cross-layer (0.13-0.23)",
-        eras=("0.13",),
+        label="FlashInfer cross-layer (0.13-0.24)",
+        eras=("0.13", "0.24"),
         families=("FLASHINFER",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB TWO NH NL BS HS")},
-        sources=(_src("0.13.0", _XL + "; FlashInfer stride order NHD (1,0,2,3,4,5), HND (1,2,4,0,3,5)"),),
+        sources=(_src("0.13.0", _XL + "; FlashInfer stride order NHD (1,0,2,3,4,5), HND (1,2,4,0,3,5)"), _src("0.24.0", _FI)),
         backends_label=("FLASHINFER",),
     ),
     Rule(
-        label="Triton blocks-first (NB, 2, BS, NH, HS)",
-        eras=("0.11", "0.13", "0.24"),
+        label="Triton blocks-first (NB, 2, BS, NH, HS), no stride order",
+        eras=("0.11", "0.13"),
         families=("TRITON_ATTN",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD": _o("NL NB TWO BS NH HS")},
-        sources=(_src("0.11.0", _TR + " (l.169), no stride order: NHD only"), _src("0.24.0", _TR)),
+        sources=(_src("0.11.0", _TR + ", no stride order: NHD only; forward unbind(1)"),),
         physical_ok=True,
         backends_label=("TRITON_ATTN",),
     ),
     Rule(
         label="0.24 blocks-first (NB, 2, BS, NH, HS)",
         eras=("0.24",),
-        families=("FLASH_ATTN",),
+        families=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
-        sources=(_src("0.24.0", _FA + " (l.140)"),),
+        sources=(
+            _src("0.24.0", _FA + ", stride order HND (0,1,3,2,4); forward unbind(1)"),
+            _src("0.24.0", _TR + ", stride order HND (0,1,3,2,4)"),
+            _src("0.24.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py: (NB, 2, BS, NH, HS), no stride order, unbind(1)"),
+        ),
         physical_ok=True,
-        backends_label=("FLASH_ATTN",),
+        backends_label=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="0.24 FlexAttention (NB, 2, BS, NH, HS), stride order (0,2,1,3,4)",
@@ -195,31 +232,43 @@ RULES: tuple[Rule, ...] = (
         families=("FLEX_ATTENTION",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD": _o("NL NB BS TWO NH HS")},
-        sources=(_src("0.24.0", _FLEX + ", stride order (0,2,1,3,4)"),),
+        layouts={"NHD": _o("NL NB BS TWO NH HS"), "NHD/cross": _o("NB NL BS TWO NH HS")},
+        sources=(_src("0.24.0", _FLEX + ", stride order (0,2,1,3,4), cross-layer (1,0,3,2,4,5); forward unbind(1)"),),
         physical_ok=True,
         backends_label=("FLEX_ATTENTION",),
     ),
     Rule(
-        label="0.24 cross-layer",
+        label="0.24 cross-layer (FlashAttention, Triton)",
         eras=("0.24",),
-        families=("FLASH_ATTN",),
+        families=("FLASH_ATTN", "TRITON_ATTN"),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
         layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB NH NL TWO BS HS")},
-        sources=(_src("0.24.0", _XL + "; FA stride order NHD (1,0,2,3,4,5), HND (1,4,0,2,3,5)"),),
-        backends_label=("FLASH_ATTN",),
+        sources=(_src("0.24.0", _XL + "; FA and Triton stride order NHD (1,0,2,3,4,5), HND (1,4,0,2,3,5)"),),
+        backends_label=("FLASH_ATTN", "TRITON_ATTN"),
     ),
     Rule(
         label="0.26 packed K|V (NB, NH, BS, 2*HS)",
         eras=("0.26",),
-        families=GPU_FAMILIES,
+        families=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=4,
         logical=_o("NB NH BS CS"),
-        layouts={"NHD": _o("NL NB BS NH CS"), "HND": _o("NL NB NH BS CS"), "NHD/cross": _o("NB NL BS NH CS")},
-        sources=(_src("0.26.0", _FA + " (l.131), stride order NHD (0,2,1,3), HND identity; cross-layer NHD (1,0,3,2,4)"),),
+        layouts={
+            "NHD": _o("NL NB BS NH CS"),
+            "HND": _o("NL NB NH BS CS"),
+            "NHD/cross": _o("NB NL BS NH CS"),
+            "HND/cross": _o("NB NH NL BS CS"),
+        },
+        sources=(
+            _src(
+                "0.26.0",
+                _FA + ", stride order NHD (0,2,1,3), HND identity; cross-layer NHD (1,0,3,2,4), HND (1,2,0,3,4); "
+                "forward transpose(1, 2).split(head_size, -1)",
+            ),
+            _src("0.26.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py: (NB, NH, BS, 2*HS), no stride order"),
+        ),
         physical_ok=True,
-        backends_label=GPU_FAMILIES,
+        backends_label=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="0.33 FlexAttention view [NB, NH, BS, C], LBNHC only",
@@ -228,8 +277,19 @@ RULES: tuple[Rule, ...] = (
         rank=4,
         logical=_o("NB NH BS CS"),
         layouts={"LBNHC": _o("NL NB BS NH CS")},
-        sources=(_src("0.33.0", _FLEX + "; supported_kv_cache_layouts() = (LBNHC,) (l.130)"),),
+        sources=(_src("0.33.0", _FLEX + "; supported_kv_cache_layouts() = (LBNHC,)"),),
+        physical_ok=True,
         backends_label=("FLEX_ATTENTION",),
+    ),
+    Rule(
+        label="0.33 ROCm AITER views [NB, NH, BS, C], LBHNC / LHBNC",
+        eras=("0.33",),
+        families=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={"LBHNC": _o("NL NB NH BS CS"), "LHBNC": _o("NL NH NB BS CS")},
+        sources=(_src("0.33.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py::supported_kv_cache_layouts (LBHNC, LHBNC)"),),
+        backends_label=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="0.33 KVCacheLayout views [NB, NH, BS, C]",
@@ -245,49 +305,75 @@ RULES: tuple[Rule, ...] = (
             "BLNHC": _o("NB NL BS NH CS"),
             "BHLNC": _o("NB NH NL BS CS"),
         },
-        sources=(_src("0.33.0", _V33 + " (l.418); vllm/v1/worker/utils.py::allocate_kv_cache (l.564)"),),
+        sources=(_src("0.33.0", _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache"),),
+        physical_ok=True,
         backends_label=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
     ),
     Rule(
-        label="CPU 0.11 paged (2, NB, BS*NH*HS)",
+        label="CPU 0.11 TORCH_SDPA without IPEX (2, NB, BS*NH*HS) read by split_kv_cache",
         eras=("0.11",),
         families=("CPU",),
         rank=3,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"HND": _o("NL TWO NB NH HS BS")},
-        sources=(_src("0.11.0", _CPU + "::_PagedAttention.get_kv_cache_shape (l.751) / split_kv_cache"),),
+        layouts={"*": _o("NL TWO NB NH HS BS")},
+        sources=(
+            _src("0.11.0", _CPU + "::_PagedAttention.get_kv_cache_shape / split_kv_cache (K (NB, NH, HS/x, BS, x), V (NB, NH, HS, BS))"),
+        ),
         transform="paged",
         gate="cpu",
+        requires=(("use_ipex", False),),
         backends_label=("TORCH_SDPA",),
     ),
     Rule(
-        label="ROCm paged (2, NB, BS, NH, HS) read by split_kv_cache",
-        eras=("0.11", "0.13"),
+        label="CPU 0.11 TORCH_SDPA with IPEX (2, NB, BS*NH*HS) viewed (NB, NH, BS, HS)",
+        eras=("0.11",),
+        families=("CPU",),
+        rank=3,
+        logical=_o("TWO NB NH BS HS"),
+        layouts={"*": _o("NL TWO NB NH BS HS")},
+        sources=(_src("0.11.0", _CPU + "::_IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)"),),
+        transform="paged_ipex",
+        gate="cpu",
+        requires=(("use_ipex", True),),
+        backends_label=("TORCH_SDPA",),
+    ),
+    Rule(
+        label="ROCm prefill-decode paged (2, NB, BS, NH, HS) read by split_kv_cache",
+        eras=("0.11",),
         families=("ROCM_ATTN",),
         rank=5,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"NHD": _o("NL TWO NB NH HS BS")},
-        sources=(
-            _src(
-                "0.11.0",
-                "vllm/v1/attention/backends/rocm_attn.py::RocmAttentionBackend.get_kv_cache_shape; RocmAttentionImpl.forward "
-                "PagedAttention.split_kv_cache (K (NB, NH, HS/x, BS, x), V (NB, NH, HS, BS))",
-            ),
-        ),
+        layouts={"*": _o("NL TWO NB NH HS BS")},
+        sources=(_src("0.11.0", _ROCM + "::RocmAttentionImpl.forward with VLLM_V1_USE_PREFILL_DECODE_ATTENTION=1: " + _SPLIT),),
+        transform="paged5",
+        gate="rocm",
+        requires=(("prefill_decode_attention", True),),
+        backends_label=("ROCM_ATTN",),
+    ),
+    Rule(
+        label="ROCm paged (2, NB, BS, NH, HS) read by split_kv_cache",
+        eras=("0.13", "0.24", "0.26"),
+        families=("ROCM_ATTN",),
+        rank=5,
+        logical=_o("TWO NB NH HS BS"),
+        layouts={"*": _o("NL TWO NB NH HS BS")},
+        sources=(_src("0.13.0", _ROCM + "::RocmAttentionImpl.forward: " + _SPLIT), _src("0.24.0", _ROCM), _src("0.26.0", _ROCM)),
         transform="paged5",
         gate="rocm",
         backends_label=("ROCM_ATTN",),
     ),
     Rule(
-        label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS]",
+        label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS] read by split_kv_cache",
         eras=("0.33",),
         families=("ROCM_ATTN",),
         rank=4,
-        logical=_o("NB TWO BS NH HS"),
-        layouts={"LBHNC": _o("NL NB TWO BS NH HS"), "LHBNC": _o("NL TWO NB BS NH HS")},
+        logical=_o("NB TWO NH HS BS"),
+        layouts={"LBHNC": _o("NL NB TWO NH HS BS"), "LHBNC": _o("NL TWO NB NH HS BS")},
         sources=(
             _src(
-                "0.33.0", "vllm/v1/attention/backends/rocm_attn.py::RocmAttentionBackend.customize_spec (num_head_slots=2, C = NH*HS*dtype)"
+                "0.33.0",
+                _ROCM + "::RocmAttentionBackend.customize_spec (num_head_slots=2, C = NH*HS*dtype); forward "
+                "split_kv_cache(kv_cache.transpose(0, 1), ...)",
             ),
         ),
         transform="head_slots",
@@ -301,29 +387,25 @@ RULES: tuple[Rule, ...] = (
         rank=5,
         logical=_o("TWO NB NH BS HS"),
         layouts={"HND": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape"),),
+        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape; forward unbind(0)"),),
         gate="cpu",
         backends_label=("CPU_ATTN",),
     ),
     Rule(
-        label="CPU 0.24-0.26 packed (NB, NH, BS, 2*HS)",
-        eras=("0.24", "0.26"),
-        families=("CPU",),
-        rank=4,
-        logical=_o("NB NH BS CS"),
-        layouts={"HND": _o("NL NB NH BS CS")},
-        sources=(_src("0.24.0", _CPU + "::get_kv_cache_shape, get_required_kv_cache_layout() == 'HND'"),),
-        gate="cpu",
-        backends_label=("CPU_ATTN",),
-    ),
-    Rule(
-        label="CPU 0.33 LBHNC, per (block, head) BS K-rows then BS V-rows",
-        eras=("0.33",),
+        label="CPU 0.24-0.33 [NB, NH, BS, 2*HS]: per (block, head) BS K-rows then BS V-rows",
+        eras=("0.24", "0.26", "0.33"),
         families=("CPU",),
         rank=4,
         logical=_o("NB NH TWO BS HS"),
-        layouts={"LBHNC": _o("NL NB NH TWO BS HS")},
-        sources=(_src("0.33.0", _CPU + " (l.82 supported_kv_cache_layouts; l.420-425 view [B,H,2N,D].chunk(2, dim=2))"),),
+        layouts={"HND": _o("NL NB NH TWO BS HS")},
+        sources=(
+            _src(
+                "0.24.0",
+                _CPU + "::CPUAttentionBackend.get_kv_cache_shape (NB, NH, BS, 2*HS); forward view(NB, NH, 2*BS, -1).chunk(2, dim=2)",
+            ),
+            _src("0.26.0", _CPU + " (same)"),
+            _src("0.33.0", _CPU + "; supported_kv_cache_layouts() = (LBHNC,)"),
+        ),
         transform="kv_rows",
         gate="cpu",
         backends_label=("CPU_ATTN",),
@@ -341,14 +423,15 @@ RULES: tuple[Rule, ...] = (
         backends_label=("PALLAS",),
     ),
     Rule(
-        label="MLA latent (NB, BS, 576)",
+        label="MLA latent (NB, BS, W): 576 for DeepSeek, any width",
         eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
-        layouts={"*": _o("NL NB BS HS")},
+        layouts={"*": _o("NL NB BS HS"), "*/cross": _o("NB NL BS HS")},
         sources=(
             _src("0.11.0", _MLA + " (l.284)"),
+            _src("0.13.0", _XL + "; MLA stride order (1,0,2,3) over (L, NB, BS, 576) (0.13-0.26)"),
             _src("0.11.0", "vllm/v1/attention/backends/mla/flashmla_sparse.py::get_kv_cache_shape (l.74) fp8_ds_mla (NB, BS, 656) uint8"),
             _src("0.33.0", "vllm/model_executor/layers/attention/mla_attention.py::MLAAttention.bind_kv_cache (l.748) squeeze(1)"),
             _src("0.33.0", "mla_attention.py l.1371: state_content_bytes 656 (fp8_ds_mla), 352 (nvfp4_ds_mla) per stored state"),
@@ -396,7 +479,14 @@ RULES: tuple[Rule, ...] = (
         families=("MLA",),
         rank=4,
         logical=_o("NB BS HS"),
-        layouts={"LBNHC": _o("NL NB BSV BSS"), "LBHNC": _o("NL NB BSV BSS"), "LHBNC": _o("NL NB BSV BSS")},
+        layouts={
+            "LBNHC": _o("NL NB BSV BSS"),
+            "LBHNC": _o("NL NB BSV BSS"),
+            "LHBNC": _o("NL NB BSV BSS"),
+            "BLHNC": _o("NB NL BSV BSS"),
+            "BLNHC": _o("NB NL BSV BSS"),
+            "BHLNC": _o("NB NL BSV BSS"),
+        },
         sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec state_content_bytes (mla_attention.py l.1371)"),),
         transform="squeeze_head",
         gate="",
@@ -461,9 +551,11 @@ def _t_paged5(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
 
 
 def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # ROCm 0.33: [NB, 2, BS, C] with C = NH*HS: split C into (NH, HS) by the hints (else one head of C)
+    # ROCm 0.33: [NB, 2, BS, C], C = NH*HS; each head slot's BS*C run is read by split_kv_cache as
+    # V (NH, HS, BS) (K in 16-byte chunks, the spec's concern) -> V's view [NB, 2, NH, HS, BS].
+    # NH by the hints, else one head of C: the bytes of a slot's run do not depend on NH.
     b, two, n, c = t.shape
-    if t.stride(3) != 1:
+    if two != 2 or (c > 1 and t.stride(3) != 1) or (n > 1 and t.stride(2) != c):
         return None
     if h.num_kv_heads:
         nh = h.num_kv_heads
@@ -473,7 +565,28 @@ def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
         nh = 1
     if c % nh:
         return None
-    return t.unflatten(3, (nh, c // nh))
+    d = c // nh
+    return torch.as_strided(t, (b, two, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
+
+
+def _t_paged_ipex(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.11 CPU with IPEX: (2, B, N*H*D) -> (2, B, H, N, D) (_IPEXPagedAttention.split_kv_cache)
+    two, b, flat = t.shape
+    n = h.block_size
+    if n is None or flat % n or t.stride(2) != 1:
+        return None
+    per = flat // n
+    if h.num_kv_heads and h.head_size:
+        nh, d = h.num_kv_heads, h.head_size
+    elif h.num_kv_heads:
+        nh, d = h.num_kv_heads, per // h.num_kv_heads
+    elif h.head_size:
+        nh, d = per // h.head_size, h.head_size
+    else:
+        return None
+    if nh * d != per:
+        return None
+    return torch.as_strided(t, (two, b, nh, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
 
 
 def _t_pallas(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
@@ -494,6 +607,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] 
     "pallas": _t_pallas,
     "paged5": _t_paged5,
     "head_slots": _t_head_slots,
+    "paged_ipex": _t_paged_ipex,
 }
 
 
@@ -502,14 +616,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] 
 
 def _ordered(t: torch.Tensor) -> bool:
     """Strides of the axes longer than 1 do not increase: the view follows memory order."""
-    prev = None
-    for n, s in zip(t.shape, t.stride()):
-        if n <= 1:
-            continue
-        if prev is not None and s > prev:
-            return False
-        prev = s
-    return True
+    return memory_ordered(t)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
@@ -564,7 +671,7 @@ def _element_dtype(t: torch.Tensor, h: VllmHints, rule: Rule) -> tuple[torch.dty
         return None, 1
     want = h.element_dtype()
     if t.dtype == torch.uint8:
-        want = want if want in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+        want = want if is_fp8(want) else None
     if t.dtype in _BYTE_DTYPES:
         if want is not None and want != t.dtype:
             return want, torch.empty(0, dtype=want).element_size()
@@ -618,6 +725,12 @@ def _rule_ok(rule: Rule, h: VllmHints) -> bool:
         return False
     if h.is_mla is False and rule.mla:
         return False
+    for key, want in rule.requires:
+        got = getattr(h, key)
+        if got is not None and got != want:
+            return False
+        if key == "use_ipex" and want is False and (h.cache_dtype or "").startswith("fp8"):
+            return False  # TorchSDPABackendImpl: an FP8 KV cache requires intel_extension_for_pytorch
     dev = h.device_type
     if rule.gate == "gpu" and dev in ("cpu", "tpu"):
         return False
@@ -641,10 +754,14 @@ def _sizes(tokens: Sequence[str], t: torch.Tensor) -> dict[str, int] | None:
     return out
 
 
-def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints) -> bool:
+def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints, kernel_split: bool = False) -> bool:
     isz = t.element_size()
     if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
-        return False
+        # 0.13+: the manager's block_size may be split into kernel blocks of the tensor's BS
+        # (gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views)
+        # kernel blocks are multiples of 16 tokens (get_supported_kernel_block_sizes: MultipleOf(16), 32, 64...)
+        if not (kernel_split and sz["BS"] % 16 == 0 and h.block_size % sz["BS"] == 0):
+            return False
     if h.num_kv_heads is not None:
         if rule.mla and h.num_kv_heads != 1:
             return False
@@ -661,17 +778,16 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
             return False  # a head_size hint equal to the record width declares a per-token record
         return w in INDEXER_WIDTHS or h.cache_dtype in (None, "auto", "fp8_ds_mla")
     if rule.mla:
+        # a rank-3 cache is a latent of any width (576 for DeepSeek, 128 for MiniMax-M3's indexer
+        # keys, ...); only byte records whose width is in the blocked-scale table are pages of
+        # values-then-scales unless the cache dtype says they are per-token records
         if h.head_size is not None:
-            return width == h.head_size
-        if width in MLA_WIDTHS:
-            return True
-        if t.dtype == torch.int8 and esz == 1:  # a 0.33 byte view of unknown element dtype: 576 elements of 1, 2 or 4 bytes
-            return any(width == w * k for w in MLA_WIDTHS for k in (2, 4))
-        if t.dtype not in _BYTE_DTYPES:
-            return False
-        if sz[last] == FP8_DS_MLA_BYTES:
-            return True
-        return sz[last] in RECORD_WIDTHS_PER_TOKEN_DTYPE and h.cache_dtype in (None, "auto", RECORD_WIDTHS_PER_TOKEN_DTYPE[sz[last]])
+            # model_config.get_head_size() is 576 for the 656 B fp8_ds_mla record: the engine's own truth
+            record = h.cache_dtype == "fp8_ds_mla" and h.head_size == 576 and sz[last] * isz == FP8_DS_MLA_BYTES
+            return width == h.head_size or record
+        if t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS:
+            return sz[last] in RECORD_WIDTHS_PER_TOKEN_DTYPE and h.cache_dtype in (None, "auto", RECORD_WIDTHS_PER_TOKEN_DTYPE[sz[last]])
+        return True
     if last == "CS":
         if width % 2:
             return False
@@ -681,16 +797,27 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
     return True
 
 
-def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str) -> Reading | None:
-    """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``."""
+def _reading(
+    rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str, kernel_split: bool = False
+) -> Reading | None:
+    """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``.
+
+    The candidate's ``order`` (see :mod:`kvcore.detection`): ``"physical"`` for a tensor read
+    as already in memory order (``tokens`` is the layout's physical order, not the rule's
+    logical one), ``"allocated"`` when the views permute the tensor's axes (its strides
+    show the engine's permuted allocation), else None (the tensor's own axes, in memory
+    order: it reads so whichever way it was handed over).
+    """
     order = rule.layouts[key]
     t0 = views[0]
     sz = _sizes(tokens, t0)
     if sz is None:
         return None
     dtype, esz = _element_dtype(t0, h, rule)
-    if not _sizes_ok(rule, sz, t0, esz, h):
+    if not _sizes_ok(rule, sz, t0, esz, h, kernel_split):
         return None
+    if kernel_split and "BS" in sz and sz["BS"] != h.block_size:
+        note += f" (block_size {h.block_size} is the manager's: the kernel reads blocks of {sz['BS']} tokens)"
     as_given = False
     if order[0] == "NL":
         perm = [tokens.index(tok) for tok in _fmt_tokens(order[1:])]
@@ -699,6 +826,7 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
         if not all(_ordered(v) for v in pv) or not _layers_separate(pv):
             return None
         kv = pv
+        identity = perm == sorted(perm)
     else:
         stacked = stack_layers(views)
         if stacked is None:
@@ -708,6 +836,10 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
         kv = stacked.permute(perm)
         if not _ordered(kv):
             return None
+        # per-layer views of one cross-layer buffer: each layer read in its own axis order holds either way
+        inner = [i for i in perm if i != 0]
+        identity = inner == sorted(inner)
+    physical = tokens != rule.logical
     fmt = physical_name(order)
     params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
     decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
@@ -721,6 +853,7 @@ def _reading(rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str,
         note=f"vLLM {rule.label}, layout {key}{note}",
         decided_by=decided,
         label=f"{rule.label}, {key}{note}",
+        order="physical" if physical else (None if identity else "allocated"),
     )
     return Reading(cand, rule, key, as_given)
 
@@ -738,12 +871,62 @@ def _fmt_tokens(order: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool = True) -> list[Reading]:
+def _against(h: VllmHints, layout_source: str) -> dict[str, str]:
+    """The hint that rules a layout out, as the caller gave it (for the contradiction message)."""
+    if h.kv_cache_layout is not None:
+        return {layout_source: h.kv_cache_layout}
+    return {"device_type": "xpu (forces NHD)"}
+
+
+def candidates(
+    tensors: list[torch.Tensor],
+    h: VllmHints,
+    *,
+    check_layout: bool = True,
+    evidence: bool = False,
+    layout_source: str = "kv_cache_layout",
+    needs: list[str] | None = None,
+) -> list[Reading]:
     """Every reading of ``tensors`` (one per layer, in layer order) that a rule allows.
 
-    With ``check_layout=False`` the kv_cache_layout hint is ignored (used to explain a
-    hint that the strides contradict).
+    Each rule gives its as-allocated reading (the rule's logical axes, permuted into the
+    layout's physical order by the tensors' strides) and, for rules whose layouts can be
+    handed over already permuted into memory order (``physical_ok``), the reading of the
+    tensors as that physical order (``order="physical"``): the core decides between them
+    (:func:`kvcore.resolve`).
+
+    Args:
+        check_layout: drop the readings the ``kv_cache_layout`` hint (or XPU's forced NHD)
+            rules out. With ``False`` the hint is ignored.
+        evidence: keep those readings instead, marked ``against={hint: value}``: they are
+            what the strides show when the hint contradicts them.
+        layout_source: how the caller gave the layout (``kv_cache_layout``, or
+            ``VLLM_KV_CACHE_LAYOUT`` when it came from the environment), for messages.
+        needs: when given, rules whose transform cannot apply for want of a hint append
+            ``"<rule label>: <hints>"`` here (vLLM 0.11 CPU's flat ``(2, NB, BS*NH*HS)``
+            needs ``block_size`` and ``head_size`` or ``num_kv_heads``).
+
+    A ``block_size`` hint is first matched exactly; only when no reading has that block
+    size is it read as the manager's block size split into kernel blocks (vLLM 0.13+:
+    ``block_size // kernel_block_size`` kernel blocks per block).
     """
+    opts = dict(check_layout=check_layout, evidence=evidence, layout_source=layout_source, needs=needs)
+    out = _candidates(tensors, h, False, **opts)
+    if not [r for r in out if not r.candidate.against] and h.block_size is not None and h.era != "0.11":
+        out = _candidates(tensors, h, True, **opts)
+    return out
+
+
+def _candidates(
+    tensors: list[torch.Tensor],
+    h: VllmHints,
+    kernel_split: bool,
+    *,
+    check_layout: bool,
+    evidence: bool,
+    layout_source: str,
+    needs: list[str] | None,
+) -> list[Reading]:
     out: list[Reading] = []
     t0 = tensors[0]
     for rule in RULES:
@@ -753,27 +936,91 @@ def candidates(tensors: list[torch.Tensor], h: VllmHints, *, check_layout: bool 
             fn = TRANSFORMS[rule.transform]
             views = [fn(t, h) for t in tensors]
             if any(v is None for v in views):
+                missing = _missing_hints(rule, t0, h)
+                if needs is not None and missing:
+                    needs.append(f"{rule.label}: needs {' and '.join(missing)}")
                 continue
         else:
             views = list(tensors)
         for key in rule.layouts:
+            against: dict[str, str] = {}
             if check_layout and not _layout_ok(rule, key, h):
-                continue
-            r = _reading(rule, key, views, rule.logical, h, "")
+                if not evidence:
+                    continue
+                against = _against(h, layout_source)
+            found = []
+            r = _reading(rule, key, views, rule.logical, h, "", kernel_split)
             if r is not None:
-                out.append(r)
-            # a tensor already permuted to this layout's physical order
+                found.append(r)
+            # the tensor already permuted to this layout's physical order
             order = rule.layouts[key]
             phys = tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
-            if not rule.physical_ok or "/" in key or order[0] != "NL" or phys == rule.logical:
-                continue
-            hinted = check_layout and h.kv_cache_layout is not None and _layout_ok(rule, key, h)
-            sz_l, sz_p = _sizes(rule.logical, views[0]), _sizes(phys, views[0])
-            undecided = sz_l is not None and sz_l == sz_p
-            if hinted or undecided or h.block_size is not None or h.num_kv_heads is not None:
-                r = _reading(rule, key, views, phys, h, " (tensor already in physical order)")
+            # vLLM 0.33 reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
+            # _LAYOUT_COMPAT_ALIASES): a twin of another member is not what such a hint names
+            alias_only = check_layout and h.kv_cache_layout in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != h.layout33
+            if rule.physical_ok and "/" not in key and order[0] == "NL" and phys != rule.logical and not alias_only:
+                r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split)
                 if r is not None:
-                    out.append(r)
+                    found.append(r)
+            for r in found:
+                r.candidate.against = dict(against)
+            out.extend(found)
     # among readings that turn out byte-identical, the first wins: prefer the tensor's own axis order
     out.sort(key=lambda r: not r.as_given)
+    return out
+
+
+def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
+    """The hints a rule's transform needs and did not get (only the flat CPU layout needs any)."""
+    if rule.transform != "paged" or t.shape[0] != 2:
+        return []
+    out = [] if h.block_size is not None else ["block_size"]
+    if h.head_size is None and h.num_kv_heads is None:
+        out.append("head_size (or num_kv_heads)")
+    return out
+
+
+def bare_candidates(
+    t: torch.Tensor, h: VllmHints, *, check_layout: bool = True, evidence: bool = False, layout_source: str = "kv_cache_layout"
+) -> list[Reading]:
+    """Readings of one tensor that is a whole cross-layer cache, as a cross-layer connector
+    is handed it: the buffer vLLM allocates in the layout's physical order before it takes
+    per-layer views (0.13-0.2x ``allocate_uniform_kv_caches``: e.g. ``[NB, NL, 2, BS, NH, HS]``
+    for FlashAttention NHD; 0.26 ``[NB, NL, BS, NH, 2*HS]``; 0.33 ``BLHNC`` / ``BLNHC`` /
+    ``BHLNC``). The tensor must be in memory order; its axes are then the format's."""
+    out: list[Reading] = []
+    if not _ordered(t):
+        return out
+    for rule in RULES:
+        if rule.transform or not _rule_ok(rule, h):
+            continue
+        for key, order in rule.layouts.items():
+            if order[0] == "NL" or len(order) != t.dim():
+                continue
+            against: dict[str, str] = {}
+            if check_layout and not _layout_ok(rule, key, h):
+                if not evidence:
+                    continue
+                against = _against(h, layout_source)
+            tokens = _fmt_tokens(order)
+            sz = _sizes(tokens, t)
+            if sz is None:
+                continue
+            dtype, esz = _element_dtype(t, h, rule)
+            if not _sizes_ok(rule, sz, t, esz, h):
+                continue
+            decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
+            decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+            params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
+            cand = Candidate(
+                format=physical_name(order),
+                kv_caches=t,
+                dtype=dtype,
+                params=params,
+                note=f"vLLM {rule.label}, layout {key}: the whole cross-layer buffer",
+                decided_by=decided,
+                label=f"{rule.label}, {key}, one cross-layer tensor",
+                against=against,
+            )
+            out.append(Reading(cand, rule, key, True))
     return out

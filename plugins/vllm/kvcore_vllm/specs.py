@@ -95,4 +95,7 @@ class PagedAttentionSpec(Spec):
         )
 
 
-SPECS = {PAGED_ATTENTION_FORMAT: PagedAttentionSpec}
+#: vLLM 0.33 ROCM_ATTN LBHNC: the same K/V runs, the K and V head slots of a block side by side.
+PAGED_ATTENTION_SLOTS_FORMAT = "NL_X_NB_TWO_NH_HS_BS"
+
+SPECS = {PAGED_ATTENTION_FORMAT: PagedAttentionSpec, PAGED_ATTENTION_SLOTS_FORMAT: PagedAttentionSpec}

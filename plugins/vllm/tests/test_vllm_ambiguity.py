@@ -24,18 +24,19 @@ def _ambiguous(kv, hints, *names, deciding=()):
 def test_nb2_fa_vs_blocks_first(semantic):
     g = dict(num_layers=2, num_blocks=2, block_size=16, num_kv_heads=3, head_size=8)
     fa = allocate("0.11.0", "FLASH_ATTN", "NHD", **g)
-    _ambiguous(fa, None, "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_TWO_BS_NH_HS", deciding=("attention_backend", "vllm_version"))
+    nhd = {"kv_cache_layout": "NHD"}  # the tensors are contiguous: without it an HND cache in memory order fits too
+    _ambiguous(fa, nhd, "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_TWO_BS_NH_HS", deciding=("attention_backend", "vllm_version"))
     # FLASH_ATTN alone is not enough: 0.24's FlashAttention is blocks-first
-    _ambiguous(fa, {"attention_backend": "FLASH_ATTN"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_TWO_BS_NH_HS", deciding=("vllm_version",))
-    lay = kvcore.detect(fa, "vllm", {"attention_backend": "FLASH_ATTN", "vllm_version": "0.11.0"})
+    _ambiguous(fa, {**nhd, "attention_backend": "FLASH_ATTN"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_NB_TWO_BS_NH_HS", deciding=("vllm_version",))
+    lay = kvcore.detect(fa, "vllm", {**nhd, "attention_backend": "FLASH_ATTN", "vllm_version": "0.11.0"})
     assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS" and lay.num_blocks == 2
     semantic(lay, fa, kv_view)
     fi = allocate("0.11.0", "FLASHINFER", "NHD", **g)
-    lay = kvcore.detect(fi, "vllm", {"attention_backend": "FLASHINFER"})
+    lay = kvcore.detect(fi, "vllm", {**nhd, "attention_backend": "FLASHINFER"})
     assert lay.format.name == "NL_X_NB_TWO_BS_NH_HS"
     semantic(lay, fi, kv_view)
     v24 = allocate("0.24.0", "FLASH_ATTN", "NHD", **g)
-    lay = kvcore.detect(v24, "vllm", {"vllm_version": "0.24.1"})
+    lay = kvcore.detect(v24, "vllm", {**nhd, "vllm_version": "0.24.1"})
     assert lay.format.name == "NL_X_NB_TWO_BS_NH_HS"
     semantic(lay, v24, kv_view)
 
@@ -45,7 +46,7 @@ def test_nh1_mla_view_vs_one_kv_head(semantic):
     err = _ambiguous(mha, None, "NL_X_NB_BS_HS", deciding=("attention_backend", "head_size"))
     assert "576" in str(err) and {"NL_X_NB_NH_BS_CS", "NL_X_NB_BS_NH_CS"} & set(err.candidates)
     for hints in ({"attention_backend": "FLASH_ATTN"}, {"head_size": 288}):
-        lay = kvcore.detect(mha, "vllm", hints)
+        lay = kvcore.detect(mha, "vllm", {**hints, "kv_cache_layout": "LBHNC"})
         assert (lay.format.name, lay.kv_size, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 1, 288)
         semantic(lay, mha, kv_view)
     mla = allocate("0.33.0", "FLASHMLA", "LBNHC", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576)
@@ -57,15 +58,19 @@ def test_nh1_mla_view_vs_one_kv_head(semantic):
 
 
 def test_bs_equals_nh_without_stride_evidence(semantic):
-    g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=4, head_size=8)
+    g = dict(num_layers=2, num_blocks=5, block_size=16, num_kv_heads=16, head_size=8)
     nhd = allocate("0.11.0", "FLASH_ATTN", "NHD", **g)  # contiguous: also an HND tensor already in physical order
     _ambiguous(nhd, None, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS", deciding=("kv_cache_layout",))
     lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "NHD"})
     assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS"
     semantic(lay, nhd, kv_view)
-    lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"})  # read as the physical HND tensor it also is
+    # an HND hint alone contradicts the strides (they show vLLM's NHD allocation) ...
+    with pytest.raises(kvcore.DetectionError, match="tensor_order='physical'"):
+        kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"})
+    # ... unless the caller says the tensor was already permuted into memory order
+    lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND", "tensor_order": "physical"})
     assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
-    assert lay.stride_table().planes[0].head == 4 * 8 * 2  # heads are now the outer axis
+    assert lay.stride_table().planes[0].head == 16 * 8 * 2  # heads are now the outer axis
     # vLLM's own HND allocation: the strides decide, no hint needed
     hnd = allocate("0.11.0", "FLASH_ATTN", "HND", **g)
     lay = kvcore.detect(hnd, "vllm")
@@ -73,13 +78,15 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
     semantic(lay, hnd, kv_view)
 
 
-def test_packed_kv_across_versions_cpu(semantic):
+def test_cpu_rows_are_one_layout_from_024_to_033(semantic):
+    """vLLM 0.24-0.33 CPU_ATTN: (NB, NH, BS, 2*HS) read as view(NB, NH, 2*BS, HS).chunk(2, dim=2):
+    one layout (BS K rows, then BS V rows), never the GPU's packed [K | V] row."""
     g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
-    v26 = allocate("0.26.0", "CPU_ATTN", "HND", **g)
-    _ambiguous(v26, {"device_type": "cpu"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_NH_TWO_BS_HS", deciding=("vllm_version",))
-    lay = kvcore.detect(v26, "vllm", {"device_type": "cpu", "vllm_version": "0.26.0"})
-    assert lay.format.name == "NL_X_NB_NH_BS_CS"
-    semantic(lay, v26, kv_view)
+    for version in ("0.24.0", "0.26.0"):
+        kv = allocate(version, "CPU_ATTN", "HND", **g)
+        lay = kvcore.detect(kv, "vllm", {"device_type": "cpu"})
+        assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+        semantic(lay, kv, kv_view)
     v33 = allocate("0.33.0", "CPU_ATTN", "LBHNC", **g)
     lay = kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0"})
     assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
@@ -88,8 +95,8 @@ def test_packed_kv_across_versions_cpu(semantic):
 
 def test_nh2_packed_gpu_is_not_ambiguous_across_gpu_versions():
     # 0.26 (NB, NH, BS, 2*HS) and 0.33 [NB, NH, BS, C] place bytes identically: one answer
-    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
-    lay = kvcore.detect(kv, "vllm")
+    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
+    lay = kvcore.detect(kv, "vllm", {"tensor_order": "allocated"})  # contiguous: as allocated, not an NHD cache in memory order
     assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
 
 
@@ -99,7 +106,7 @@ def test_hint_contradicting_strides_is_an_error():
         kvcore.detect(hnd, "vllm", {"kv_cache_layout": "NHD"})
     assert not isinstance(ei.value, kvcore.AmbiguousLayoutError)
     assert "NHD" in str(ei.value) and "HND" in str(ei.value)
-    with pytest.raises(kvcore.DetectionError, match="XPU"):
+    with pytest.raises(kvcore.DetectionError, match="device_type='xpu \\(forces NHD\\)'"):
         kvcore.detect(hnd, "vllm", {"device_type": "xpu"})
     v33 = allocate("0.33.0", "FLASH_ATTN", "BLNHC", num_layers=3, num_blocks=4, block_size=4, num_kv_heads=2, head_size=8)
     with pytest.raises(kvcore.DetectionError, match="BLNHC"):
@@ -107,27 +114,44 @@ def test_hint_contradicting_strides_is_an_error():
     assert kvcore.detect(v33, "vllm", {"kv_cache_layout": "NHD"}).format.name == "NB_NL_BS_NH_CS"  # NHD family
 
 
-def test_physical_order_tensor_needs_the_layout_hint():
+def test_physical_order_tensor_needs_a_deciding_hint():
     phys = torch.zeros(2, 5, 2, 16, 8, dtype=torch.bfloat16)  # HND memory (2, NB, NH, BS, HS), contiguous
-    assert kvcore.detect([phys], "vllm").format.name == "NL_X_TWO_NB_BS_NH_HS"  # vLLM's default NHD reading
-    lay = kvcore.detect([phys], "vllm", {"kv_cache_layout": "HND"})
+    fa = {"vllm_version": "0.11.0", "attention_backend": "FLASH_ATTN"}
+    err = _ambiguous(
+        [phys],
+        fa,
+        "NL_X_TWO_NB_BS_NH_HS",
+        "NL_X_TWO_NB_NH_BS_HS",
+        deciding=("kv_cache_layout", "num_kv_heads", "block_size", "tensor_order"),
+    )
+    assert "vllm_version" not in err.hints and "attention_backend" not in err.hints  # given: never named
+    lay = kvcore.detect([phys], "vllm", {**fa, "kv_cache_layout": "HND", "tensor_order": "physical"})
     assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_TWO_NB_NH_BS_HS", 16, 2)
-    lay = kvcore.detect([phys], "vllm", {"block_size": 16, "num_kv_heads": 2})  # the sizes decide too
+    lay = kvcore.detect([phys], "vllm", {**fa, "block_size": 16, "num_kv_heads": 2})  # the sizes decide too
     assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_TWO_NB_NH_BS_HS", 16, 2)
+    lay = kvcore.detect([phys], "vllm", {**fa, "tensor_order": "allocated"})  # as allocated: vLLM's NHD
+    assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_TWO_NB_BS_NH_HS", 2, 16)
 
 
 def test_wrong_size_hint_says_what_fits():
-    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
+    kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
     with pytest.raises(kvcore.DetectionError, match="block_size"):
-        kvcore.detect(kv, "vllm", {"block_size": 16})
+        kvcore.detect(kv, "vllm", {"block_size": 24})
 
 
 def test_rocm_paged_vs_flash_attention(semantic):
     g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=16)
-    kv = allocate("0.11.0", "ROCM_ATTN", "NHD", **g)  # same shape as FlashAttention's, bytes in the paged layout
-    assert kvcore.detect(kv, "vllm").format.name == "NL_X_TWO_NB_BS_NH_HS"  # no ROCm signal: CUDA FlashAttention
-    _ambiguous(kv, {"device_type": "rocm"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS", deciding=("attention_backend",))
-    lay = kvcore.detect(kv, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_ATTN"})
+    kv = allocate("0.13.0", "ROCM_ATTN", "NHD", **g)  # same shape as FlashAttention's, bytes in the paged layout
+    nhd = {"kv_cache_layout": "NHD"}  # contiguous: without it an HND cache in memory order fits too
+    assert kvcore.detect(kv, "vllm", nhd).format.name == "NL_X_TWO_NB_BS_NH_HS"  # no ROCm signal: CUDA FlashAttention
+    _ambiguous(kv, {**nhd, "device_type": "rocm"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS", deciding=("attention_backend",))
+    # without the version, 0.11's ROCM_ATTN (unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION) also fits
+    _ambiguous(
+        kv,
+        {**nhd, "device_type": "rocm", "attention_backend": "ROCM_ATTN"},
+        deciding=("vllm_version", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"),
+    )
+    lay = kvcore.detect(kv, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_ATTN", "vllm_version": "0.13.0"})
     assert lay.format.name == "NL_X_TWO_NB_NH_HS_BS"
     semantic(lay, kv, kv_view)
 
@@ -136,12 +160,14 @@ def test_nh2_packed_vs_rocm_head_slots(semantic):
     """[NB, 2, BS, C]: two KV heads with K|V packed per head, or ROCm 0.33's K slot and V slot."""
     g = dict(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
     packed = allocate("0.33.0", "FLASH_ATTN", "LBHNC", **g)
-    _ambiguous(packed, {"device_type": "rocm"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_TWO_BS_NH_HS", deciding=("attention_backend",))
-    lay = kvcore.detect(packed, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_AITER_FA"})
+    _ambiguous(
+        packed, {"device_type": "rocm", "vllm_version": "0.33"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_TWO_NH_HS_BS", deciding=("attention_backend",)
+    )
+    lay = kvcore.detect(packed, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_AITER_FA", "kv_cache_layout": "LBHNC"})
     assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
     semantic(lay, packed, kv_view)
     slots = allocate("0.33.0", "ROCM_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=16)
     assert next(iter(slots.values())).shape == (3, 2, 4, 16)  # one KV head: the same shape as two packed heads of 8
     lay = kvcore.detect(slots, "vllm", {"attention_backend": "ROCM_ATTN", "num_kv_heads": 1})
-    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_TWO_BS_NH_HS", 1, 16)
+    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_TWO_NH_HS_BS", 1, 16)
     semantic(lay, slots, kv_view)

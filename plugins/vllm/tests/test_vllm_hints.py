@@ -133,8 +133,12 @@ def test_pallas_padded_head_needs_head_size():
 
 def test_flex_attention_033_is_lbnhc_only():
     kv = allocate("0.33.0", "FLASH_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
-    assert kvcore.detect(kv, "vllm", {"attention_backend": "FLASH_ATTN"}).format.name == "NL_X_NB_NH_BS_CS"
+    assert kvcore.detect(kv, "vllm", {"attention_backend": "FLASH_ATTN", "tensor_order": "allocated"}).format.name == "NL_X_NB_NH_BS_CS"
+    flex = {"attention_backend": "FLEX_ATTENTION", "vllm_version": "0.33.0"}
     with pytest.raises(kvcore.DetectionError):  # FlexAttention 0.33 supports only LBNHC (flex_attention.py l.130)
-        kvcore.detect(kv, "vllm", {"attention_backend": "FLEX_ATTENTION", "vllm_version": "0.33.0"})
+        kvcore.detect(kv, "vllm", {**flex, "tensor_order": "allocated"})
+    # the only FlexAttention reading of a contiguous [NB, X, Y, C] is an LBNHC cache already in memory order
+    lay = kvcore.detect(kv, "vllm", flex)
+    assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_NB_BS_NH_CS", 2, 4)
     nhd = allocate("0.33.0", "FLEX_ATTENTION", "LBNHC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
     assert kvcore.detect(nhd, "vllm", {"attention_backend": "FLEX_ATTENTION"}).format.name == "NL_X_NB_BS_NH_CS"

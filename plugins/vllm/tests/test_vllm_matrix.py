@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import MATRIX, case_name, fixture_cases
+from kvcore_vllm.fixtures import MATRIX, MLA_BACKENDS, MULTI_PLANE, case_name, fixture_cases
 
 import kvcore
-from kvcore.testing import fixtures as registered_fixtures
+from kvcore.testing import registered_fixtures
 
 CASES = {c.name: c for c in fixture_cases()}
-IDS = [case_name(v, b, lay, x) for v, b, lay, x, _ in MATRIX]
+ROWS = {case_name(v, b, lay, x, extra): (v, b, lay, x, fmt, extra) for v, b, lay, x, fmt, extra in MATRIX}
+IDS = list(ROWS)
 FP_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+
+
+def _kernel_split(name: str) -> int:
+    return 4 if "-kernel" in name else 1  # the manager block holds 4 kernel blocks
 
 
 def test_matrix_has_one_case_per_row():
     # one case per matrix row, plus the blocked-scale indexer (its oracle is a pair of segment views)
-    assert set(IDS) | {"vllm-0.11-INDEXER"} == set(CASES)
-    assert len(CASES) == len(MATRIX) + 1
+    assert len(ROWS) == len(MATRIX)
+    assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} == set(CASES)
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
-    assert {c.name for c in registered_fixtures("vllm")} == set(CASES)
+    assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | {"vllm-ascend-pairs"}  # + kvcore_vllm.pairs
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -31,12 +36,13 @@ def test_detect_geometry_and_semantics(name, semantic):
     layout = kvcore.detect(kv, "vllm", hints)
     assert layout.format.name == case.format
     assert layout.num_layers == sizes["num_layers"]
-    assert layout.num_blocks == sizes["num_blocks"]
+    assert layout.num_blocks == sizes["num_blocks"] * _kernel_split(name)
     assert layout.block_size == sizes["block_size"]
-    assert layout.num_heads == sizes["num_heads"]
-    assert layout.head_size == sizes["head_size"]
-    assert layout.kv_size == (1 if layout.format.is_mla else 2)
-    assert layout.kv_size == (1 if "MLA" in name else 2)
+    mla = ROWS[name][1] in MLA_BACKENDS
+    if mla or case.format not in MULTI_PLANE or "num_kv_heads" in hints:
+        assert layout.num_heads == sizes["num_heads"]
+        assert layout.head_size == sizes["head_size"]
+    assert layout.kv_size == (1 if mla else 2)
     assert layout.dtype == torch.bfloat16
     assert layout.hidden_dim == sizes["num_heads"] * sizes["head_size"]
     inputs = {t.untyped_storage().data_ptr() for t in kv.values()}
@@ -62,27 +68,35 @@ def test_dtypes_round_trip(name, dtype, semantic):
     semantic(layout, kv, lambda k, layer, p: case.view(k, layer, p, hints), seed=3)
 
 
-@pytest.mark.parametrize("name", IDS)
-def test_detect_from_strides_with_few_hints(name):
-    """Strides decide NHD/HND and layer/block-outermost; only facts the tensors cannot
-    show are given (device, CPU 0.11's flat block, Pallas's padded head, CPU version)."""
-    case = CASES[name]
-    kv, full = case.make(dict(case.sizes), torch.bfloat16, "cpu")
-    hints = {k: full[k] for k in ("device_type",) if k in full}
+def _few_hints(name: str, full: dict, sizes: dict) -> dict:
+    """Only what the tensors cannot show: that they are as vLLM allocated them (a contiguous
+    tensor is also an HND/NHD cache already permuted into memory order), the device family,
+    the backend where two backends of one device read one shape differently, run-time
+    settings (IPEX, the 0.11 ROCm variable), a padded head, 0.33's one-head MLA view."""
+    hints = {k: full[k] for k in ("device_type", "use_ipex", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION") if k in full}
+    hints["tensor_order"] = "allocated"
     if "TORCH_SDPA" in name:
-        hints.update(block_size=full["block_size"], num_kv_heads=case.sizes["num_heads"])
+        hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
     if "PALLAS" in name:
         hints["head_size"] = full["head_size"]
     if "0.33-FLASHMLA" in name:
         hints["head_size"] = 576  # [NB, 1, BS, 576]: one MHA head of 288 or an MLA latent of 576
-    if "ROCM_ATTN" in name:
-        hints.update(attention_backend="ROCM_ATTN", num_kv_heads=case.sizes["num_heads"])
-    if "CPU_ATTN" in name:
-        hints["vllm_version"] = full["vllm_version"]
-    layout = kvcore.detect(kv, "vllm", hints)
+    if "ROCM" in name:
+        hints.update(attention_backend=full["attention_backend"], vllm_version=full["vllm_version"])
+        if "ROCM_ATTN" in name:
+            hints["num_kv_heads"] = sizes["num_heads"]
+    return hints
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_detect_from_strides_with_few_hints(name):
+    """Strides decide NHD/HND and layer/block-outermost; only facts the tensors cannot show are given."""
+    case = CASES[name]
+    kv, full = case.make(dict(case.sizes), torch.bfloat16, "cpu")
+    layout = kvcore.detect(kv, "vllm", _few_hints(name, full, case.sizes))
     assert layout.format.name == case.format
     assert (layout.num_blocks, layout.block_size, layout.num_heads) == (
-        case.sizes["num_blocks"],
+        case.sizes["num_blocks"] * _kernel_split(name),
         case.sizes["block_size"],
         case.sizes["num_heads"],
     )
@@ -96,7 +110,8 @@ def test_cross_layer_reports_one_tensor_pointer_and_layer_stride():
     assert layout.format.container == "cross_layer"
     assert layout.data_ptrs() == [views[0].data_ptr()]
     tb = layout.stride_table()
-    page = 2 * 16 * 3 * 16 * 2  # K+V page of one layer and block, bytes
+    nh = case.sizes["num_heads"]
+    page = 2 * 16 * nh * 16 * 2  # K+V page of one layer and block, bytes
     assert tb.planes[0].block == page * case.sizes["num_layers"]
     ptrs = tb.ptrs()
     assert int(ptrs[1, 0] - ptrs[0, 0]) == page  # layer stride inside a block
@@ -109,7 +124,7 @@ def test_v033_block_outermost_pointers_and_strides():
     layout = kvcore.detect(kv, "vllm", hints)
     views = list(kv.values())
     tb = layout.stride_table()
-    nh, bs, hs = 3, 16, 16
+    nh, bs, hs = case.sizes["num_heads"], 16, 16
     page = nh * bs * 2 * hs * 2
     assert tb.planes[0].block == page * 2  # two layers' pages per block
     assert tb.planes[0].head == bs * 2 * hs * 2
@@ -139,7 +154,7 @@ def test_v033_fp8_views():
     kv = allocate(
         "0.33.0", "FLASHINFER", "LBHNC", num_layers=2, num_blocks=4, block_size=8, num_kv_heads=2, head_size=16, cache_dtype="fp8_e5m2"
     )
-    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2"})
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2", "tensor_order": "allocated"})
     assert (lay.format.name, lay.dtype, lay.head_size) == ("NL_X_NB_NH_BS_CS", torch.float8_e5m2, 16)
 
 
@@ -162,15 +177,18 @@ def test_dict_input_keeps_layer_order():
     assert list(shuffled)[2] == "model.layers.10.self_attn.attn"
     for i in range(12):
         kv_view(kv, i, 0).fill_(i)
-    lay = kvcore.detect(shuffled, "vllm")
+    lay = kvcore.detect(shuffled, "vllm", {"kv_cache_layout": "NHD"})
     assert lay.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in range(12))
     out = kvcore.gather(lay, torch.tensor([0, 17]))
     assert out[0, :, 0, 0].tolist() == [float(i) for i in range(12)]
 
 
 def test_formats_listed_with_sources():
-    names = {f.name: f for f in kvcore.formats()}
-    for *_, fmt in MATRIX:
+    # this plugin's own declarations (another plugin may declare the same name with its sources)
+    names = {
+        f.name: kvcore.registry.declarations(f.name)["vllm"] for f in kvcore.formats() if "vllm" in kvcore.registry.declarations(f.name)
+    }
+    for *_, fmt, _extra in MATRIX:
         f = names[fmt]
         assert "vllm" in f.engines and f.sources and all(s.engine == "vllm" and s.version and s.file for s in f.sources)
     assert {"FLASHINFER", "FLASH_ATTN"} <= set(names["NL_X_NB_TWO_BS_NH_HS"].attention_backends)
@@ -189,9 +207,9 @@ def test_other_engines_are_not_answered():
 def test_kv_view_on_a_plain_list_with_explicit_facts(version, backend, layout, semantic):
     from kvcore_vllm.fixtures import allocate, kv_view
 
-    kv = list(allocate(version, backend, layout, num_layers=2, num_blocks=3, block_size=8, num_kv_heads=2, head_size=8).values())
+    kv = list(allocate(version, backend, layout, num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=8).values())
     lay = kvcore.detect(kv, "vllm", {"vllm_version": version, "kv_cache_layout": layout})
-    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p, version=version, backend=backend, layout=layout))
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p, version=version, backend=backend, head_size=8, num_kv_heads=2))
 
 
 def test_v033_mla_byte_views():

@@ -76,9 +76,10 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
 
 
 def test_nvfp4_ds_mla_records(semantic):
-    kv = allocate("0.11.0", "FLASHMLA", "NHD", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
+    # vLLM 0.33 flashmla_sparse.py: nvfp4_ds_mla is a 352 B record per token (NoPE, RoPE, then its own scales)
+    kv = allocate("0.33.0", "FLASHMLA_SPARSE", "LBNHC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
                   cache_dtype="nvfp4_ds_mla")  # fmt: skip
-    assert next(iter(kv.values())).shape == (3, 4, 352)
+    assert next(iter(kv.values())).shape == (3, 1, 4, 352)
     err = None
     with pytest.raises(kvcore.AmbiguousLayoutError) as ei:  # per-token record, or LMCache's blocked-scale page
         kvcore.detect(kv, "vllm")
@@ -114,7 +115,9 @@ def test_gemma_mixed_head_sizes_and_indexer_beside_attention():
     a = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=4, num_blocks=5, block_size=16, num_kv_heads=2, head_size=16)
     b = allocate("0.11.0", "FLASH_ATTN", "NHD", num_layers=4, num_blocks=5, block_size=16, num_kv_heads=1, head_size=32)
     kv = {f"model.layers.{i}.self_attn.attn": (a if i % 2 == 0 else b)[f"model.layers.{i}.self_attn.attn"] for i in range(4)}
-    lays = kvcore.detect_per_layer(kv, "vllm")
+    res = kvcore.detect_per_layer(kv, "vllm", hints={"kv_cache_layout": "NHD"})
+    assert list(res) == list(kv)  # a dict in: the same keys out
+    lays = list(res.values())
     assert [x.head_size for x in lays] == [16, 32, 16, 32]
     assert lays[0] is lays[2] and lays[0].layer_ids == (0, 2) and lays[1].layer_ids == (1, 3)
     assert lays[1].layer_names == ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")
@@ -138,11 +141,19 @@ def test_mamba_state_is_excluded():
         "model.layers.1.self_attn.attn": att["model.layers.1.self_attn.attn"],
         "model.layers.2.mixer": [conv, ssm],
     }
-    lays = kvcore.detect_per_layer(kv, "vllm")
+    lays = list(kvcore.detect_per_layer(kv, "vllm", hints={"kv_cache_layout": "NHD"}).values())
     assert lays[0] is None and lays[2] is None
     assert lays[1].format.name == "NL_X_TWO_NB_BS_NH_HS" and lays[1].layer_ids == (1,)
     with pytest.raises(kvcore.DetectionError, match="Mamba"):
         kvcore.detect({"model.layers.0.mixer": [conv, ssm]}, "vllm")
+    # two states of one shape could be a (K, V) pair: only if they are [NB, BS, NH, HS]; the hint says so outright
+    same = [torch.zeros(5, 4, 8), torch.zeros(5, 4, 8)]
+    with pytest.raises(kvcore.DetectionError, match="Mamba"):
+        kvcore.detect([same], "vllm")
+    pair = [torch.zeros(5, 16, 2, 8), torch.zeros(5, 16, 2, 8)]
+    assert kvcore.detect([pair], "vllm").format.name == "NL_X_TWO_X_NB_BS_NH_HS"
+    with pytest.raises(kvcore.DetectionError, match="Mamba"):
+        kvcore.detect([pair], "vllm", {"kv_cache_spec": "mamba"})
     pages = [torch.zeros(5, 1, 1, 96, dtype=torch.int8) for _ in range(2)]  # 0.33 MambaSpec: one state per block
     lays = kvcore.detect_per_layer(pages + [att["model.layers.0.self_attn.attn"]], "vllm", hints={"block_size": 16})
     assert lays[:2] == [None, None] and lays[2].format.name == "NL_X_TWO_NB_BS_NH_HS"
@@ -153,21 +164,28 @@ def test_aliased_groups_and_shared_kv_layers(semantic):
     t0, t1 = base.values()
     # 0.11 get_kv_cache_config_from_groups: tensor i is shared_by one full and one sliding-window layer
     kv = {"model.layers.0.attn": t0, "model.layers.1.attn": t0, "model.layers.2.attn": t1, "model.layers.3.attn": t1}
-    lay = kvcore.detect(kv, "vllm")
-    assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 2)  # one memory, one layer
-    assert lay.data_ptrs() == [t0.data_ptr(), t1.data_ptr()] and "alias" in lay.note
-    assert lay.layer_ids == (0, 2)  # the entries the layout's two layers are
-    semantic(lay, base, kv_view)
-    lays = kvcore.detect_per_layer(kv, "vllm")
-    assert all(x is lays[0] for x in lays) and lays[0].format.name == "NL_X_TWO_NB_BS_NH_HS"
-    lays = kvcore.detect_per_layer(kv, "vllm", layer_groups=[[0, 2], [1, 3]])  # the engine's groups: exact
-    assert lays[0].layer_ids == (0, 2) and lays[1].layer_ids == (1, 3)
+    nhd = {"kv_cache_layout": "NHD"}
+    lay = kvcore.detect(kv, "vllm", nhd)
+    assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 4)  # one layer per entry, never fewer
+    assert lay.aliases == {1: 0, 3: 2} and "earlier entry" in lay.note  # which layers share memory
+    assert lay.data_ptrs() == [t0.data_ptr(), t0.data_ptr(), t1.data_ptr(), t1.data_ptr()]
+    assert lay.layer_names == tuple(kv)
+    slots = torch.tensor([3, 17, -1, 40])
+    g = kvcore.gather(lay, slots)
+    assert torch.equal(g[:, 0], g[:, 1]) and torch.equal(g[:, 2], g[:, 3])
+    distinct = kvcore.detect(base, "vllm", nhd)
+    assert torch.equal(g[:, [0, 2]], kvcore.gather(distinct, slots))  # the shared memory's own values
+    semantic(distinct, base, kv_view)
+    lays = list(kvcore.detect_per_layer(kv, "vllm", hints=nhd).values())
+    assert all(x is lays[0] for x in lays) and lays[0].num_layers == 4 and lays[0].layer_ids == (0, 1, 2, 3)
+    lays = list(kvcore.detect_per_layer(kv, "vllm", layer_groups=[[0, 2], [1, 3]], hints=nhd).values())  # the engine's groups
+    assert lays[0].layer_ids == (0, 2) and lays[1].layer_ids == (1, 3) and not lays[0].aliases
     assert lays[0].data_ptrs() == lays[1].data_ptrs()
     # cross-layer KV sharing: layer 2 reuses layer 0's tensor object
     shared = {"model.layers.0.attn": t0, "model.layers.1.attn": t1, "model.layers.2.attn": t0}
-    lay = kvcore.detect(shared, "vllm")
-    assert lay.num_layers == 2 and lay.data_ptrs() == [t0.data_ptr(), t1.data_ptr()]
-    assert [x.format.name for x in kvcore.detect_per_layer(shared, "vllm")] == ["NL_X_TWO_NB_BS_NH_HS"] * 3
+    lay = kvcore.detect(shared, "vllm", nhd)
+    assert lay.num_layers == 3 and lay.aliases == {2: 0} and lay.data_ptrs() == [t0.data_ptr(), t1.data_ptr(), t0.data_ptr()]
+    assert [x.format.name for x in kvcore.detect_per_layer(shared, "vllm", hints=nhd).values()] == ["NL_X_TWO_NB_BS_NH_HS"] * 3
 
 
 def test_partially_overlapping_layers_are_not_a_layer_list():
@@ -180,9 +198,11 @@ def test_partially_overlapping_layers_are_not_a_layer_list():
 
 def test_meta_tensors_keep_every_layer():
     layers = [torch.empty(2, 64, 16, 2, 8, dtype=torch.bfloat16, device="meta") for _ in range(3)]
-    lay = kvcore.detect(layers, "vllm")
-    assert (lay.format.name, lay.num_layers) == ("NL_X_TWO_NB_BS_NH_HS", 3)
-    assert kvcore.detect([layers[0], layers[0]], "vllm").num_layers == 1  # one object twice: shared KV
+    nhd = {"kv_cache_layout": "NHD"}
+    lay = kvcore.detect(layers, "vllm", nhd)
+    assert (lay.format.name, lay.num_layers, lay.aliases) == ("NL_X_TWO_NB_BS_NH_HS", 3, {})
+    twice = kvcore.detect([layers[0], layers[0]], "vllm", nhd)  # one object twice: shared KV
+    assert (twice.num_layers, twice.aliases) == (2, {1: 0})
 
 
 @pytest.mark.parametrize(("layout", "fmt"), [("NHD", "NL_X_NB_TWO_BS_NH_HS"), ("HND", "NL_X_NB_TWO_NH_BS_HS")])
@@ -212,7 +232,10 @@ def test_v033_mixed_page_sizes_share_one_block_outermost_buffer():
             views.append(v.view(torch.bfloat16))
         offset += page * g["layers"]
     kv = {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate([views[0], views[2], views[1], views[3]])}
-    lays = kvcore.detect_per_layer(kv, "vllm", hints={"vllm_version": "0.33.0"})
+    # [NB, 1, BS, C] alone is also an MLA view of width C: the backend decides
+    with pytest.raises(kvcore.AmbiguousLayoutError, match="attention_backend"):
+        kvcore.detect_per_layer(kv, "vllm", hints={"vllm_version": "0.33.0"})
+    lays = list(kvcore.detect_per_layer(kv, "vllm", hints={"vllm_version": "0.33.0", "attention_backend": "FLASH_ATTN"}).values())
     assert [x.format.name for x in lays] == ["NB_NL_NH_BS_CS"] * 4
     assert lays[0] is lays[2] and lays[1] is lays[3] and lays[0] is not lays[1]
     assert (lays[0].head_size, lays[0].num_heads, lays[1].head_size, lays[1].num_heads) == (8, 2, 16, 1)

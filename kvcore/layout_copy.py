@@ -1,0 +1,340 @@
+"""Layout-to-layout copy: token rows from one detected KV cache straight into another.
+
+``kvcore.copy(src_layout, src_slots, dst_layout, dst_slots)`` moves, for every row ``i``,
+the K/V (or latent, or any plane's) bytes of source slot ``src_slots[i]`` into destination
+slot ``dst_slots[i]``, for every layer, in one pass and without a staging buffer. Both
+caches are read through their own stride tables, so any two layouts with the same
+per-token content convert on the way: NHD <-> HND, FlashInfer <-> FlashAttention,
+blocks-first <-> K/V-first, per-layer <-> cross-layer, packed K|V <-> separate K and V,
+different block sizes and pool sizes, on one device or between a GPU and (pinned) host
+memory.
+
+Tensor parallelism: ``heads=(start, stop)`` copies only source KV heads ``start..stop-1``
+(a TP split: a decode rank of TP 2 takes half a prefill rank's heads);
+``dst_heads=(start, stop)`` lands the rows in destination heads ``start..stop-1`` (a TP
+merge into a destination with more heads). A head range is a derived stride table
+(:meth:`kvcore.StrideTable.select_heads`). An MLA latent has one head and is copied whole.
+
+Planes are paired by role (``K``, ``V``, ``KV`` for an MLA latent, ``KS``...); each pair
+must agree on head count, head width and dtype — bytes move unchanged.
+
+Everything is validated before the first byte moves: a bad call raises
+:class:`~kvcore.TransferError` and leaves both caches untouched.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from kvcore.errors import GeometryError, TransferError
+from kvcore.kernels.copy_kernels import CopyPlan, select_copy_kernel
+from kvcore.layout import KVLayout
+from kvcore.spec import StrideTable
+from kvcore.transfer import _index_tensor, _layers
+
+__all__ = ["copy", "plan_copy", "CopyPlan", "head_range", "pair_tables"]
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def head_range(rng, what: str, layout: KVLayout | None = None) -> tuple[int, int] | None:
+    """``None`` or a validated ``(start, stop)`` pair of ints (numpy/torch integer scalars accepted).
+
+    Raises:
+        TransferError: not a pair of integers with ``0 <= start < stop``, or past ``layout``'s heads.
+    """
+    if rng is None:
+        return None
+    try:
+        start, stop = rng
+        start, stop = operator.index(start), operator.index(stop)
+    except (TypeError, ValueError):
+        raise TransferError(f"{what} must be None or (start, stop), two integers, got {rng!r}") from None
+    if isinstance(rng[0], bool) or isinstance(rng[1], bool) or not 0 <= start < stop:
+        raise TransferError(f"{what}=({rng[0]!r}, {rng[1]!r}) is not a head range: it needs 0 <= start < stop")
+    if layout is not None and stop > layout.num_heads:
+        extra = " (an MLA latent has no head axis: it is copied whole, pass None)" if layout.is_mla else ""
+        raise TransferError(
+            f"{what}=({start}, {stop}) reaches past the {layout.num_heads} KV head(s) of {layout.format.name}{extra}; "
+            f"valid ranges lie in 0..{layout.num_heads}"
+        )
+    return (start, stop)
+
+
+def _select(table: StrideTable, rng: tuple[int, int] | None, what: str) -> StrideTable:
+    if rng is None:
+        return table
+    try:
+        return table.select_heads(*rng)
+    except GeometryError as e:
+        raise TransferError(f"{what}={rng}: {e}") from None
+
+
+def pair_tables(src: StrideTable, dst: StrideTable, src_name: str, dst_name: str, *, ranges_given: bool) -> StrideTable:
+    """``dst`` with its planes reordered to pair with ``src``'s by role, after checking that
+    each pair agrees on head count, head width and dtype.
+
+    Raises:
+        TransferError: the two record different planes (roles), or a pair disagrees (the
+            message names both sides' values; a head-count mismatch says to pass ``heads=``
+            / ``dst_heads=`` when no range was given).
+    """
+    sroles = [p.role for p in src.planes]
+    droles = [p.role for p in dst.planes]
+    if sorted(sroles) != sorted(droles) or len(set(sroles)) != len(sroles):
+        raise TransferError(
+            f"the source ({src_name}) records planes {'+'.join(sroles)} per token but the destination ({dst_name}) records "
+            f"{'+'.join(droles)}; a copy pairs planes by role and both sides need the same ones"
+        )
+    by_role = {p.role: p for p in dst.planes}
+    planes = []
+    for ps in src.planes:
+        pd = by_role[ps.role]
+        if ps.num_heads != pd.num_heads:
+            hint = (
+                f"; pass heads=(start, stop) to take {pd.num_heads} of the source's heads (a tensor-parallel split, e.g. "
+                f"heads=(0, {pd.num_heads})), or dst_heads=(start, stop) to fill {ps.num_heads} of the destination's heads "
+                "(a merge)"
+                if not ranges_given
+                else ""
+            )
+            raise TransferError(
+                f"plane {ps.role}: the source ({src_name}) moves {ps.num_heads} KV head(s) but the destination ({dst_name}) "
+                f"takes {pd.num_heads}{hint}"
+            )
+        if ps.head_bytes != pd.head_bytes:
+            raise TransferError(
+                f"plane {ps.role}: a source head is {ps.head_bytes} bytes ({src_name}, {_dt(ps.dtype)}) but a destination head "
+                f"is {pd.head_bytes} bytes ({dst_name}, {_dt(pd.dtype)}); head sizes must match"
+            )
+        if ps.dtype != pd.dtype:
+            raise TransferError(
+                f"plane {ps.role}: the source ({src_name}) holds {_dt(ps.dtype)} but the destination ({dst_name}) holds "
+                f"{_dt(pd.dtype)}; bytes move unchanged, so the dtypes must match"
+            )
+        planes.append(pd)
+    if [p.role for p in planes] == droles:
+        return dst
+    # reorder the planes (and keep the buffers: staging is irrelevant to a copy)
+    from dataclasses import replace
+
+    return replace(dst, planes=tuple(planes))
+
+
+def _check_slots(layout: KVLayout, slots, what: str, check_duplicates: bool) -> torch.Tensor:
+    """The slots as a validated int64 ``[T]`` CPU tensor, -1 for padding. Slots on a device
+    are read back once (one synchronisation) and checked on the host.
+
+    Raises:
+        TransferError: not a 1-D integer tensor, a slot past the cache's slots, or (for a
+            destination) a slot that appears twice.
+    """
+    s = _index_tensor(slots, what)
+    if s.dim() != 1:
+        raise TransferError(f"{what} must be 1-D [T], got shape {tuple(s.shape)}")
+    s = s.to(device="cpu", dtype=torch.int64)
+    n = layout.page_buffer_size
+    if s.numel():
+        hi = int(s.max())
+        if hi >= n:
+            i = int(torch.nonzero(s >= n)[0])
+            raise TransferError(
+                f"{what}[{i}] = {int(s[i])} is out of range: {layout.format.name} has {n} slots per layer "
+                f"(valid 0..{n - 1}; negative slots are padding and are skipped)"
+            )
+    if check_duplicates:
+        valid = s[s >= 0]
+        if valid.numel() > 1:
+            srt, _ = torch.sort(valid)
+            same = srt[1:] == srt[:-1]
+            if bool(same.any()):
+                dup = int(srt[1:][same][0])
+                rows = torch.nonzero(s == dup).flatten().tolist()[:4]
+                raise TransferError(
+                    f"destination slot {dup} appears more than once in {what} (rows {rows}); overlapping destination slots "
+                    "would be written twice"
+                )
+    return torch.where(s < 0, torch.full_like(s, -1), s)
+
+
+def _check_device(layout: KVLayout, what: str) -> None:
+    if layout.device.type == "meta":
+        raise TransferError(
+            f"the {what} layout describes tensors on the meta device (shapes without memory): it can be described but not moved"
+        )
+
+
+def _layer_lists(src: KVLayout, dst: KVLayout, layers, dst_layers) -> tuple[list[int], list[int]]:
+    ssel = _layers(src, layers)
+    if dst_layers is None:
+        if layers is None:
+            dsel = list(range(dst.num_layers))
+        else:
+            bad = [i for i in ssel if i >= dst.num_layers]
+            if bad:
+                raise TransferError(
+                    f"layers={ssel} names layer {bad[0]}, but the destination has {dst.num_layers} layers; pass dst_layers= "
+                    "(the destination layers the selected source layers land in, in order)"
+                )
+            dsel = list(ssel)
+    else:
+        try:
+            dsel = _layers(dst, dst_layers)
+        except TransferError as e:
+            raise TransferError(f"dst_layers: {e}") from None
+    if len(ssel) != len(dsel):
+        raise TransferError(
+            f"the copy moves {len(ssel)} source layer(s) into {len(dsel)} destination layer(s) "
+            f"(source {src.format.name} has {src.num_layers}, destination {dst.format.name} has {dst.num_layers}); "
+            "select equal numbers with layers= and dst_layers="
+        )
+    return ssel, dsel
+
+
+_PAIRS: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, StrideTable, StrideTable, bool]] = OrderedDict()
+_MAX_PAIRS = 64
+
+
+def _fresh(table: StrideTable) -> bool:
+    t, _ = table.planes[0].bases[0]
+    return t.untyped_storage().nbytes() > 0
+
+
+def _tables(src: KVLayout, dst: KVLayout, ssel, dsel, heads, dst_heads) -> tuple[StrideTable, StrideTable, bool]:
+    """The two tables of a copy (layers selected, head ranges applied, planes paired) and
+    whether they share memory; cached per (layouts, selection)."""
+    key = (id(src), id(dst), tuple(ssel), tuple(dsel), heads, dst_heads)
+    hit = _PAIRS.get(key)
+    if hit is not None and hit[0]() is src and hit[1]() is dst and _fresh(hit[2]) and _fresh(hit[3]):
+        _PAIRS.move_to_end(key)
+        return hit[2], hit[3], hit[4]
+    st = src.stride_table(None if ssel == list(range(src.num_layers)) else ssel)
+    dt = dst.stride_table(None if dsel == list(range(dst.num_layers)) else dsel)
+    st = _select(st, heads, "heads")
+    dt = _select(dt, dst_heads, "dst_heads")
+    dt = pair_tables(st, dt, src.format.name, dst.format.name, ranges_given=heads is not None or dst_heads is not None)
+    shared = _shared_storage(st, dt)
+    _PAIRS[key] = (weakref.ref(src), weakref.ref(dst), st, dt, shared)
+    while len(_PAIRS) > _MAX_PAIRS:
+        _PAIRS.popitem(last=False)
+    return st, dt, shared
+
+
+def _exec_device(src: KVLayout, dst: KVLayout) -> torch.device:
+    a, b = src.device, dst.device
+    if a.type != "cpu" and b.type != "cpu" and a != b:
+        raise TransferError(
+            f"the source is on {a} and the destination on {b}: kvcore.copy moves within one device or between a device and "
+            "host memory; between two GPUs use kvcore.send / kvcore.recv"
+        )
+    return a if a.type != "cpu" else b
+
+
+def _shared_storage(st: StrideTable, dt: StrideTable) -> bool:
+    ranges = [(p, p + n) for _, p, n in st.storages()]
+    for _, p, n in dt.storages():
+        for a, b in ranges:
+            if p < b and a < p + n:
+                return True
+    return False
+
+
+def plan_copy(
+    src_layout: KVLayout,
+    src_slots,
+    dst_layout: KVLayout,
+    dst_slots,
+    *,
+    heads=None,
+    dst_heads=None,
+    layers: Sequence[int] | int | None = None,
+    dst_layers: Sequence[int] | int | None = None,
+) -> CopyPlan:
+    """Validate a copy and return its :class:`CopyPlan` (what :func:`copy` runs). Arguments
+    as :func:`copy`.
+
+    Raises:
+        TransferError: see :func:`copy`.
+    """
+    for lay, what in ((src_layout, "source"), (dst_layout, "destination")):
+        if not isinstance(lay, KVLayout):
+            raise TransferError(f"the {what} must be a KVLayout (from kvcore.detect), got {type(lay).__name__}")
+        _check_device(lay, what)
+    dev = _exec_device(src_layout, dst_layout)
+    heads = head_range(heads, "heads", src_layout)
+    dst_heads = head_range(dst_heads, "dst_heads", dst_layout)
+    ssel, dsel = _layer_lists(src_layout, dst_layout, layers, dst_layers)
+    st, dt, shared = _tables(src_layout, dst_layout, ssel, dsel, heads, dst_heads)
+    ss = _check_slots(src_layout, src_slots, "src_slots", False)
+    ds = _check_slots(dst_layout, dst_slots, "dst_slots", True)
+    if ss.numel() != ds.numel():
+        raise TransferError(f"src_slots has {ss.numel()} rows but dst_slots has {ds.numel()}; row i moves src_slots[i] to dst_slots[i]")
+    valid = (ss >= 0) & (ds >= 0)
+    ss = torch.where(valid, ss, torch.full_like(ss, -1))
+    ds = torch.where(valid, ds, torch.full_like(ds, -1))
+    nv = int(valid.sum()) if ss.numel() else 0
+    if nv and shared:
+        both = torch.isin(ss[valid], ds[valid])
+        if bool(both.any()):
+            s = int(ss[valid][both][0])
+            raise TransferError(
+                f"the source and destination share memory and slot {s} is both read and written; copy within one cache "
+                "needs disjoint source and destination slots"
+            )
+    return CopyPlan(src=st, dst=dt, src_slots=ss.to(dev), dst_slots=ds.to(dev), num_valid=nv)
+
+
+def copy(
+    src_layout: KVLayout,
+    src_slots,
+    dst_layout: KVLayout,
+    dst_slots,
+    *,
+    heads=None,
+    dst_heads=None,
+    layers: Sequence[int] | int | None = None,
+    dst_layers: Sequence[int] | int | None = None,
+) -> None:
+    """Copy token rows from one detected cache into another, converting the layout on the way.
+
+    Row ``i`` moves every selected layer's K and V (MLA: the latent; multi-plane records:
+    every plane, paired by role) of source slot ``src_slots[i]`` into destination slot
+    ``dst_slots[i]``. One pass, no staging buffer; on a GPU one kernel launch for all
+    layers and planes.
+
+    Args:
+        src_layout, dst_layout: from :func:`kvcore.detect`; any two layouts whose token rows
+            hold the same planes of the same dtype (NHD/HND, block sizes, pool sizes, packed
+            or separate K/V, per-layer or cross-layer all differ freely). Same device, or a
+            GPU and host memory (pinned host memory is read or written in place by the GPU;
+            pageable host memory goes through a temporary of the moved rows).
+        src_slots, dst_slots: int64 ``[T]`` slot mappings (``block * block_size + offset``)
+            of equal length. A negative slot on either side is padding: that row is skipped
+            and the destination row left as it was.
+        heads: ``(start, stop)``: copy only source KV heads ``start..stop-1`` (TP split).
+        dst_heads: ``(start, stop)``: land the rows in destination heads ``start..stop-1``
+            (TP merge). Without either, both sides must have the same head count.
+        layers: source layer indices (default: all), in the order they pair with the
+            destination's layers.
+        dst_layers: destination layer indices (default: the same indices as ``layers``, or
+            all layers when ``layers`` is None); as many as the source layers.
+
+    Raises:
+        TransferError: before any byte moves, for: a slot out of range on either side; a
+            destination slot that appears twice; slot mappings of different lengths;
+            head counts that differ without ``heads=``/``dst_heads=``; a head range past
+            a side's heads (an MLA latent has one head: it is copied whole); planes of
+            different roles, head widths or dtypes (naming both sides); different layer
+            counts; two different GPUs (use :func:`kvcore.send`); a meta-device layout;
+            source and destination slots that overlap within one cache.
+    """
+    plan = plan_copy(src_layout, src_slots, dst_layout, dst_slots, heads=heads, dst_heads=dst_heads, layers=layers, dst_layers=dst_layers)
+    if plan.num_valid:
+        select_copy_kernel(plan).copy(plan)

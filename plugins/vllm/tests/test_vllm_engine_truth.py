@@ -1,0 +1,358 @@
+"""Engine truth: every cache vLLM's own code allocates is detected and gathered bit-exactly
+against the backend's own reading (``kvcore_vllm.fixtures.kv_view``), across geometries
+(NH 1, 2, 8; BS 16, 64; NB 2 and 3), and the issue-10 classes each have a named test:
+the silent wrong bytes (CPU 0.24/0.26 rows, ROCm split_kv_cache, 0.11 ROCm default, 0.11
+TORCH_SDPA with and without IPEX) and the caches that were refused (cross-layer pools, MLA
+cross-layer, 0.26 HND cross with one KV head, DeepSeek-V3.2 under BL*, head_size 576 with
+fp8_ds_mla, a manager block split into kernel blocks, 0.24/0.26 ROCM_ATTN)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+from kvcore_vllm import fixtures
+from kvcore_vllm.fixtures import (
+    MATRIX,
+    MLA_BACKENDS,
+    MULTI_PLANE,
+    allocate,
+    allocate_dsv32,
+    blocked_views,
+    case_name,
+    fixture_hints,
+    kv_view,
+)
+
+import kvcore
+
+GEOMS = [(nh, bs, nb) for nh in (1, 2, 8) for bs in (16, 64) for nb in (2, 3) if not (bs == 64 and nb == 3)]
+
+
+def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
+    version, backend, layout, cross, fmt, extra = row
+    kw = dict(extra)
+    block = kw.pop("block_size", bs)
+    if kw.get("kernel_block_size"):
+        kw["kernel_block_size"] = bs
+        block = bs * 4
+    mla = backend in MLA_BACKENDS
+    kv = allocate(
+        version, backend, layout, num_layers=layers, num_blocks=nb, block_size=block, num_kv_heads=1 if mla else nh,
+        head_size=576 if mla else 16, dtype=dtype, cross_layer=cross, **kw,
+    )  # fmt: skip
+    h = fixture_hints(version, backend, layout, "auto", dtype, extra)
+    h.update(block_size=block, num_kv_heads=1 if mla else nh, head_size=576 if mla else 16)
+    return kv, h
+
+
+ROWS = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX]
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize(("nh", "bs", "nb"), GEOMS, ids=lambda v: str(v))
+def test_every_row_every_geometry(row, nh, bs, nb, semantic):
+    if row[1] in MLA_BACKENDS and nh != 1:
+        pytest.skip("an MLA latent has one head")
+    kv, h = _alloc(row, nh, bs, nb)
+    lay = kvcore.detect(kv, "vllm", h)
+    assert lay.format.name == row[4]
+    assert (lay.num_layers, lay.block_size) == (2, bs)
+    assert lay.num_blocks == nb * (4 if row[5].get("kernel_block_size") else 1)
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
+
+
+# -- the oracle is independent of detection ------------------------------------------------
+
+
+def test_fixtures_import_nothing_from_detection():
+    tree = ast.parse(inspect.getsource(fixtures))
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    assert not {m for m in mods if m and (m.startswith("kvcore_vllm") or m.startswith("kvcore.detection") or m == "kvcore.spec")}
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "layout", "physical"),
+    [
+        # physical order = (L,) + get_kv_cache_shape permuted by get_kv_cache_stride_order(True)
+        ("0.13.0", "FLASH_ATTN", "NHD", ("NB", "L", "2", "BS", "NH", "HS")),
+        ("0.13.0", "FLASH_ATTN", "HND", ("NB", "NH", "L", "2", "BS", "HS")),
+        ("0.24.0", "FLASHINFER", "NHD", ("NB", "L", "2", "BS", "NH", "HS")),
+        ("0.24.0", "FLASHINFER", "HND", ("NB", "2", "NH", "L", "BS", "HS")),
+        ("0.24.0", "TRITON_ATTN", "HND", ("NB", "NH", "L", "2", "BS", "HS")),
+        ("0.24.0", "FLEX_ATTENTION", "NHD", ("NB", "L", "BS", "2", "NH", "HS")),
+        ("0.26.0", "FLASH_ATTN", "HND", ("NB", "NH", "L", "BS", "CS")),
+        ("0.26.0", "FLASHMLA", "NHD", ("NB", "L", "BS", "HS")),
+    ],
+)
+def test_cross_layer_physical_orders(version, backend, layout, physical):
+    """Distinct sizes per axis make the buffer's physical order readable from the strides."""
+    mla = backend in MLA_BACKENDS
+    g = dict(num_layers=3, num_blocks=5, block_size=32, num_kv_heads=1 if mla else 4, head_size=576 if mla else 8)
+    kv = allocate(version, backend, layout, cross_layer=True, **g)
+    t = next(iter(kv.values()))
+    size = {"NB": 5, "BS": 32, "NH": 4, "HS": 8, "2": 2, "CS": 16}
+    if mla:
+        size["HS"] = 576
+    logical = [str(int(n)) if n == 2 else next(k for k, v in size.items() if v == n) for n in t.shape]
+    by_stride = [ax for _, ax in sorted(zip(t.stride(), logical), reverse=True)]
+    layer_stride = list(kv.values())[1].data_ptr() - t.data_ptr()
+    pos = sum(1 for s in t.stride() if s * t.element_size() > layer_stride)
+    by_stride.insert(pos, "L")
+    assert tuple(by_stride) == physical
+
+
+def test_use_uniform_kv_cache_refusals():
+    g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=8)
+    for version, backend in (
+        ("0.11.0", "FLASH_ATTN"),
+        ("0.13.0", "TRITON_ATTN"),
+        ("0.13.0", "FLEX_ATTENTION"),
+        ("0.24.0", "ROCM_AITER_FA"),
+    ):
+        with pytest.raises(kvcore.GeometryError, match="use_uniform_kv_cache"):
+            allocate(version, backend, "NHD", cross_layer=True, **g)
+    with pytest.raises(kvcore.GeometryError, match="use_uniform_kv_cache"):  # MLACommonBackend keeps layers first
+        allocate(
+            "0.24.0", "ROCM_AITER_MLA", "NHD", cross_layer=True, num_layers=2, num_blocks=3, block_size=16, num_kv_heads=1, head_size=576
+        )
+
+
+# -- silent wrong bytes ---------------------------------------------------------------------
+
+
+def _random_fill(kv):
+    g = torch.Generator().manual_seed(7)
+    seen = set()
+    for t in kv.values():
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        st = t.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8).set_(st)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+
+
+def _slot_rows_match(lay, kv, slots, kvs=2):
+    """gather == the backend's own view at each slot, row by row."""
+    out = kvcore.gather(lay, torch.tensor(slots))
+    for li in range(lay.num_layers):
+        for k in range(kvs):
+            v = kv_view(kv, li, k)
+            bs = v.shape[1]
+            for i, s in enumerate(slots):
+                want = v[s // bs, s % bs].reshape(-1)
+                assert torch.equal(out[k, li, i].view(torch.int16), want.view(torch.int16)), (li, k, s)
+
+
+@pytest.mark.parametrize("version", ["0.24.0", "0.26.0"])
+def test_cpu_attn_rows_issue_geometry(version):
+    """(NB, NH, BS, 2*HS) read by view(NB, NH, 2*BS, HS).chunk(2, dim=2): per (block, head) BS K
+    rows then BS V rows. Geometry of the issue: 2 layers, NB 3, BS 16, NH 2, HS 64, bf16, random bytes."""
+    kv = allocate(version, "CPU_ATTN", "HND", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
+    _random_fill(kv)
+    lay = kvcore.detect(kv, "vllm", {"device_type": "cpu", "vllm_version": version, "dtype": "bfloat16"})
+    assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+    _slot_rows_match(lay, kv, list(range(48)))
+
+
+def test_rocm_033_split_kv_cache_issue_geometry():
+    kv = allocate("0.33.0", "ROCM_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
+    _random_fill(kv)
+    lay = kvcore.detect(kv, "vllm", {"attention_backend": "ROCM_ATTN", "num_kv_heads": 2})
+    assert lay.format.name == "NL_X_NB_TWO_NH_HS_BS"
+    _slot_rows_match(lay, kv, [5, 0, 47, 16, 31])
+
+
+@pytest.mark.parametrize("version", ["0.13.0", "0.24.0", "0.26.0"])
+def test_rocm_attn_split_before_033(version, semantic):
+    kv = allocate(version, "ROCM_ATTN", "NHD", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
+    _random_fill(kv)
+    lay = kvcore.detect(kv, "vllm", {"attention_backend": "ROCM_ATTN", "vllm_version": version})
+    assert lay.format.name == "NL_X_TWO_NB_NH_HS_BS"
+    _slot_rows_match(lay, kv, [5, 0, 47, 16, 31])
+
+
+def test_rocm_011_default_is_unbind_and_the_variable_decides(monkeypatch, semantic):
+    g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
+    monkeypatch.delenv("VLLM_V1_USE_PREFILL_DECODE_ATTENTION", raising=False)
+    hints = {"attention_backend": "ROCM_ATTN", "vllm_version": "0.11.0"}
+    kv = allocate("0.11.0", "ROCM_ATTN", "NHD", **g)
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
+        kvcore.detect(kv, "vllm", hints)
+    assert "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in ei.value.hints and "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in str(ei.value)
+    assert {"NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS"} <= set(ei.value.candidates)
+    for flag, fmt in (
+        (False, "NL_X_TWO_NB_BS_NH_HS"),
+        ("0", "NL_X_TWO_NB_BS_NH_HS"),
+        (True, "NL_X_TWO_NB_NH_HS_BS"),
+        ("1", "NL_X_TWO_NB_NH_HS_BS"),
+    ):
+        kv = allocate("0.11.0", "ROCM_ATTN", "NHD", prefill_decode_attention=flag in (True, "1"), **g)
+        lay = kvcore.detect(kv, "vllm", {**hints, "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": flag})
+        assert lay.format.name == fmt
+        semantic(lay, kv, kv_view)
+    monkeypatch.setenv("VLLM_V1_USE_PREFILL_DECODE_ATTENTION", "1")  # the engine's own setting, read from its environment
+    assert kvcore.detect(kv, "vllm", hints).format.name == "NL_X_TWO_NB_NH_HS_BS"
+    with pytest.raises(kvcore.DetectionError, match="VLLM_V1_USE_PREFILL_DECODE_ATTENTION"):
+        kvcore.detect(kv, "vllm", {**hints, "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": "maybe"})
+
+
+def test_torch_sdpa_ipex_or_not_is_never_guessed(semantic):
+    g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
+    hints = {"device_type": "cpu", "vllm_version": "0.11.0", "block_size": 16, "num_kv_heads": 2}
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", **g)
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
+        kvcore.detect(kv, "vllm", hints)
+    assert "use_ipex" in ei.value.hints and "use_ipex" in str(ei.value)
+    for ipex, fmt in ((True, "NL_X_TWO_NB_NH_BS_HS"), (False, "NL_X_TWO_NB_NH_HS_BS")):
+        kv = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=ipex, **g)
+        _random_fill(kv)
+        lay = kvcore.detect(kv, "vllm", {**hints, "use_ipex": ipex})
+        assert lay.format.name == fmt
+        _slot_rows_match(lay, kv, [5, 0, 47, 16])
+        semantic(lay, kv, kv_view)
+    # vLLM refuses an fp8 cache without IPEX: the cache dtype decides
+    fp8 = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=True, cache_dtype="fp8_e4m3", **g)
+    lay = kvcore.detect(fp8, "vllm", {**hints, "cache_dtype": "fp8_e4m3"})
+    assert (lay.format.name, lay.dtype) == ("NL_X_TWO_NB_NH_BS_HS", torch.float8_e4m3fn)
+    semantic(lay, fp8, kv_view)
+
+
+# -- real caches that were refused ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "layout", "fmt"),
+    [
+        ("0.24.0", "FLASHINFER", "NHD", "NB_NL_TWO_BS_NH_HS"),
+        ("0.24.0", "FLASHINFER", "HND", "NB_TWO_NH_NL_BS_HS"),
+        ("0.24.0", "TRITON_ATTN", "NHD", "NB_NL_TWO_BS_NH_HS"),
+        ("0.24.0", "TRITON_ATTN", "HND", "NB_NH_NL_TWO_BS_HS"),
+        ("0.24.0", "FLEX_ATTENTION", "NHD", "NB_NL_BS_TWO_NH_HS"),
+        ("0.13.0", "FLASHMLA", "NHD", "NB_NL_BS_HS"),
+        ("0.24.0", "TRITON_MLA", "NHD", "NB_NL_BS_HS"),
+        ("0.26.0", "CUTLASS_MLA", "NHD", "NB_NL_BS_HS"),
+        ("0.26.0", "FLASH_ATTN", "HND", "NB_NH_NL_BS_CS"),
+    ],
+)
+@pytest.mark.parametrize("nh", [1, 2, 8])
+def test_cross_layer_pools_with_the_engines_hints(version, backend, layout, fmt, nh, semantic):
+    mla = backend in MLA_BACKENDS
+    if mla and nh != 1:
+        pytest.skip("MLA: one head")
+    kv = allocate(version, backend, layout, cross_layer=True, num_layers=3, num_blocks=3, block_size=16, num_kv_heads=nh,
+                  head_size=576 if mla else 16)  # fmt: skip
+    hints = {"vllm_version": version, "attention_backend": backend}
+    if not mla:
+        hints["kv_cache_layout"] = layout  # the engine's get_kv_cache_layout(): never a contradiction, also at NH = 1
+    lay = kvcore.detect(kv, "vllm", hints)
+    assert (lay.format.name, lay.num_layers, lay.num_heads) == (fmt, 3, nh)
+    assert lay.format.container == "cross_layer"
+    semantic(lay, kv, kv_view)
+    # from the strides alone (at NH = 1 the NHD and HND names move the same bytes: either is right)
+    bare = kvcore.detect(kv, "vllm", {"vllm_version": version} if not mla else None)
+    assert bare.format.name == fmt or nh == 1
+    semantic(bare, kv, kv_view, seed=2)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC", "BLNHC"])
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
+def test_dsv32_mla_and_indexer_share_one_buffer(layout, cache_dtype, semantic):
+    mla, idx = allocate_dsv32(layout, num_layers=3, num_blocks=2, block_size=64, cache_dtype=cache_dtype)
+    assert next(iter(mla.values())).untyped_storage().data_ptr() == next(iter(idx.values())).untyped_storage().data_ptr()
+    _random_fill(mla)
+    # the engine's own hints: model_config.get_head_size() is 576 also for the 656 B fp8_ds_mla record
+    h = {"vllm_version": "0.33.0", "attention_backend": "FLASHMLA_SPARSE", "kv_cache_layout": layout, "head_size": 576,
+         "cache_dtype": cache_dtype, "block_size": 64}  # fmt: skip
+    lay = kvcore.detect(mla, "vllm", h)
+    assert lay.format.name == ("NB_NL_BS_HS" if layout[0] == "B" else "NL_X_NB_BS_HS")
+    assert lay.head_size == (656 if cache_dtype == "fp8_ds_mla" else 576)
+    semantic(lay, mla, kv_view)
+    ilay = kvcore.detect(idx, "vllm", {"vllm_version": "0.33.0", "attention_backend": "FLASHMLA_SPARSE", "kv_cache_layout": layout})
+    assert ilay.format.name == ("NB_NL_BSV_BSS" if layout[0] == "B" else "NL_X_NB_BSV_BSS")
+    out = kvcore.gather(ilay, torch.tensor([3, 64, 127]))
+    for li in range(3):
+        vals, scales = blocked_views(idx, li)
+        for i, s in enumerate([3, 64, 127]):
+            assert torch.equal(out[0, li, i], torch.cat([vals[s // 64, s % 64], scales[s // 64, s % 64]]))
+    # both groups in one dict, as the runner keeps them
+    per = kvcore.detect_per_layer(
+        {**mla, **idx}, "vllm", hints={"vllm_version": "0.33.0", "attention_backend": "FLASHMLA_SPARSE", "cache_dtype": cache_dtype}
+    )
+    assert list(per) == [*mla, *idx]  # a dict in: the same keys out
+    assert {x.format.name for x in per.values()} == {lay.format.name, ilay.format.name}
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.33.0"])
+def test_fp8_ds_mla_head_size_576_is_the_engines_truth(version, semantic):
+    layout = "LBNHC" if version == "0.33.0" else "NHD"
+    kv = allocate(version, "FLASHMLA_SPARSE", layout, num_layers=2, num_blocks=2, block_size=64, num_kv_heads=1, head_size=576,
+                  cache_dtype="fp8_ds_mla")  # fmt: skip
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_ds_mla", "head_size": 576, "vllm_version": version})
+    assert (lay.format.name, lay.head_size, lay.dtype) == ("NL_X_NB_BS_HS", 656, torch.uint8)
+    semantic(lay, kv, kv_view)
+    with pytest.raises(kvcore.DetectionError):  # 576 with a plain cache dtype is not a 656 B record
+        kvcore.detect(kv, "vllm", {"cache_dtype": "auto", "head_size": 576, "vllm_version": version, "attention_backend": "FLASHMLA"})
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "layout", "fmt"),
+    [
+        ("0.33.0", "FLASH_ATTN", "LBNHC", "NL_X_NB_BS_NH_CS"),
+        ("0.33.0", "FLASH_ATTN", "LBHNC", "NL_X_NB_NH_BS_CS"),
+        ("0.33.0", "CPU_ATTN", "LBHNC", "NL_X_NB_NH_TWO_BS_HS"),
+        ("0.24.0", "FLASH_ATTN", "NHD", "NL_X_NB_TWO_BS_NH_HS"),
+        ("0.26.0", "FLASH_ATTN", "HND", "NL_X_NB_NH_BS_CS"),
+    ],
+)
+def test_manager_block_size_split_into_kernel_blocks(version, backend, layout, fmt, semantic):
+    kv = allocate(version, backend, layout, num_layers=2, num_blocks=2, block_size=64, kernel_block_size=16, num_kv_heads=2, head_size=16)
+    hints = {"vllm_version": version, "attention_backend": backend, "kv_cache_layout": layout, "block_size": 64}
+    if backend == "CPU_ATTN":
+        hints["device_type"] = "cpu"
+    lay = kvcore.detect(kv, "vllm", hints)  # cache_config.block_size 64: the kernel reads blocks of 16
+    assert (lay.format.name, lay.block_size, lay.num_blocks) == (fmt, 16, 8)
+    assert "kernel" in lay.note or "manager" in lay.note
+    semantic(lay, kv, kv_view)
+
+
+def test_kernel_blocks_need_dense_pages():
+    with pytest.raises(kvcore.GeometryError, match="dense"):
+        allocate(
+            "0.33.0", "FLASH_ATTN", "BLNHC", num_layers=2, num_blocks=2, block_size=64, kernel_block_size=16, num_kv_heads=2, head_size=16
+        )
+
+
+# -- pending: multi-plane names (K and V differ) ---------------------------------------------
+
+
+def _has_multi_plane() -> bool:
+    """The core parses multi-plane names (branch planes) *and* this plugin registers them."""
+    try:
+        kvcore.parse_format("K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS")
+    except kvcore.KVCoreError:
+        return False
+    return set(MULTI_PLANE.values()) <= {f.name for f in kvcore.formats()}
+
+
+PENDING = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] in MULTI_PLANE]
+
+
+@pytest.mark.xfail(
+    not _has_multi_plane(),
+    strict=True,
+    reason="pending the core's multi-plane layouts (K=...+V=... names): until they land, these K/V-differing layouts are "
+    "detected as the plugin's single-plane paged spec (NL_X_TWO_NB_NH_HS_BS / NL_X_NB_TWO_NH_HS_BS), bytes verified above",
+)
+@pytest.mark.parametrize("row", PENDING)
+def test_split_k_layouts_get_multi_plane_names(row, semantic):
+    kv, h = _alloc(row, 2, 16, 3)
+    lay = kvcore.detect(kv, "vllm", h)
+    assert lay.format.name == MULTI_PLANE[row[4]]
+    semantic(lay, kv, kv_view)
