@@ -158,14 +158,6 @@ def plane_span(table: StrideTable, p) -> int:
     return (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + (s.n_chunks - 1) * s.chunk + s.chunk_bytes
 
 
-def _label(table: StrideTable, cdata: int) -> str:
-    for p in table.planes:
-        for li, (t, _) in enumerate(p.bases):
-            if t.untyped_storage()._cdata == cdata:
-                return f"layer {li} plane {p.role}"
-    return "a cache tensor"
-
-
 def check_storages(table: StrideTable) -> None:
     """Refuse a transfer whose cache storage changed since the table was built (detection):
     every (layer, plane)'s storage must be the same storage, at the same address, of the

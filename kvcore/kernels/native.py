@@ -10,9 +10,9 @@ buffers. Any table of the stride table v2 moves: classic K/V, MLA, blocked-scale
 dtypes and staging buffers.
 
 - ``native-cpu``: walks (plane, layer, token) rows, one 16-byte vector copy loop per
-  contiguous run; a transfer smaller than the per-thread grain (default 8 MiB,
-  ``KVCORE_CPU_GRAIN_BYTES``) stays on the calling thread, larger ones use
-  ``at::parallel_for`` with one thread per grain.
+  contiguous run (a block's adjacent rows as one run); a transfer below two grains
+  (default 8 MiB per thread, ``KVCORE_CPU_GRAIN_BYTES``) stays on the calling thread,
+  larger ones use ``at::parallel_for`` with one thread per grain, the rows split by bytes.
 - ``native-cuda``: every layer and every plane in one launch (up to 8 planes per launch),
   each plane with its own vector width (16-byte coalesced loads and stores where its
   addresses allow, else 8/4/2/1), 64-bit offsets; staging on the device or in pinned
