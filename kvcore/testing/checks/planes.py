@@ -577,12 +577,16 @@ def _expect_refusal(ctx: PCtx, what: str, call: Callable[[], Any], staging: Any 
     before = [b.reshape(-1).view(torch.uint8).clone() if b.is_contiguous() else b.clone() for b in bufs]
     try:
         call()
+        # a CUDA refusal validated on the device surfaces at kvcore.synchronize()
+        from kvcore.plan import synchronize
+
+        synchronize(ctx.layout.device)
     except TransferError:
         pass
     except Exception as e:  # noqa: BLE001
         raise CheckFailure(f"{what}: raised {type(e).__name__} ({e}); it must raise kvcore.TransferError") from None
     else:
-        raise CheckFailure(f"{what}: accepted; it must raise kvcore.TransferError")
+        raise CheckFailure(f"{what}: accepted; it must raise kvcore.TransferError (immediately, or at kvcore.synchronize())")
     if snap.first_change() is not None:
         raise CheckFailure(f"{what}: raised TransferError but changed the cache first")
     for b, c in zip(bufs, before):
