@@ -125,6 +125,9 @@ def _check(cfg: CacheConfig, version: str) -> None:
         raise GeometryError(f"device_type {cfg.device_type!r}: these fixtures model cuda (NHD) and camb (HND)")
     if cfg.kernel_block_size is not None and v < (0, 14, 0):
         raise GeometryError(f"LMDeploy {version} has no kernel_block_size (0.14+)")
+    kb = cfg.kernel_block
+    if cfg.kernel_block_size is not None and (kb < 16 or kb & (kb - 1)):
+        raise GeometryError(f"kernel_block_size {kb} must be >= 16 and a power of 2 (0.14.0 PytorchEngineConfig.__post_init__)")
     if cfg.block_size % cfg.kernel_block:
         raise GeometryError(f"block_size {cfg.block_size} must be divisible by kernel_block_size {cfg.kernel_block} (0.14.0)")
     if cfg.dtype not in (torch.bfloat16, torch.float16, torch.float32):

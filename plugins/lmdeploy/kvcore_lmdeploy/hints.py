@@ -22,8 +22,9 @@ Fields (all optional; aliases in brackets):
   ``block_size`` or ``num_kv_heads`` where the two readings differ.
 * ``block_size`` [``cache_block_seq_len``]: ``CacheConfig.block_size`` (tokens per block;
   TurboMind calls it ``cache_block_seq_len``). From 0.14 the manager's block may be split
-  into kernel blocks: the tensors hold ``kernel_block_size`` tokens per block, and a
-  ``block_size`` that is a multiple of theirs is read as the manager's.
+  into kernel blocks: the tensors hold ``kernel_block_size`` tokens per block (a power of
+  2, at least 16, dividing ``block_size``), so a ``block_size`` that is such a multiple of
+  theirs is read as the manager's.
 * ``kernel_block_size``: ``CacheConfig.kernel_block_size`` (0.14+): tokens per allocated block.
 * ``num_kv_heads``: KV heads per rank (``ModelConfig.num_key_value_heads // world_size``,
   what ``CacheEngine._get_key_block_shape_impl`` allocates).
@@ -146,7 +147,8 @@ class LMDeployHints(BaseModel):
         if self.kernel_block_size is not None:
             return bs == self.kernel_block_size
         if self.block_size is not None:
-            return self.block_size % bs == 0
+            # 0.14 PytorchEngineConfig.__post_init__: kernel_block_size is >= 16, a power of 2 dividing block_size
+            return bs == self.block_size or (bs >= 16 and bs & (bs - 1) == 0 and self.block_size % bs == 0)
         return True
 
 
