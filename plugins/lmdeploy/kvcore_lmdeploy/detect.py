@@ -173,7 +173,7 @@ def _value_dtype_check(k: torch.Tensor, h: LMDeployHints, what: str) -> None:
     qp = h.quant_policy
     if qp in _FP8 and k.dtype != _FP8[qp]:
         raise DetectionError(f"lmdeploy: quant_policy={qp} stores K/V as {_FP8[qp]}, but {what} is {k.dtype}")
-    if qp in (0, None) and k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and qp == 0:
+    if qp == 0 and k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise DetectionError(f"lmdeploy: quant_policy=0 stores K/V in the model dtype, but {what} is {k.dtype} (fp8 is 16 / 17)")
     if qp in (0, 16, 17, None) and k.dtype in _INT_DTYPES:
         raise DetectionError(
@@ -436,7 +436,6 @@ def carve_pool(pool: torch.Tensor, h: LMDeployHints, policy: int, order: str) ->
     """The pool's planes as cross-layer views ``{role: [NL, NB, *block_shape]}`` for
     ``policy`` and ``order``, or None when the pool's bytes per block are not that plan's."""
     plan = _plan(h, policy, order)
-    role, shape, dt, off, size = plan[-1]
     total = sum(-(-p[4] // 256) * 256 for p in plan)
     if int(pool.shape[2]) != total:
         return None
