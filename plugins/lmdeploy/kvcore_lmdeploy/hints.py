@@ -1,0 +1,275 @@
+"""Hints for ``kvcore.detect(..., engine="lmdeploy", hints=...)``, in LMDeploy's own words.
+
+LMDeploy's PyTorch engine allocates every block tensor contiguous, so its tensors do not
+say everything: a per-layer ``[NB, A, B, HS]`` block tensor is ``(block_size, num_heads,
+head_size)`` on the CUDA / Ascend / MACA backends and ``(num_heads, block_size,
+head_size)`` on Cambricon (``camb``); the 0.11+ memory pool ``[NL, NB, bytes]`` carries no
+geometry at all. Hints are the facts the caller has from LMDeploy's configuration
+(``PytorchEngineConfig`` / ``CacheConfig`` / ``ModelConfig``).
+
+Fields (all optional; aliases in brackets):
+
+* ``quant_policy``: ``PytorchEngineConfig.quant_policy`` -- ``0`` (none), ``4`` (int4),
+  ``8`` (int8), ``16`` (fp8 e4m3), ``17`` (fp8 e5m2), ``42`` (TurboQuant); an
+  ``lmdeploy.messages.QuantPolicy`` member works (it is an ``int``). Checks the sibling
+  scale/zero tensors, the element dtype and (int4 / TurboQuant) the packed widths; picks
+  the pool's slices.
+* ``device_type`` [``device``]: ``PytorchEngineConfig.device_type`` -- ``cuda``,
+  ``ascend``, ``maca``, ``camb``. Decides the block order: ``camb`` allocates
+  ``(NH, BS, HS)`` blocks (HND), every other backend ``(BS, NH, HS)`` (NHD). Without it a
+  tensor on a ``cuda`` or ``npu`` device is NHD and one on ``mlu`` HND (the backend that
+  allocated it); a CPU tensor (LMDeploy's host swap cache, a copy) needs this hint,
+  ``block_size`` or ``num_kv_heads`` where the two readings differ.
+* ``block_size`` [``cache_block_seq_len``]: ``CacheConfig.block_size`` (tokens per block;
+  TurboMind calls it ``cache_block_seq_len``). From 0.14 the manager's block may be split
+  into kernel blocks: the tensors hold ``kernel_block_size`` tokens per block (a power of
+  2, at least 16, dividing ``block_size``), so a ``block_size`` that is such a multiple of
+  theirs is read as the manager's.
+* ``kernel_block_size``: ``CacheConfig.kernel_block_size`` (0.14+): tokens per allocated block.
+* ``num_kv_heads``: KV heads per rank (``ModelConfig.num_key_value_heads // world_size``,
+  what ``CacheEngine._get_key_block_shape_impl`` allocates).
+* ``head_dim``, ``k_head_dim``, ``v_head_dim``: ``ModelConfig.head_dim`` /
+  ``k_head_dim`` / ``v_head_dim`` -- the model's (unpacked) head sizes; int4 stores
+  ``head_dim // 2`` bytes, TurboQuant's V ``head_dim // 4``.
+* ``dtype``: ``ModelConfig.dtype`` (``bfloat16``, ``float16``, ``float32`` or a
+  ``torch.dtype``): the K/V dtype of an unquantised cache and the dtype of the int8/int4
+  scales and zeros.
+* ``tensor_order``: kvcore's generic hint (``allocated`` / ``physical``). LMDeploy
+  allocates every tensor contiguous, so both readings are the same here.
+* ``lmdeploy_version``: informational; layouts are read from the tensors.
+
+Precedence: ``quant_policy`` and ``device_type`` select readings outright; size hints drop
+readings whose axes disagree; then the tensors' shapes, dtypes and devices. Readings still
+left that address memory differently raise :class:`kvcore.AmbiguousLayoutError` naming the
+hints that decide -- the plugin never guesses. A hint the tensors contradict is a
+:class:`kvcore.DetectionError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvcore import DetectionError
+from kvcore.detection import tensor_order
+from kvcore.dtypes import parse_dtype
+
+__all__ = ["LMDeployHints", "parse_hints", "declared_hints", "QUANT_POLICIES", "DEVICE_TYPES", "MODEL_DTYPES"]
+
+#: ``lmdeploy.messages.QuantPolicy`` (0.14.0): NONE, INT4, INT8, FP8, FP8_E5M2, TURBO_QUANT.
+#: Up to 0.12.3 ``quant_policy`` is a plain ``Literal[0, 4, 8]``.
+QUANT_POLICIES = {0: "none", 4: "int4", 8: "int8", 16: "fp8 e4m3", 17: "fp8 e5m2", 42: "TurboQuant"}
+#: ``PytorchEngineConfig.device_type``
+DEVICE_TYPES = ("cuda", "ascend", "maca", "camb")
+#: the model dtypes LMDeploy's PyTorch engine runs (``ModelConfig.dtype``)
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: what a torch device type says about the backend that allocated the tensor
+DEVICE_OF_TORCH = {"cuda": "cuda", "npu": "ascend", "mlu": "camb"}
+
+
+class LMDeployHints(BaseModel):
+    """Validated LMDeploy hints (see the module docstring for meaning and precedence)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True)
+
+    quant_policy: int | None = None
+    device_type: Literal["cuda", "ascend", "maca", "camb"] | None = Field(None, validation_alias=AliasChoices("device_type", "device"))
+    block_size: int | None = Field(None, ge=1, validation_alias=AliasChoices("block_size", "cache_block_seq_len"))
+    kernel_block_size: int | None = Field(None, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+    k_head_dim: int | None = Field(None, ge=1)
+    v_head_dim: int | None = Field(None, ge=0)
+    dtype: Any = None
+    tensor_order: str | None = None
+    lmdeploy_version: str | None = None
+
+    @field_validator("quant_policy", mode="before")
+    @classmethod
+    def _policy(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or int(v) not in QUANT_POLICIES:
+            accepted = ", ".join(f"{k} ({n})" for k, n in QUANT_POLICIES.items())
+            raise ValueError(f"quant_policy {v!r} is not one of LMDeploy's QuantPolicy values: {accepted}")
+        return int(v)
+
+    @field_validator("device_type", mode="before")
+    @classmethod
+    def _device(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        s = str(getattr(v, "type", v)).strip().lower().split(":")[0]
+        return {"npu": "ascend", "mlu": "camb"}.get(s, s)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        try:
+            d = parse_dtype(v, what="hint dtype (ModelConfig.dtype)")
+        except DetectionError as e:
+            raise ValueError(str(e)) from None
+        if d not in MODEL_DTYPES:
+            raise ValueError(f"dtype {d} is not a model dtype LMDeploy runs (bfloat16, float16, float32)")
+        return d
+
+    @field_validator("tensor_order", mode="before")
+    @classmethod
+    def _order(cls, v: Any) -> Any:
+        try:
+            return tensor_order({"tensor_order": v}) if v is not None else None
+        except DetectionError as e:
+            raise ValueError(str(e)) from None
+
+    @field_validator("lmdeploy_version", mode="before")
+    @classmethod
+    def _version(cls, v: Any) -> Any:
+        return None if v is None else str(v)
+
+    # -- derived -----------------------------------------------------------------------
+    def k_dim(self) -> int | None:
+        """The model's K head size (``k_head_dim``, else ``head_dim``)."""
+        return self.k_head_dim if self.k_head_dim is not None else self.head_dim
+
+    def v_dim(self) -> int | None:
+        """The model's V head size (``v_head_dim``, else ``head_dim``)."""
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
+
+    def block_fits(self, bs: int) -> bool:
+        """Whether a tensor with ``bs`` tokens per block fits ``kernel_block_size`` /
+        ``block_size`` (0.14 ``CacheEngine.allocate_caches``: the manager's block_size is a
+        multiple of the kernel block the tensors hold)."""
+        if self.kernel_block_size is not None:
+            return bs == self.kernel_block_size
+        if self.block_size is not None:
+            # 0.14 PytorchEngineConfig.__post_init__: kernel_block_size is >= 16, a power of 2 dividing block_size
+            return bs == self.block_size or (bs >= 16 and bs & (bs - 1) == 0 and self.block_size % bs == 0)
+        return True
+
+
+def parse_hints(hints: Mapping[str, Any] | None) -> LMDeployHints:
+    """Validate a hints dict.
+
+    Raises:
+        kvcore.DetectionError: an unknown key (listing the accepted ones), two aliases of
+            one hint with different values, or a bad value.
+    """
+    raw = dict(hints or {})
+    for name, f in LMDeployHints.model_fields.items():
+        alias = f.validation_alias
+        names = [n for n in (alias.choices if isinstance(alias, AliasChoices) else [name]) if n in raw and raw[n] is not None]
+        if len(names) > 1:
+            values = {n: raw[n] for n in names}
+            if len({repr(v) for v in values.values()}) > 1:
+                raise DetectionError(f"lmdeploy hints {values} name one fact ({name}) with different values; pass one of them")
+            for n in names[1:]:
+                del raw[n]
+    try:
+        return LMDeployHints.model_validate(raw)
+    except ValidationError as e:
+        accepted = []
+        for name, f in LMDeployHints.model_fields.items():
+            alias = f.validation_alias
+            names = list(alias.choices) if isinstance(alias, AliasChoices) else [name]
+            accepted.append("/".join(str(n) for n in names))
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'hints'}: {err['msg']}" for err in e.errors())
+        raise DetectionError(f"lmdeploy hints rejected ({problems}). Accepted hints: {', '.join(accepted)}") from None
+
+
+def declared_hints() -> list[Any]:
+    """The hints :class:`LMDeployHints` reads, for ``kvcore hints lmdeploy``."""
+    from kvcore import Hint
+    from kvcore.hints import tensor_order_hint
+
+    ce = "lmdeploy/pytorch/engine/cache_engine.py::CacheEngine"
+    return [
+        Hint(
+            engine="lmdeploy",
+            name="quant_policy",
+            meaning="PytorchEngineConfig.quant_policy: 0 none, 4 int4 (K/V uint8 of head_dim/2 bytes), 8 int8, 16 fp8 e4m3, "
+            "17 fp8 e5m2, 42 TurboQuant; int4/int8/TurboQuant add per-token-head scale/zero (norm) tensors",
+            values=[str(k) for k in QUANT_POLICIES],
+            default="read from the tensors (sibling scale/zero tensors, dtypes); a pool whose size fits several names this hint",
+            source="lmdeploy/messages.py::QuantPolicy (0.14.0); PytorchEngineConfig.quant_policy",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="device_type",
+            aliases=["device"],
+            meaning="PytorchEngineConfig.device_type: camb allocates (NH, BS, HS) blocks (HND), cuda/ascend/maca (BS, NH, HS) (NHD)",
+            values=list(DEVICE_TYPES),
+            default="the tensors' torch device (cuda/npu: NHD, mlu: HND); CPU tensors need it where NHD and HND differ",
+            source="lmdeploy/pytorch/backends/*/op_backend.py::get_k_block_shape",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="block_size",
+            aliases=["cache_block_seq_len"],
+            meaning="CacheConfig.block_size, tokens per block (TurboMind: cache_block_seq_len); 0.14+: a multiple of the "
+            "kernel block the tensors hold",
+            type="int > 0",
+            default="from the shapes",
+            source="lmdeploy/pytorch/config.py::CacheConfig.block_size",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="kernel_block_size",
+            meaning="CacheConfig.kernel_block_size (0.14+): tokens per allocated block",
+            type="int > 0",
+            default="block_size",
+            source=f"{ce}.allocate_caches (0.14.0)",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="num_kv_heads",
+            meaning="KV heads per rank: ModelConfig.num_key_value_heads // world_size",
+            type="int > 0",
+            default="from the shapes (required for the 0.11+ memory pool)",
+            source=f"{ce}._get_key_block_shape_impl",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="head_dim",
+            meaning="ModelConfig.head_dim: the model's head size (int4 stores head_dim/2 bytes per head)",
+            type="int > 0",
+            default="from the shapes (required for the 0.11+ memory pool unless k_head_dim and v_head_dim are given)",
+            source="lmdeploy/pytorch/config.py::ModelConfig.head_dim",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="k_head_dim",
+            meaning="ModelConfig.k_head_dim when K's head size differs from head_dim",
+            type="int > 0",
+            default="head_dim",
+            source="lmdeploy/pytorch/config.py::ModelConfig.k_head_dim",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="v_head_dim",
+            meaning="ModelConfig.v_head_dim when V's head size differs from head_dim (0 for MLA: V is not stored)",
+            type="int >= 0",
+            default="head_dim",
+            source="lmdeploy/pytorch/config.py::ModelConfig.v_head_dim",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="dtype",
+            meaning="ModelConfig.dtype: K/V dtype of an unquantised cache, dtype of the int4/int8 scales and zeros",
+            values=["bfloat16", "float16", "float32"],
+            type="torch.dtype or name",
+            default="the tensors' dtypes (required for the 0.11+ memory pool)",
+            source="lmdeploy/pytorch/config.py::ModelConfig.dtype",
+        ),
+        tensor_order_hint("lmdeploy"),
+        Hint(
+            engine="lmdeploy",
+            name="lmdeploy_version",
+            meaning="informational: layouts are read from the tensors' shapes, dtypes and strides",
+            type="version string",
+        ),
+    ]
