@@ -39,11 +39,18 @@ Allocation (:func:`allocate`)
 
 Reading (:func:`kv_view`, the oracle)
 -------------------------------------
-One layer's K (``kv=0``) or V (``kv=1``) as ``[NB, BS, NH, *elem]``, built with the very
-operations the backend's ``forward`` uses (``unbind(0)``, ``unbind(1)``, ``kv_cache[:, 0]``,
+``kv_view(kv_caches, layer, plane_index)``: one layer's plane in the format name's plane
+order (K = 0, V = 1) as ``[NB, BS, NH, *elem]``, built with the very operations the
+backend's ``forward`` uses (``unbind(0)``, ``unbind(1)``, ``kv_cache[:, 0]``,
 ``transpose(1, 2).split(head_size, -1)``, ``view(NB, NH, 2*BS, HS).chunk(2, dim=2)``,
 ``PagedAttention.split_kv_cache``, ``squeeze(1)``), then only a ``permute`` to put the block,
 token and head axes first. Writing into the view writes the cache.
+
+Byte records (:func:`allocate_records`, :func:`record_view`)
+-------------------------------------------------------------
+uint8 ``[NB, BS, W]`` caches (0.33: ``[NB, 1, BS, W]``) of DeepSeek's MLA records and the DSA
+indexer keys, per width (:data:`RECORD_WRITERS`); the oracle restates the writer kernels'
+pointer arithmetic, per platform (ROCm tiles the indexer's keys).
 """
 
 from __future__ import annotations
@@ -661,7 +668,11 @@ def kv_view(
 #: vLLM 0.33.0 writers (0.24.0 / 0.26.0 for the earlier eras). "token": each token's W bytes
 #: are contiguous, its scales inside; "blocked": per block all tokens' W - S value bytes, then
 #: all tokens' S scale bytes. The alignment is the ``MLAAttentionSpec`` page alignment
-#: (``_apply_alignment_padding``: the page is rounded up to it).
+#: (``_apply_alignment_padding``: the page is rounded up to it). vLLM's own tests build the
+#: blocked pages the same way: ``tests/kernels/attention/test_indexer.py::kv_cache_cast_to_fp8``
+#: (``block_size * head_dim`` fp8 bytes, then ``block_size`` fp32 scales) and
+#: ``tests/kernels/attention/dsv4_compress_utils.py::ShapeConfig`` (token stride 576 / 128 / 64,
+#: scale bytes 8 / 4 / 4, ``bytes_per_block = BS*token_stride + BS*scale_dim``).
 RECORD_WRITERS: dict[int, tuple[str, int, int | None, str, str]] = {
     # mla/flashmla_sparse.py docstring; deepseek_v32/common/kernels.py (656 B: 512 fp8, 4 fp32 scales, 64 bf16)
     656: ("token", 0, None, "0.11", "DeepSeek-V3.2 fp8_ds_mla"),

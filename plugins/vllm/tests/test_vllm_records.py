@@ -221,3 +221,18 @@ def test_rocm_mxfp4_indexer_pages_are_not_claimed():
     assert kvcore.detect(meta, "vllm", {"vllm_version": "0.33", "attention_backend": "TRITON_MLA", "device_type": "cuda"}).format.name == (
         "NL_X_NB_BSV_BSS"
     )
+
+
+@pytest.mark.parametrize(("record", "fmt"), [(584, "NL_X_NB_BSV_BSS"), (528, "NL_X_NB_BS_HS"), (132, "NL_X_NB_BSV_BSS")])
+def test_compressed_caches_hold_block_size_over_ratio_states(record, fmt):
+    """DeepSeek-V4's compressed caches: ``tokens_per_state = compress_ratio``, so a manager block of
+    64 tokens holds 16 stored states at ratio 4 (0.33 ``AttentionSpec.num_states``); kvcore reads the
+    states (the block size of the tensors), padded pages included (584: 16*584 rounded up to 576 B)."""
+    kv = allocate_records(record, "LBNHC", num_layers=2, num_blocks=3, block_size=64, tokens_per_state=4)
+    t = next(iter(kv.values()))
+    assert t.shape == (3, 1, 16, record)
+    if record == 584:
+        assert t.stride(0) == 17 * 576  # 9344 B rounded up to the 576 B TMA stride
+    lay = kvcore.detect(kv, "vllm", {"vllm_version": "0.33", "attention_backend": "FLASHMLA_SPARSE", "device_type": "cuda"})
+    assert (lay.format.name, lay.block_size, lay.num_blocks) == (fmt, 16, 3)
+    _check(lay, kv, 16, seed=4)
