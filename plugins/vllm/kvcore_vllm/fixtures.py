@@ -1034,6 +1034,7 @@ RECORD_CASES: tuple[tuple[int, str, str, str, str], ...] = (
     (584, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BSV_BSS"),
     (584, "0.33.0", "BLNHC", "cuda", "NB_NL_BSV_BSS"),
     (584, "0.26.0", "NHD", "cuda", "NL_X_NB_BSV_BSS"),
+    (584, "0.24.0", "NHD", "cuda", "NL_X_NB_BSV_BSS"),
     (528, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BS_HS"),
     (352, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BS_HS"),
     (288, "0.33.0", "BLHNC", "cuda", "NB_NL_BS_HS"),
@@ -1041,6 +1042,8 @@ RECORD_CASES: tuple[tuple[int, str, str, str, str], ...] = (
     (132, "0.33.0", "BLHNC", "rocm", "K=NB_NL_BSC_HSC_BSE_HSE+KS=NB_NL_BS_HS"),
     (132, "0.26.0", "NHD", "rocm", "K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS"),
     (68, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BSV_BSS"),
+    (68, "0.26.0", "NHD", "cuda", "NL_X_NB_BSV_BSS"),
+    (132, "0.24.0", "NHD", "rocm", "K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS"),
 )
 
 #: a record's cache dtype, for the hints vLLM itself would report.

@@ -51,8 +51,6 @@ __all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physica
 #: byte records (:data:`kvcore_vllm.specs.RECORDS`) is read as vLLM writes that record: per
 #: token (656, 528, 352, 288) or as a blocked-scale page (584, 132, 68).
 MLA_WIDTHS = (576,)
-FP8_DS_MLA_BYTES = 656
-INDEXER_WIDTHS = tuple(w for w, r in RECORDS.items() if not r.cache_dtypes)
 
 #: vLLM's paged-attention reading (``PagedAttention.split_kv_cache``): K ``(NB, NH, HS/x,
 #: BS, x)`` with ``x = 16 // element_size``, V ``(NB, NH, HS, BS)`` -- K and V differ, so

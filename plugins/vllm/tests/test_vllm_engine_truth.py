@@ -419,3 +419,15 @@ def test_split_k_tensors_on_a_rocm_build_need_the_backend(monkeypatch):
         kvcore.detect(kv, "vllm", {"vllm_version": "0.13", "kv_cache_layout": "NHD"})
     assert SPLIT_K in ei.value.candidates and "attention_backend" in ei.value.hints
     assert kvcore.detect(kv, "vllm", {"vllm_version": "0.13", "attention_backend": "ROCM_ATTN"}).format.name == SPLIT_K
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+@pytest.mark.parametrize(("nh", "hs"), [(1, 8), (3, 16)])
+def test_split_k_one_or_odd_tokens_per_block(bs, nh, hs, semantic):
+    """0.11 TORCH_SDPA takes any block size: one token per block (the K chunks and the V column
+    are then contiguous) and odd block sizes move the bytes split_kv_cache reads."""
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", num_layers=2, num_blocks=5, block_size=bs, num_kv_heads=nh, head_size=hs)
+    h = {"device_type": "cpu", "use_ipex": False, "block_size": bs, "num_kv_heads": nh, "vllm_version": "0.11"}
+    lay = kvcore.detect(kv, "vllm", h)
+    assert (lay.format.name, lay.block_size, lay.num_heads, lay.head_size) == (SPLIT_K, bs, nh, hs)
+    semantic(lay, kv, kv_view)
