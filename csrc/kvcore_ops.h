@@ -1,53 +1,133 @@
-// kvcore native transfer kernels: shared definitions.
+// kvcore native transfer kernels: shared definitions (op ABI version 4).
 //
-// A kernel never sees a format name. It receives, per (layer, K/V) plane, a base
-// address, and per K/V plane six int64 numbers (bytes unless noted):
-//   block, token, head, chunk, chunk_bytes, n_chunks (count)
-// so that the bytes of (slot, head, chunk) live at
-//   base + (slot / block_size) * block + (slot % block_size) * token
-//        + head * head + chunk * chunk      ... chunk_bytes contiguous bytes,
-// and one head's staged row is n_chunks * chunk_bytes = head_bytes bytes.
-// The staging buffer is [kv_size, NL, T, row_bytes / itemsize] with a contiguous
-// last dim; row r = (kv, layer, token) starts at kv*s0 + layer*s1 + token*s2 bytes.
-// Slots outside [0, num_slots) (negative = engine padding) are skipped.
+// A kernel never sees a format name. It receives the layout's stride table as data:
+//
+//   ptrs    int64 [NL, P]   base address (bytes) of plane p of layer l
+//   planes  int64 [P, 16]   one record per plane, fields below (bytes unless noted)
+//   slots   int64 [T]       slot = block * block_size + offset; outside [0, num_slots)
+//                           (negative = engine padding) the row is skipped
+//   staging a list of B buffers; plane p writes (gather) / reads (scatter) buffer
+//           planes[p][kBuffer], which is [kv_size, NL, T, row] when the plane has a
+//           K/V index (planes[p][kKvIndex] >= 0: the classic "kv" buffer) and
+//           [NL, T, row] otherwise; the last dim is contiguous.
+//
+// The bytes of (slot, head h, chunk c) of plane p in layer l start at
+//   ptrs[l][p] + (slot / block_size) * block + token_offset(slot % block_size)
+//              + h * head + c * chunk                         ... chunk_bytes bytes
+//   token_offset(o) = o * token                                   (token_group == 0)
+//                   = (o / token_group) * token_group_stride + (o % token_group) * token
+// and n_chunks * chunk_bytes = head_bytes is one head's run. In the staged row of token t
+// (buffer b, K/V index k, layer l) head h of the plane starts at byte
+//   st_offset + h * st_head
+// so several planes may share one staged row (a blocked-scale record: values at byte 0,
+// scales after them) and planes of one head may interleave (st_head > head_bytes).
+// base_align is a power of two dividing every ptrs[.][p] (0 or 1: unknown); the CUDA
+// kernel picks each plane's vector width from it and the strides.
+//
+// The same record drives the CPU op, the CUDA op and (in Python) the torch reference
+// kernel; other kernels of the family (a layout-to-layout copy, a Triton kernel) read the
+// same fields.
 #pragma once
 #include <cstdint>
 
 namespace kvcore {
 
-constexpr int kStrideFields = 6;  // block, token, head, chunk, chunk_bytes, n_chunks
-
-struct PlaneStrides {
-  int64_t block;
-  int64_t token;
-  int64_t head;
-  int64_t chunk;
-  int64_t chunk_bytes;
-  int64_t n_chunks;
+enum PlaneField : int {
+  kBlock = 0,
+  kToken = 1,
+  kHead = 2,
+  kChunk = 3,
+  kChunkBytes = 4,
+  kNChunks = 5,
+  kTokenGroup = 6,
+  kTokenGroupStride = 7,
+  kNumHeads = 8,
+  kHeadBytes = 9,
+  kBuffer = 10,
+  kKvIndex = 11,
+  kStOffset = 12,
+  kStHead = 13,
+  kBaseAlign = 14,
+  kReserved = 15,
 };
+constexpr int kPlaneFields = 16;
+
+// One plane, decoded, with its staging addressing resolved for one call (bytes).
+struct PlaneDesc {
+  int64_t block, token, head, chunk, chunk_bytes, n_chunks, token_group, token_group_stride;
+  int64_t num_heads, head_bytes;
+  int64_t buffer, kv_index, st_offset, st_head, base_align;
+  // resolved per call: staging[t = 0] of layer 0 of this plane (offset included), and strides
+  char* st_base;
+  int64_t st_layer, st_tok;
+  int64_t row_bytes() const { return num_heads * head_bytes; }
+  // a whole token row, cache side and staging side, is one contiguous run
+  bool row_contiguous() const {
+    return n_chunks == 1 && (num_heads == 1 || (head == head_bytes && st_head == head_bytes));
+  }
+  int64_t token_offset(int64_t o) const {
+    return token_group ? (o / token_group) * token_group_stride + (o % token_group) * token : o * token;
+  }
+};
+
+// Validation failures recorded by the CUDA check kernel (pinned host memory, written by the
+// device only when a call is refused; read by the host at the next call or a synchronize).
+struct DeviceErrorRecord {
+  volatile int64_t seq;     // bumped (last) by the device for each recorded failure
+  volatile int64_t ack;     // the host's copy of seq once it reported the failure
+  volatile int64_t kind;    // 1: slot out of range, 2: a scatter slot repeats
+  volatile int64_t index;   // first bad index (kind 1)
+  volatile int64_t value;   // its slot (kind 1), the smallest repeated slot (kind 2)
+  volatile int64_t num_slots;
+  volatile int64_t call;    // the host's call number
+  volatile int64_t gather;  // 1 gather, 0 scatter
+  volatile int64_t dropped; // failures not recorded because one was pending
+};
+
+constexpr int kMaxPlanesPerLaunch = 8;
+
+constexpr int kMaxPlanes = 64;  // planes per table (launched kMaxPlanesPerLaunch at a time)
 
 // One CUDA transfer, fully validated by the caller (kvcore_cpu.cpp). Plain data only:
 // the CUDA translation unit never sees an at::Tensor and never throws.
 struct CudaTransfer {
-  const int64_t* ptrs;   // device [NL, kv] plane base addresses
+  const int64_t* ptrs;   // device [NL, P] plane base addresses
   const int64_t* slots;  // device [T]
-  void* staging;         // staging[0, 0, 0, 0]: device memory, or pinned host memory
-  bool staging_on_host;
-  int64_t s_kv, s_layer, s_tok;  // staging byte strides
-  PlaneStrides plane[2];
-  int64_t num_slots, T, NL, kv, block_size, num_heads, head_bytes, base_align;
+  int64_t P;
+  PlaneDesc plane[kMaxPlanes];  // st_base: a device address (pinned host staging already mapped)
+  int64_t num_slots, T, NL, block_size, skip;
   int64_t unroll;  // loads in flight per thread: 4 or 8
   int device;
+  void* stream;    // cudaStream_t
+  // device validation (validate != 0): the check kernel runs first and sets *flag
+  int validate;              // 0 none, 1 device
+  int* flag;                 // device int32: non-zero = refused, the transfer writes nothing
+  uint32_t* bitmap;          // device, num_slots bits, all zero between calls (scatter only)
+  DeviceErrorRecord* record; // pinned host record, its mapped device address
+  int64_t call;
+  bool pdl;                  // overlap the check with the transfer (programmatic dependent launch)
 };
 
-// Launches on the current stream of a.device. nullptr on success, else why (never throws).
+// Launches on a.stream. nullptr on success, else why (never throws).
 const char* cuda_transfer(bool gather, const CudaTransfer& a) noexcept;
+// Helpers kept in the CUDA unit (the C++ unit includes no CUDA runtime header):
+// the mapped device address of pinned host memory, or nullptr when it is not pinned;
+void* cuda_host_device_ptr(void* host) noexcept;
+// the process's pinned error record (host address; *device gets its mapped device address),
+// nullptr when it cannot be allocated;
+DeviceErrorRecord* cuda_error_record(int device, DeviceErrorRecord** device_addr) noexcept;
+// 1 when the stream is capturing a CUDA graph, 0 when not, -1 on error;
+int cuda_stream_capturing(void* stream) noexcept;
+// wait for the stream; nullptr or why not
+const char* cuda_stream_sync(void* stream) noexcept;
+// read one device int32 (synchronous); nullptr or why not
+const char* cuda_read_flag(const int* flag, int* out) noexcept;
 
 }  // namespace kvcore
 
 #ifndef KVCORE_NO_TORCH
-#include <torch/library.h>
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <string>
 #include <type_traits>
@@ -82,61 +162,6 @@ static inline std::string cat(const A&... a) {
   std::string s;
   (cat_one(s, a), ...);
   return s;
-}
-
-// The ops never throw: a failed check returns its message, the op returns a non-zero
-// code and kvcore.last_error() gives the message to the Python layer.
-#define KVCORE_REQUIRE(cond, ...) \
-  if (!(cond)) return cat("kvcore.", op, ": ", __VA_ARGS__)
-
-// Checks everything the op can check about its arguments before any byte moves; returns
-// "" or what is wrong. (The plane base addresses are raw pointers: kvcore's Python layer
-// proved them and the slot range against the cache's storage; the op skips slots outside
-// [0, num_slots).)
-static inline std::string check_args(const at::Tensor& ptrs, const at::Tensor& strides, const at::Tensor& slots,
-                                     const at::Tensor& staging, int64_t block_size, int64_t num_heads, int64_t head_bytes,
-                                     int64_t num_slots, const char* op) {
-  KVCORE_REQUIRE(ptrs.defined() && strides.defined() && slots.defined() && staging.defined(), "every tensor argument is required");
-  KVCORE_REQUIRE(ptrs.scalar_type() == at::kLong && ptrs.dim() == 2 && ptrs.is_contiguous(),
-                 "ptrs must be a contiguous int64 [num_layers, kv_size] tensor of plane base addresses, got ", ptrs.scalar_type(),
-                 " of shape ", ptrs.sizes());
-  const int64_t nl = ptrs.size(0), kv = ptrs.size(1);
-  KVCORE_REQUIRE(kv == 1 || kv == 2, "kv_size (ptrs.size(1)) must be 1 (MLA) or 2 (K, V), got ", kv);
-  KVCORE_REQUIRE(strides.device().is_cpu() && strides.scalar_type() == at::kLong && strides.dim() == 2 && strides.size(0) == kv &&
-                     strides.size(1) == kStrideFields && strides.is_contiguous(),
-                 "strides must be a contiguous CPU int64 [kv_size, 6] tensor (block, token, head, chunk, chunk_bytes, n_chunks), got ",
-                 strides.scalar_type(), " of shape ", strides.sizes(), " on ", strides.device());
-  KVCORE_REQUIRE(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
-                 "slots must be a contiguous int64 [T] tensor, got ", slots.scalar_type(), " of shape ", slots.sizes());
-  KVCORE_REQUIRE(staging.dim() == 4 && staging.size(0) == kv && staging.size(1) == nl && staging.size(2) == slots.size(0),
-                 "staging must be [kv_size=", kv, ", num_layers=", nl, ", T=", slots.size(0), ", row], got ", staging.sizes());
-  KVCORE_REQUIRE(staging.numel() == 0 || staging.stride(3) == 1, "the staging buffer's last dim must be contiguous, got strides ",
-                 staging.strides());
-  for (int d = 0; d < 3; ++d)
-    KVCORE_REQUIRE(staging.stride(d) >= 0, "negative staging strides are not supported, got ", staging.strides());
-  KVCORE_REQUIRE(block_size >= 1 && num_heads >= 1 && head_bytes >= 1 && num_slots >= 0,
-                 "block_size, num_heads and head_bytes must be >= 1 and num_slots >= 0, got ", block_size, ", ", num_heads, ", ",
-                 head_bytes, ", ", num_slots);
-  KVCORE_REQUIRE(staging.size(3) * static_cast<int64_t>(staging.element_size()) == num_heads * head_bytes, "a staging row holds ",
-                 staging.size(3) * staging.element_size(), " bytes but num_heads * head_bytes = ", num_heads * head_bytes);
-  const int64_t* s = strides.data_ptr<int64_t>();
-  for (int64_t k = 0; k < kv; ++k) {
-    const int64_t* p = s + k * kStrideFields;
-    for (int f = 0; f < kStrideFields; ++f) KVCORE_REQUIRE(p[f] >= 0, "plane ", k, " has a negative stride field ", f, " (", p[f], ")");
-    KVCORE_REQUIRE(p[4] >= 1 && p[5] >= 1 && p[4] * p[5] == head_bytes, "plane ", k, " has chunk_bytes ", p[4], " x n_chunks ", p[5],
-                   " != head_bytes ", head_bytes);
-  }
-  return std::string();
-}
-
-static inline PlaneStrides plane_at(const at::Tensor& strides, int64_t k) {
-  const int64_t* p = strides.data_ptr<int64_t>() + k * kStrideFields;
-  return PlaneStrides{p[0], p[1], p[2], p[3], p[4], p[5]};
-}
-
-// A whole token row of the plane is one contiguous run of num_heads * head_bytes bytes.
-static inline bool row_contiguous(const PlaneStrides& p, int64_t num_heads, int64_t head_bytes) {
-  return p.n_chunks == 1 && (num_heads == 1 || p.head == head_bytes);
 }
 
 }  // namespace kvcore

@@ -37,6 +37,7 @@ from kvcore.hints import Hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
 from kvcore.layout_copy import copy
+from kvcore.plan import LayoutPlan, plan, synchronize
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -64,6 +65,7 @@ __all__ = [
     "KVCorePluginWarning",
     "KVFormat",
     "KVLayout",
+    "LayoutPlan",
     "PageBufferShapeDesc",
     "Plane",
     "PlaneInfo",
@@ -90,6 +92,7 @@ __all__ = [
     "hookimpl",
     "memory_ordered",
     "parse_format",
+    "plan",
     "plugins",
     "recv",
     "register_plugin",
@@ -99,5 +102,6 @@ __all__ = [
     "send",
     "slots_for_blocks",
     "split_aliases",
+    "synchronize",
     "unregister_plugin",
 ]

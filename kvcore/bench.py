@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case"]
+__all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case", "quantised_table"]
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,12 @@ class Case:
     head_size: int
     storage_dtype: torch.dtype
     dtype: torch.dtype
+    kind: str = "classic"  # "quant": int8 K/V values + bf16 per-(token, head) scales, four planes
 
 
 _LLAMA = dict(num_layers=32, num_heads=8, head_size=128)
+#: the quantised case's multi-plane name: int8 K and V values, bf16 per-(token, head) scales
+QUANT_FORMAT = "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS+KS=NL_X_NB_BS_NH+VS=NL_X_NB_BS_NH"
 _MLA = dict(num_layers=61, num_heads=1, head_size=576)
 
 CASES: dict[str, Case] = {
@@ -69,6 +72,7 @@ CASES: dict[str, Case] = {
     "FlashInfer": Case("FlashInfer", "NL_X_NB_TWO_BS_NH_HS", **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
     "MLA-bf16": Case("MLA-bf16", "NL_X_NB_BS_HS", **_MLA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
     "MLA-fp8": Case("MLA-fp8", "NL_X_NB_BS_HS", **_MLA, storage_dtype=torch.uint8, dtype=torch.float8_e4m3fn),
+    "Q-int8": Case("Q-int8", QUANT_FORMAT, **_LLAMA, storage_dtype=torch.int8, dtype=torch.int8, kind="quant"),
 }
 
 BLOCK_SIZES = (16, 64, 256)
@@ -169,6 +173,63 @@ def random_fill(t: torch.Tensor, gen: torch.Generator | None = None) -> torch.Te
     else:
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device=b.device, generator=gen))
     return t
+
+
+def quantised_table(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    device,
+    gen: torch.Generator | None = None,
+):
+    """A quantised KV cache as a hand-built multi-plane stride table: int8 K and V values
+    ``[NB, BS, NH, HS]`` per layer with bf16 per-(token, head) scales ``[NB, BS, NH]`` in
+    sibling tensors (the int8 KV layout of LMDeploy's PyTorch engine, 0.6-0.11, without its
+    zeros), four planes ``K, V, KS, VS`` each staged into its own buffer
+    ``{role: [NL, T, NH * width]}`` in its dtype. Contents are random bytes.
+
+    Returns:
+        ``(table, {role: [tensor per layer]})``.
+    """
+    from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable
+
+    dev = torch.device(device)
+    planes, buffers, tensors = [], [], {}
+    for role, dt, width in (
+        ("K", torch.int8, head_size),
+        ("V", torch.int8, head_size),
+        ("KS", torch.bfloat16, 1),
+        ("VS", torch.bfloat16, 1),
+    ):
+        esz = torch.empty(0, dtype=dt).element_size()
+        shape = (num_blocks, block_size, num_heads, head_size) if width > 1 else (num_blocks, block_size, num_heads)
+        layers = [random_fill(torch.empty(shape, dtype=dt, device=dev), gen) for _ in range(num_layers)]
+        tensors[role] = layers
+        hb = width * esz
+        planes.append(
+            Plane(
+                role=role,
+                strides=PlaneStrides(block=block_size * num_heads * hb, token=num_heads * hb, head=hb, chunk=0, chunk_bytes=hb, n_chunks=1),
+                num_heads=num_heads,
+                head_bytes=hb,
+                dtype=dt,
+                bases=tuple((t, 0) for t in layers),
+                staging=StagingTarget(buffer=role, index=None, offset=0, head_stride=hb),
+            )
+        )
+        buffers.append(StagingBuffer(key=role, kv_size=None, row_bytes=num_heads * hb, dtype=dt))
+    table = StrideTable(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_slots=num_blocks * block_size,
+        device=dev,
+        planes=tuple(planes),
+        buffers=tuple(buffers),
+    )
+    return table, tensors
 
 
 def block_slots(num_tokens: int, block_size: int, block_ids: torch.Tensor) -> torch.Tensor:
@@ -297,6 +358,9 @@ class Row:
     graph_gbps: float | None = None
     graph_vs_copy: float | None = None  # against the eager copy (a copy captured in a graph becomes a DMA node: slower)
     graph_copy_seconds: float | None = None
+    public_seconds: float | None = None  # kvcore.gather / kvcore.scatter per call (validate default), same run
+    public_vs_kernel: float | None = None  # public time / kernel-entry time (1.00 = no overhead)
+    public_graph_seconds: float | None = None  # cuda: the public call captured in a CUDA graph, per call
 
 
 def _kernels(device: torch.device):
@@ -325,34 +389,15 @@ def bench_case(
 
     reference, select_kernel = _kernels(device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    kv = 1 if case.num_heads == 1 and "TWO" not in case.format else 2
-    esz = torch.empty(0, dtype=case.dtype).element_size()
-    row_bytes = case.num_heads * case.head_size * esz
-    payload = kv * case.num_layers * tokens * row_bytes
+    payload_token = _payload_per_token(case)
+    payload = payload_token * tokens
     nblk = -(-tokens // block_size)
     sets = max(1, min(8, math.ceil(_L2_ROTATE_BYTES / payload))) if device.type == "cuda" else 1
     num_blocks = (sets + 1) * nblk
-    shape = (case.num_layers, kv, num_blocks, block_size, case.num_heads, case.head_size)
-    # allocate the format's tensors directly (random bytes), not through a logical copy
-    from kvcore.grammar import parse
-
-    syn = parse(case.format)
-    per_layer = [int({"TWO": 2, "NB": num_blocks, "BS": block_size, "NH": case.num_heads, "HS": case.head_size}[t]) for t in syn.axes]
-    caches = []
-    for _ in range(case.num_layers):
-        t = torch.empty(per_layer, dtype=case.storage_dtype, device=device)
-        random_fill(t)
-        caches.append(t)
-    del shape
-    layout = kvcore.build_layout(case.format, caches, dtype=case.dtype if case.dtype != case.storage_dtype else None)
-    table = layout.stride_table()
+    layout, table, new_staging = _setup(case, block_size, num_blocks, device)
     perm = torch.randperm(num_blocks, generator=gen)
     slot_sets = [block_slots(tokens, block_size, perm[i * nblk : (i + 1) * nblk]).to(device) for i in range(sets)]
-    staging = []
-    for _ in range(sets):
-        s = torch.empty(layout.staging_shape(tokens), dtype=case.dtype, device=device)
-        random_fill(s)
-        staging.append(s)
+    staging = [new_staging(tokens, device) for _ in range(sets)]
     plans = [TransferPlan(table=table, slots=slot_sets[i], staging=staging[i], num_valid=tokens) for i in range(sets)]
     kernel = select_kernel(device.type, case.format, device.type, table)
     # CPU: enough calls that one sample lasts ~100 ms, so a preempted thread is a small error
@@ -365,13 +410,17 @@ def bench_case(
     fns: dict[str, Callable[[int], None]] = {"copy": lambda i: dst[i % sets].copy_(src[i % sets])}
     for d in ("gather", "scatter"):
         fns[d] = lambda i, d=d: getattr(kernel, d)(plans[i % sets])
+        if layout is not None:  # the public API, as a user calls it (validation on, the default)
+            fns["pub-" + d] = lambda i, d=d: getattr(kvcore, d)(layout, slot_sets[i % sets], staging[i % sets])
         if with_reference and kernel is not reference:
             fns["ref-" + d] = lambda i, d=d: getattr(reference, d)(plans[i % sets])
     tm = _median_times(fns, device, repeats, calls)
     copy_s = tm["copy"]
     gt: dict[str, float] = {}
     if device.type == "cuda" and kernel is not reference:
-        gt = _graph_times({k: fns[k] for k in ("copy", "gather", "scatter")}, device, repeats, calls)
+        gt = _graph_times(
+            {k: fns[k] for k in ("copy", "gather", "scatter", "pub-gather", "pub-scatter") if k in fns}, device, repeats, calls
+        )
     rows = []
     for direction in ("gather", "scatter"):
         sec = tm[direction]
@@ -399,28 +448,28 @@ def bench_case(
                 graph_gbps=2 * payload / gt[direction] / 1e9 if direction in gt else None,
                 graph_vs_copy=copy_s / gt[direction] if direction in gt else None,
                 graph_copy_seconds=gt.get("copy"),
+                public_seconds=tm.get("pub-" + direction),
+                public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
+                public_graph_seconds=gt.get("pub-" + direction),
             )
         )
     if host and device.type == "cuda":
-        shape = layout.staging_shape(tokens)
-        hstage = _pinned("staging", payload).view(case.dtype).view(shape)
-        hstage.view(torch.uint8).copy_(staging[0].view(torch.uint8).reshape(hstage.view(torch.uint8).shape))
+        hstage = _pinned_like(staging[0], payload)
         hplan = TransferPlan(table=table, slots=slot_sets[0], staging=hstage, num_valid=tokens)
         hk = select_kernel(device.type, case.format, "cpu", table)
         hbuf = _pinned("memcpy", payload)
         dbuf = src[0]
         hcalls = 3 if payload > (64 << 20) else 10
-        tm = _median_times(
-            {
-                "d2h": lambda i: hbuf.copy_(dbuf, non_blocking=True),
-                "h2d": lambda i: dbuf.copy_(hbuf, non_blocking=True),
-                "gather": lambda i: hk.gather(hplan),
-                "scatter": lambda i: hk.scatter(hplan),
-            },
-            device,
-            repeats,
-            hcalls,
-        )
+        hfns = {
+            "d2h": lambda i: hbuf.copy_(dbuf, non_blocking=True),
+            "h2d": lambda i: dbuf.copy_(hbuf, non_blocking=True),
+            "gather": lambda i: hk.gather(hplan),
+            "scatter": lambda i: hk.scatter(hplan),
+        }
+        if layout is not None:
+            hfns["pub-gather"] = lambda i: kvcore.gather(layout, slot_sets[0], hstage)
+            hfns["pub-scatter"] = lambda i: kvcore.scatter(layout, slot_sets[0], hstage)
+        tm = _median_times(hfns, device, repeats, hcalls)
         d2h, h2d = tm["d2h"], tm["h2d"]
         tref = {}
         if with_reference and host_reference:
@@ -447,9 +496,81 @@ def bench_case(
                     vs_copy=base_s / sec,
                     reference_gbps=None if ref_s is None else payload / ref_s / 1e9,
                     vs_reference=None if ref_s is None else ref_s / sec,
+                    public_seconds=tm.get("pub-" + direction),
+                    public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
                 )
             )
     return rows
+
+
+def _payload_per_token(case: Case) -> int:
+    """Bytes one token moves (all layers, every plane)."""
+    if case.kind == "quant":
+        return case.num_layers * 2 * case.num_heads * (case.head_size + 2)
+    kv = 1 if case.num_heads == 1 and "TWO" not in case.format else 2
+    esz = torch.empty(0, dtype=case.dtype).element_size()
+    return kv * case.num_layers * case.num_heads * case.head_size * esz
+
+
+def _fill_staging(staging):
+    for t in staging.values() if isinstance(staging, dict) else [staging]:
+        random_fill(t)
+    return staging
+
+
+def _setup(case: Case, block_size: int, num_blocks: int, device: torch.device):
+    """``(layout or None, stride table, new_staging(T, device))`` for one case, the cache
+    allocated in the format's own tensors (random bytes). The quantised case is built from
+    its multi-plane name when the core's grammar has multi-plane names, else as a hand-built
+    table (then there is no layout, and no public-API column)."""
+    import kvcore
+
+    torch.manual_seed(1234)  # the same bytes for the same case (checks compare two caches)
+    if case.kind == "quant":
+        table, tensors = quantised_table(
+            num_layers=case.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=case.num_heads,
+            head_size=case.head_size,
+            device=device,
+        )
+        layout = None
+        try:
+            layout = kvcore.build_layout(case.format, tensors)
+            table = layout.stride_table()
+        except kvcore.KVCoreError:
+            pass
+
+        def new_staging(t: int, dev):
+            return _fill_staging({b.key: torch.empty(b.shape(case.num_layers, t), dtype=b.dtype, device=dev) for b in table.buffers})
+
+        return layout, table, new_staging
+    from kvcore.grammar import parse
+
+    syn = parse(case.format)
+    per_layer = [int({"TWO": 2, "NB": num_blocks, "BS": block_size, "NH": case.num_heads, "HS": case.head_size}[t]) for t in syn.axes]
+    caches = [random_fill(torch.empty(per_layer, dtype=case.storage_dtype, device=device)) for _ in range(case.num_layers)]
+    layout = kvcore.build_layout(case.format, caches, dtype=case.dtype if case.dtype != case.storage_dtype else None)
+
+    def new_staging_classic(t: int, dev):
+        return _fill_staging(torch.empty(layout.staging_shape(t), dtype=case.dtype, device=dev))
+
+    return layout, layout.stride_table(), new_staging_classic
+
+
+def _pinned_like(staging, nbytes: int):
+    """A pinned host copy of ``staging`` (tensor or dict) carved from one reusable buffer."""
+    buf = _pinned("staging", nbytes)
+    items = staging.items() if isinstance(staging, dict) else [("kv", staging)]
+    out, off = {}, 0
+    for k, t in items:
+        n = t.numel() * t.element_size()
+        h = buf[off : off + n].view(t.dtype).view(t.shape)
+        h.view(torch.uint8).view(-1).copy_(t.contiguous().view(torch.uint8).view(-1))
+        out[k] = h
+        off += n
+    return out if isinstance(staging, dict) else out["kv"]
 
 
 # -- CLI ----------------------------------------------------------------------------------
@@ -469,6 +590,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-host", action="store_true", help="cuda: skip the pinned-host rows")
     parser.add_argument("--output", default=None, help="also write the JSON rows to this file (updated after every case)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop the matrix after this many seconds (partial table)")
+    parser.add_argument(
+        "--small",
+        default="16",
+        help="token counts of the small-transfer rows (public API vs kernel vs per-layer index_select/index_copy_; '' for none)",
+    )
 
 
 def _ints(s: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -487,17 +613,118 @@ def format_table(rows: list[Row]) -> str:
     """A markdown table of ``rows``."""
     head = (
         "| layout | dtype | BS | T | direction | staging | kernel | MB | µs | GB/s | baseline GB/s | vs baseline | reference GB/s "
-        "| vs reference | graph µs | graph vs copy |\n"
-        "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| vs reference | public API µs | public / kernel | graph µs | graph vs copy | public graph µs |\n"
+        "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     lines = [head]
+
+    def num(v, fmt="{:.1f}", scale=1.0):
+        return "-" if v is None else fmt.format(v * scale)
+
     for r in rows:
         ref = "-" if r.reference_gbps is None else f"{r.reference_gbps:.1f}"
         vr = "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"
         lines.append(
             f"| {r.layout} | {r.dtype} | {r.block_size} | {r.tokens} | {r.direction} | {r.staging} | {r.kernel} | {r.mbytes:.1f} | "
             f"{r.seconds * 1e6:.1f} | {r.gbps:.1f} | {r.baseline_gbps:.1f} | {100 * r.vs_copy:.1f}% | {ref} | {vr} | "
+            f"{num(r.public_seconds, scale=1e6)} | {num(r.public_vs_kernel, '{:.3f}x')} | "
             + ("- | - |" if r.graph_seconds is None else f"{r.graph_seconds * 1e6:.1f} | {100 * r.graph_vs_copy:.1f}% |")
+            + f" {num(r.public_graph_seconds, scale=1e6)} |"
+        )
+    return "\n".join(lines)
+
+
+@dataclass
+class SmallRow:
+    """A small transfer (a few tokens of every layer, as an offloading connector makes per
+    step): the public API, the kernel entry and a per-layer torch baseline, µs per call."""
+
+    device: str
+    layout: str
+    tokens: int
+    num_blocks: int
+    direction: str
+    mbytes: float
+    public_us: float
+    kernel_us: float
+    baseline: str
+    baseline_us: float
+    public_vs_baseline: float  # public time / baseline time (target on CPU: <= 1.5)
+    threads: int
+
+
+def bench_small(
+    device: torch.device, *, tokens: int = 16, num_blocks: int = 64, repeats: int = 7, calls: int | None = None
+) -> list[SmallRow]:
+    """Llama-3-8B NHD (32 layers, 8 KV heads, head size 128, bf16, block 16): ``tokens``
+    tokens gathered and scattered through ``kvcore.gather`` / ``kvcore.scatter`` (validation
+    on), through the kernel entry, and through a per-layer ``index_select`` /
+    ``index_copy_`` of the same rows (one torch call per layer over its ``[2, slots, NH*HS]``
+    view), in one run, the functions taking turns."""
+    import kvcore
+    from kvcore.kernels import TransferPlan, select_kernel
+
+    case = CASES["NHD"]
+    bs = 16
+    layout, table, new_staging = _setup(case, bs, num_blocks, device)
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    slots = block_slots(tokens, bs, torch.randperm(num_blocks, generator=gen)[: -(-tokens // bs)]).to(device)
+    out = new_staging(tokens, device)
+    plan = TransferPlan(table=table, slots=slots, staging=out, num_valid=tokens)
+    kernel = select_kernel(device.type, case.format, device.type, table)
+    views = [c.view(2, num_blocks * bs, case.num_heads * case.head_size) for c in layout.kv_caches]
+    per_layer = torch.empty(case.num_layers, 2, tokens, case.num_heads * case.head_size, dtype=case.dtype, device=device)
+    random_fill(per_layer)
+
+    def sel(i):
+        for li, v in enumerate(views):
+            torch.index_select(v, 1, slots, out=per_layer[li])
+
+    def cpy(i):
+        for li, v in enumerate(views):
+            v.index_copy_(1, slots, per_layer[li])
+
+    fns = {
+        "pub-gather": lambda i: kvcore.gather(layout, slots, out),
+        "pub-scatter": lambda i: kvcore.scatter(layout, slots, out),
+        "gather": lambda i: kernel.gather(plan),
+        "scatter": lambda i: kernel.scatter(plan),
+        "index_select": sel,
+        "index_copy_": cpy,
+    }
+    n = calls or (200 if device.type == "cuda" else 50)
+    tm = _median_times(fns, device, repeats, n)
+    mb = _payload_per_token(case) * tokens / 1e6
+    rows = []
+    for d, base in (("gather", "index_select"), ("scatter", "index_copy_")):
+        rows.append(
+            SmallRow(
+                device=device.type,
+                layout=case.label,
+                tokens=tokens,
+                num_blocks=num_blocks,
+                direction=d,
+                mbytes=mb,
+                public_us=tm["pub-" + d] * 1e6,
+                kernel_us=tm[d] * 1e6,
+                baseline=f"per-layer {base}",
+                baseline_us=tm[base] * 1e6,
+                public_vs_baseline=tm["pub-" + d] / tm[base],
+                threads=torch.get_num_threads(),
+            )
+        )
+    return rows
+
+
+def format_small(rows: list[SmallRow]) -> str:
+    lines = [
+        "| layout | T | NB | direction | MB | public API µs | kernel µs | baseline | baseline µs | public / baseline | threads |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.layout} | {r.tokens} | {r.num_blocks} | {r.direction} | {r.mbytes:.2f} | {r.public_us:.1f} | {r.kernel_us:.1f} | "
+            f"{r.baseline} | {r.baseline_us:.1f} | {r.public_vs_baseline:.2f}x | {r.threads} |"
         )
     return "\n".join(lines)
 
@@ -555,15 +782,22 @@ def run(args: argparse.Namespace) -> int:
         if args.output:  # keep what is measured so far
             with open(args.output, "w") as f:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    small: list[SmallRow] = []
+    for t in _ints(args.small, ()) if args.small else ():
+        small += bench_small(device, tokens=t, repeats=repeats)
     data = [asdict(r) for r in rows]
+    sdata = [asdict(r) for r in small]
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"meta": meta, "rows": data}, f, indent=1)
+            json.dump({"meta": meta, "rows": data, "small": sdata}, f, indent=1)
     if args.json:
-        print(json.dumps({"meta": meta, "rows": data}, indent=1))
+        print(json.dumps({"meta": meta, "rows": data, "small": sdata}, indent=1))
     else:
         print(f"# {meta['device_name']} | torch {meta['torch']} | {meta['threads']} threads")
         print(format_table(rows))
+        if small:
+            print()
+            print(format_small(small))
     return 0
 
 

@@ -697,6 +697,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         k = _serving_kernel(rows, d["type"])
         specific = [r["name"] for r in rows if d["type"] in r["device_types"] and r["formats"] != "all" and r["available"]]
         serving[d["type"]] = {"kernel": k["name"], "why": k["why"], "format_specific": specific}
+    for dt in sorted({t for r in rows if r["priority"] > 0 for t in r["device_types"]} - set(serving)):  # kernels for absent devices
+        ks = [r["name"] for r in rows if dt in r["device_types"] and r["priority"] > 0]
+        serving[dt] = {"kernel": None, "why": f"no {dt} device present; kernels for it: {', '.join(ks)}", "format_specific": []}
     compilers = {}
     for c in ("c++", "g++", "clang++", "nvcc", "hipcc", "icpx", "ninja"):
         p = shutil.which(c)
@@ -753,7 +756,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print("\nserving (the kernel a transfer on each device type gets, for any format)")
     for dev, sv in serving.items():
         extra = f"; format-specific kernels: {', '.join(sv['format_specific'])}" if sv["format_specific"] else ""
-        print(f"  {dev:<6} {sv['kernel'] or '-'}{extra}")
+        print(f"  {dev:<6} {sv['kernel'] or '- (' + sv['why'] + ')'}{extra}")
     print("\ncompilers  " + ", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()))
     if env:
         print("env        " + " ".join(f"{k}={v}" for k, v in env.items()))

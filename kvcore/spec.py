@@ -16,7 +16,7 @@ layouts whose tokens have no single address pattern.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -210,6 +210,10 @@ class StrideTable:
         device: the cache's device.
         planes: the record's planes, in staging order.
         buffers: the staging buffers the planes fill (classic layouts: one, ``"kv"``).
+        snapshot: every distinct storage the table addresses, as it was when the table was
+            built (at detection): ``(storage id, data_ptr, nbytes)``. A layer subset keeps
+            its parent's snapshot. Transfers refuse to run once a storage was freed,
+            reallocated, resized or replaced since (:func:`kvcore.kernels.check_storages`).
     """
 
     num_layers: int
@@ -218,6 +222,21 @@ class StrideTable:
     device: torch.device
     planes: tuple[Plane, ...]
     buffers: tuple[StagingBuffer, ...]
+    snapshot: tuple[tuple[int, int, int], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.snapshot:
+            snap = []
+            seen = set()
+            for p in self.planes:
+                for t, _ in p.bases:
+                    if t.device.type == "meta":
+                        continue
+                    st = t.untyped_storage()
+                    if st._cdata not in seen:
+                        seen.add(st._cdata)
+                        snap.append((st._cdata, st.data_ptr(), st.nbytes()))
+            object.__setattr__(self, "snapshot", tuple(snap))
 
     # -- the classic view (one "kv" buffer) ---------------------------------------------
     @property

@@ -28,8 +28,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcore.errors import GeometryError, TransferError
-from kvcore.kernels import TransferPlan, select_kernel
+from kvcore.kernels import TransferPlan, select_kernel, staging_conflict
 from kvcore.layout import KVLayout
+from kvcore.plan import _plan_for
 
 __all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_blocks"]
 
@@ -168,6 +169,26 @@ def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], s
     return staging.unsqueeze(1) if single else staging
 
 
+def _resolve_neg_conj(staging, gather: bool):
+    """Staging carrying torch's negative/conjugate bit (``_neg_view()``): the kernels move raw
+    bytes, so a scatter reads a resolved copy and a gather writes into one that is then
+    copied back through the view. Returns ``(staging for the kernel, copy-back pairs)``."""
+    if isinstance(staging, torch.Tensor):
+        if staging.is_neg() or staging.is_conj():
+            fixed = staging.resolve_neg().resolve_conj()
+            return fixed, ([(staging, fixed)] if gather else [])
+        return staging, []
+    out, back = {}, []
+    for k, b in staging.items():
+        if isinstance(b, torch.Tensor) and (b.is_neg() or b.is_conj()):
+            out[k] = b.resolve_neg().resolve_conj()
+            if gather:
+                back.append((b, out[k]))
+        else:
+            out[k] = b
+    return out, back
+
+
 def _byte_range(x: torch.Tensor) -> tuple[int, int]:
     if x.numel() == 0:
         return (x.data_ptr(), x.data_ptr())
@@ -242,11 +263,17 @@ def _run_planes(layout: KVLayout, slots: torch.Tensor, nv: int, staging, layers,
         staging = layout.allocate_staging(t, layers if single else sel)
     bufs = _check_plane_staging(layout, staging, sel, single, t, "out" if gather else "src")
     table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
+    why = staging_conflict(table, bufs, "out" if gather else "src")
+    if why:
+        raise TransferError(why)
+    bufs, back = _resolve_neg_conj(bufs, gather)
     plan = TransferPlan(table=table, slots=slots, staging=bufs, num_valid=nv)
     if nv:
         dev_t = next(iter(bufs.values())).device.type
         kernel = select_kernel(layout.device.type, layout.format.name, dev_t, table=table)
         (kernel.gather if gather else kernel.scatter)(plan)
+        for view, fixed in back:
+            view.copy_(fixed)
     return staging
 
 
@@ -273,15 +300,24 @@ def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gath
     if staging is None:
         staging = torch.zeros(layout.staging_shape(t, layers if single else sel), dtype=layout.dtype, device=layout.device)
     st4 = _check_staging(layout, staging, sel, single, t, "out" if gather else "src")
+    table_all = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
+    why = staging_conflict(table_all, {"kv": st4}, "out" if gather else "src")
+    if why:
+        raise TransferError(why)
+    st4, back = _resolve_neg_conj(st4, gather)
     runs = [(0, len(sel))] if gather else _write_once(layout, sel)
     for a, b in runs:
         part = sel[a:b]
-        table = layout.stride_table(None if part == list(range(layout.num_layers)) else part)
-        st = st4 if (a, b) == (0, len(sel)) else st4[:, a:b]
+        whole = (a, b) == (0, len(sel))
+        table = table_all if whole else layout.stride_table(None if part == list(range(layout.num_layers)) else part)
+        st = st4 if whole else st4[:, a:b]
         plan = TransferPlan(table=table, slots=slots, staging=st, num_valid=nv)
         if nv:
             kernel = select_kernel(layout.device.type, layout.format.name, st.device.type, table=table)
             (kernel.gather if gather else kernel.scatter)(plan)
+    if nv:
+        for view, fixed in back:
+            view.copy_(fixed)
     return staging
 
 
@@ -314,6 +350,7 @@ def gather(
     *,
     layers: Sequence[int] | int | None = None,
     skip_prefix: int = 0,
+    validate: str | None = None,
 ) -> torch.Tensor | Mapping[str, torch.Tensor]:
     """Copy the tokens at ``slot_mapping`` from the paged cache into a staging buffer.
 
@@ -328,15 +365,22 @@ def gather(
             the plane's dtype (``layout.staging_shapes``, ``layout.allocate_staging``).
         layers: a layer subset (staging order follows it), or one layer index.
         skip_prefix: leave the first n rows untouched.
+        validate: ``"device"`` (default), ``"sync"`` or ``"none"``: where slot values are
+            checked and when their error surfaces on a CUDA cache (:mod:`kvcore.plan`).
     Returns:
         the staging buffer (``out`` when given): a tensor, or the dict of per-plane tensors.
     Raises:
         TransferError: before anything is written, for a slot >= page_buffer_size, a
             bad shape, dtype or device, or a bad layer index; for per-plane staging also
             a plane missing from the dict, a key that is no plane, a tensor where a dict
-            is needed (and the reverse), or two entries sharing memory.
+            is needed (and the reverse), or two entries sharing memory; a staging buffer
+            that shares memory with the cache or whose rows share memory; a cache storage
+            freed, reallocated or replaced since detection. On CUDA with
+            ``validate="device"`` a bad slot value is found on the GPU: nothing is written
+            and the error is raised by the next kvcore CUDA transfer or
+            :func:`kvcore.synchronize`.
     """
-    return _run(layout, slot_mapping, out, layers, skip_prefix, True)
+    return _plan_for(layout, layers).gather(slot_mapping, out, skip_prefix=skip_prefix, validate=validate)
 
 
 def scatter(
@@ -346,24 +390,30 @@ def scatter(
     *,
     layers: Sequence[int] | int | None = None,
     skip_prefix: int = 0,
+    validate: str | None = None,
 ) -> None:
     """Copy staged tokens into the paged cache at ``slot_mapping`` (the inverse of
     :func:`gather`). Negative slots and the first ``skip_prefix`` rows are not written.
     ``src`` is shaped as :func:`gather` returns it: one tensor, or for per-plane staging a
     dict ``{role: [NL, T, NH_p*HS_p]}``. Layers that share memory (``layout.aliases``) are
     written once, from the rows of the first of them in ``layers``; the rows of the others
-    are not read.
+    are not read. A ``src`` carrying torch's negative/conjugate bit is read as its values.
 
     Raises:
         TransferError: before anything is written, for a slot out of range, a slot that
             appears twice, or a bad shape, dtype, device or layer index (per-plane: of any
-            entry), or a plane missing from (or extra in) the dict.
+            entry), or a plane missing from (or extra in) the dict; a ``src`` that shares
+            memory with the cache (a view of the rows being written); a cache storage
+            freed, reallocated or replaced since detection. On CUDA with
+            ``validate="device"`` (default) slot values are checked on the GPU: a refused
+            call writes nothing and its error is raised by the next kvcore CUDA transfer or
+            :func:`kvcore.synchronize`.
     """
     if src is None:
         raise TransferError(
             "scatter needs src, a staging buffer [kv_size, NL, T, NH*HS] (per-plane staging: a dict {role: [NL, T, NH_p*HS_p]})"
         )
-    _run(layout, slot_mapping, src, layers, skip_prefix, False)
+    _plan_for(layout, layers).scatter(slot_mapping, src, skip_prefix=skip_prefix, validate=validate)
 
 
 def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = None) -> torch.Tensor:
@@ -393,12 +443,20 @@ def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = No
     return slots
 
 
-def gather_blocks(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, layers=None, skip_prefix: int = 0) -> torch.Tensor:
+def gather_blocks(
+    layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, layers=None, skip_prefix: int = 0, validate: str | None = None
+) -> torch.Tensor:
     """Gather whole blocks: staging ``[kv_size, NL, len(block_ids)*BS, NH*HS]``, block
-    ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`."""
-    return gather(layout, slots_for_blocks(layout, block_ids), out, layers=layers, skip_prefix=skip_prefix)
+    ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`
+    (on CUDA with ``validate="device"`` a block id past the cache is refused on the device,
+    as its slots)."""
+    return _plan_for(layout, layers).gather_blocks(block_ids, out, skip_prefix=skip_prefix, validate=validate)
 
 
-def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, layers=None, skip_prefix: int = 0) -> None:
+def scatter_blocks(
+    layout: KVLayout, block_ids, src: torch.Tensor, *, layers=None, skip_prefix: int = 0, validate: str | None = None
+) -> None:
     """Scatter whole blocks (the inverse of :func:`gather_blocks`)."""
-    scatter(layout, slots_for_blocks(layout, block_ids), src, layers=layers, skip_prefix=skip_prefix)
+    if src is None:
+        raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
+    _plan_for(layout, layers).scatter_blocks(block_ids, src, skip_prefix=skip_prefix, validate=validate)

@@ -13,10 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(path: str) -> int:
-    from kvcore.bench import Row, format_table
+    from kvcore.bench import Row, SmallRow, format_small, format_table
 
     d = json.loads(Path(path).read_text())
-    rows = [Row(**r) for r in d["rows"]]
+    fields = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in d["rows"]]
     print(f"<!-- {d['meta']['device_name']}, torch {d['meta']['torch']}, {d['meta']['gbps_counts']} -->\n")
     dev = [r for r in rows if r.staging == "device"]
     pin = [r for r in rows if r.staging == "pinned"]
@@ -24,6 +25,9 @@ def main(path: str) -> int:
     if pin:
         print()
         print(format_table(pin))
+    if d.get("small"):
+        print()
+        print(format_small([SmallRow(**r) for r in d["small"]]))
     return 0
 
 

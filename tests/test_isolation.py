@@ -192,6 +192,7 @@ def test_a_detector_that_raises_for_an_engine_it_does_not_declare_does_not_pre_e
         kvcore.detect(_cache(), "good")
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_a_detection_over_quantized_tensors_is_refused_at_the_door(core_only):
     kvcore.register_plugin(_good_plugin(), name="good")
     q = [torch.quantize_per_tensor(torch.rand(2, NB, BS, NH, HS), 0.1, 0, torch.quint8) for _ in range(NL)]

@@ -317,6 +317,9 @@ def test_edge_geometries(device, geom, force):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_calls_write_nothing(device, force):
+    """Refused before anything moves (``validate="sync"``: on CUDA the slot values are
+    checked on the device and the call raises before returning; the deferred default is
+    tested in test_public_path.py)."""
     k = _native(device)
     name = "NL_X_TWO_NB_BS_NH_HS"
     logical = _logical(name, 2, 4, 4, 2, 8, torch.bfloat16, device, seed=23)
@@ -325,12 +328,12 @@ def test_bad_calls_write_nothing(device, force):
     before = _storage_bytes(caches)
     out = _poison(layout, 4, device)
     with pytest.raises(TransferError, match="out of range"):
-        kvcore.gather(layout, torch.tensor([0, 1, 16, 2], device=device), out)
+        kvcore.gather(layout, torch.tensor([0, 1, 16, 2], device=device), out, validate="sync")
     assert torch.equal(_bits(out), _bits(_poison(layout, 4, device)))
     with pytest.raises(TransferError, match="more than once"):
-        kvcore.scatter(layout, torch.tensor([3, 5, 3, 1], device=device), out)
+        kvcore.scatter(layout, torch.tensor([3, 5, 3, 1], device=device), out, validate="sync")
     with pytest.raises(TransferError, match="out of range"):
-        kvcore.scatter(layout, torch.tensor([3, 5, 99, 1], device=device), out)
+        kvcore.scatter(layout, torch.tensor([3, 5, 99, 1], device=device), out, validate="sync")
     with pytest.raises(TransferError):
         kvcore.scatter(layout, torch.tensor([3, 5, 6, 1], device=device), out.float())
     with pytest.raises(TransferError):
@@ -429,16 +432,16 @@ def test_native_cpu_serves_cpu_caches_and_reports_why():
     assert rows["native-cpu"]["available"] and rows["native-cpu"]["why"] == k.why()
 
 
-def test_tables_that_are_not_classic_go_to_the_reference():
-    # a blocked-scale record is two planes staged into one row: not the classic K/V op's table
+def test_native_kernels_serve_every_v2_table():
+    # a blocked-scale record is two planes staged into one row: the native ops move it too
     kv = [torch.zeros(3, 4, 20, dtype=torch.uint8)]
     blocked = kvcore.build_layout("NL_X_NB_BSV_BSS", kv, params={"scale_bytes": 4}).stride_table()
     logical = _logical("NL_X_NB_BS_HS", 1, 2, 2, 1, 4, torch.uint8, "cpu")
     layout, _ = _build_layout("NL_X_NB_BS_HS", logical)
     t = layout.stride_table()
     assert t.classic and not blocked.classic
-    assert CPU_KERNEL.supports(t) and not CPU_KERNEL.supports(blocked)
-    assert select_kernel("cpu", "NL_X_NB_BSV_BSS", "cpu", blocked) is REFERENCE
+    assert CPU_KERNEL.supports(t) and CPU_KERNEL.supports(blocked)
+    assert select_kernel("cpu", "NL_X_NB_BSV_BSS", "cpu", blocked) is CPU_KERNEL
 
 
 # -- CUDA: staging in pinned host memory, read and written in place -------------------------
@@ -472,23 +475,31 @@ def test_cuda_host_staging_both_directions(name, pinned, force):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_registered_ops_match_the_direct_entry(device):
-    """torch.ops.kvcore.gather/scatter (the dispatcher path) move the same bytes as the
-    direct entry the kernels use."""
+    """torch.ops.kvcore.gather/scatter (the dispatcher path, ABI 4: ptrs [NL, P], plane
+    records [P, 16], slots, a list of staging buffers) move the same bytes as the direct entry."""
     k = _native(device)
-    from kvcore.kernels.native import prepare
+    from kvcore.kernels.native import plane_records
 
     name = "NL_X_TWO_NB_NH_BS_HS"
     logical = _logical(name, 2, 5, 4, 2, 8, torch.float16, device, seed=41)
     layout, caches = _build_layout(name, logical)
+    table = layout.stride_table()
     slots = _slots(20, 9, seed=11, device=device)
     a, b = _poison(layout, 9, device), _poison(layout, 9, device)
-    k.gather(TransferPlan(layout.stride_table(), slots, a, 7))
-    pr = prepare(layout.stride_table())
-    assert torch.ops.kvcore.gather(pr.ptrs, pr.strides, slots, b, *pr.args) == 0
+    k.gather(TransferPlan(table, slots, a, 7))
+    ptrs, recs = table.ptrs().to(device), plane_records(table)
+    assert torch.ops.kvcore.abi_version() == 4
+    assert torch.ops.kvcore.gather(ptrs, recs, slots, [b], table.block_size, table.num_slots) == 0
     assert torch.equal(_bits(a), _bits(b))
+    before = _storage_bytes(caches)
     bad = torch.zeros((2, 2, 9, 15), dtype=torch.float16, device=device)
-    assert torch.ops.kvcore.scatter(pr.ptrs, pr.strides, slots, bad, *pr.args) != 0
+    assert torch.ops.kvcore.scatter(ptrs, recs, slots, [bad], table.block_size, table.num_slots) != 0
     assert "staging row" in torch.ops.kvcore.last_error()
+    bad_rec = recs.clone()
+    bad_rec[0, 4] = 3  # chunk_bytes x n_chunks no longer a head
+    assert torch.ops.kvcore.scatter(ptrs, bad_rec, slots, [a], table.block_size, table.num_slots) != 0
+    assert "head_bytes" in torch.ops.kvcore.last_error()
+    assert _same_storage(before, _storage_bytes(caches))
 
 
 def test_no_compiler_means_reference_with_one_warning(monkeypatch, caplog):

@@ -77,11 +77,61 @@ def test_layer_groups_that_are_not_lists_are_a_detection_error():
         kvcore.detect_per_layer([torch.zeros(2, NB, BS, NH, HS)], "vllm", layer_groups=[0, 1])
 
 
-def test_a_reallocated_cache_is_written_where_it_now_lives(layout):
-    staged = kvcore.gather(layout, [5])  # primes any per-table kernel state
-    st = layout.kv_caches[0].untyped_storage()
+def _changes(t: torch.Tensor, how: str):
+    """Change ``t``'s storage as an engine might; returns what must stay alive meanwhile."""
+    st = t.untyped_storage()
     n = st.nbytes()
-    st.resize_(0)
-    st.resize_(n)  # same size, new memory
-    kvcore.scatter(layout, [5], staged + 1)
-    assert torch.equal(kvcore.gather(layout, [5]), staged + 1)
+    if how == "freed":
+        st.resize_(0)
+    elif how == "reallocated":  # same size, new memory (blockers keep the old block from coming back)
+        old, blockers = st.data_ptr(), []
+        for _ in range(16):
+            st.resize_(0)
+            blockers += [torch.empty(n, dtype=torch.uint8) for _ in range(4)]
+            st.resize_(n)
+            if st.data_ptr() != old:
+                return blockers
+        pytest.skip("the allocator kept handing back the same block")
+    elif how == "grown":
+        st.resize_(n + 4096)
+    else:  # replaced: the tensor now views other memory
+        t.set_(torch.zeros(t.shape, dtype=t.dtype).untyped_storage(), 0, t.shape, t.stride())
+    return None
+
+
+@pytest.mark.parametrize("kernel", ["native-cpu", "reference"])
+@pytest.mark.parametrize("how", ["freed", "reallocated", "grown", "replaced"])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_cache_storage_changed_after_detection_is_refused_before_any_write(layout, kernel, how, layer, monkeypatch):
+    """An engine that frees or re-creates its KV cache after detection (sleep mode): every
+    (layer, plane) storage is checked, on every kernel, before any byte moves; the caller
+    detects again (issue 17.1: a freed layer 1 crashed the native kernel, a reallocated one
+    was written at its old address)."""
+    from kvcore.kernels import _build
+
+    if kernel == "native-cpu" and (_build.disabled() or not _build.load().loaded):
+        pytest.skip("no native op")
+    monkeypatch.setenv("KVCORE_KERNEL", kernel)
+    staged = kvcore.gather(layout, [5, 9])  # prepares any per-table kernel state
+    t = layout.kv_caches[layer]
+    alive = _changes(t, how)  # noqa: F841
+
+    # (torch itself must not read a freed tensor: compare whole storages as bytes)
+    def storages():
+        return [torch.empty(0, dtype=torch.uint8).set_(c.untyped_storage()).clone() for c in layout.kv_caches]
+
+    keep = storages()
+    out = torch.full_like(staged, 7.0)
+    with pytest.raises(kvcore.TransferError, match=rf"layer {layer} plane K.*{'freed' if how == 'freed' else ''}.*detect"):
+        kvcore.gather(layout, [5, 9], out)
+    assert torch.all(out == 7.0)
+    with pytest.raises(kvcore.TransferError, match="Detect the cache again"):
+        kvcore.scatter(layout, [5, 9], staged + 1)
+    assert all(torch.equal(a, b) for a, b in zip(storages(), keep))
+    with pytest.raises(kvcore.TransferError, match="Detect the cache again"):
+        kvcore.plan(layout).gather([1])
+    # a new detection of the same tensors moves them again
+    if how != "freed":
+        fresh = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", layout.kv_caches)
+        kvcore.scatter(fresh, [5, 9], staged + 1)
+        assert torch.equal(kvcore.gather(fresh, [5, 9]), staged + 1)

@@ -13,6 +13,7 @@ answers what no other claims. ``KVCORE_KERNEL=name`` forces one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +24,17 @@ import torch
 from kvcore.errors import TransferError
 from kvcore.spec import StrideTable
 
-__all__ = ["TransferKernel", "TransferPlan", "select_kernel", "kernel_report"]
+__all__ = [
+    "TransferKernel",
+    "TransferPlan",
+    "select_kernel",
+    "kernel_report",
+    "check_storages",
+    "plane_span",
+    "staging_conflict",
+    "single_threaded",
+    "cpu_grain",
+]
 
 
 @dataclass(frozen=True)
@@ -132,3 +143,123 @@ def kernel_report() -> list[dict]:
             }
         )
     return rows
+
+
+# -- safety checks every kernel runs before it writes --------------------------------------
+
+
+def plane_span(table: StrideTable, p) -> int:
+    """Bytes from a plane's base (per layer) to the end of the last byte it addresses."""
+    s = p.strides
+    nblocks = -(-table.num_slots // table.block_size)
+    last_tok = min(table.block_size, table.num_slots) - 1
+    if nblocks <= 0 or last_tok < 0:
+        return 0
+    return (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + (s.n_chunks - 1) * s.chunk + s.chunk_bytes
+
+
+def check_storages(table: StrideTable) -> None:
+    """Refuse a transfer whose cache storage changed since the table was built (detection):
+    every (layer, plane)'s storage must be the same storage, at the same address, of the
+    same size. An engine that frees or re-creates its KV cache (sleep mode) needs a new
+    :func:`kvcore.detect`.
+
+    Raises:
+        TransferError: naming the (layer, plane), the size and address then and now.
+    """
+    snap = {c: (ptr, n) for c, ptr, n in table.snapshot}
+    for p in table.planes:
+        for li, (t, _) in enumerate(p.bases):
+            if t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            want = snap.get(st._cdata)
+            ptr, n = st.data_ptr(), st.nbytes()
+            if want is None or want != (ptr, n):
+                how = "replaced" if want is None else ("freed" if n == 0 else "reallocated or resized")
+                then = "" if want is None else f"{want[1]} bytes at {want[0]:#x}, "
+                raise TransferError(
+                    f"the storage of layer {li} plane {p.role} was {how} after the layout was detected ({then}now {n} bytes at "
+                    f"{ptr:#x}); nothing was moved. Detect the cache again"
+                )
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    esz = t.element_size()
+    lo = t.data_ptr()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * esz + esz
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    axes = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    extent = 1
+    for st, n in axes:
+        if st < extent:
+            return True
+        extent = st * (n - 1) + extent
+    return False
+
+
+def staging_conflict(table: StrideTable, buffers: Mapping[str, torch.Tensor], what: str) -> str | None:
+    """Why these staging buffers cannot be used with this table, or None: rows that share
+    memory (a stride smaller than what it steps over, e.g. ``as_strided`` views), buffers
+    that share memory with each other, or a buffer that shares memory with the bytes the
+    cache's planes address (a view into the cache). Byte ranges, not only stride 0."""
+    spans = []
+    for p in table.planes:
+        span = plane_span(table, p)
+        for t, off in p.bases:
+            if t.device.type != "meta" and span:
+                base = t.untyped_storage().data_ptr() + off
+                spans.append((base, base + span))
+    ext = {}
+    for key, b in buffers.items():
+        if any(st < 0 for st in b.stride()):
+            return f"{what} has a negative stride {tuple(b.stride())}"
+        if _self_overlapping(b):
+            return (
+                f"{what} (shape {tuple(b.shape)}, strides {tuple(b.stride())}) has rows that share memory (a stride smaller than what "
+                "it steps over); rows would overwrite each other: pass a buffer whose rows are distinct memory"
+            )
+        lo, hi = ext[key] = _extent(b)
+        if lo != hi:
+            for a, z in spans:
+                if lo < z and a < hi:
+                    return f"{what} (bytes {lo:#x}..{hi:#x}) shares memory with the KV cache; stage into a buffer of its own"
+    keys = list(ext)
+    for i, a in enumerate(keys):
+        for b in keys[:i]:
+            (l1, h1), (l2, h2) = ext[a], ext[b]
+            if l1 != h1 and l2 != h2 and l1 < h2 and l2 < h1:
+                return f"staging buffers {b!r} and {a!r} share memory; each plane's buffer needs its own memory"
+    return None
+
+
+def cpu_grain() -> int:
+    """Bytes per CPU thread of a transfer: below twice this, CPU work stays on the calling
+    thread (the native op library's setting, ``KVCORE_CPU_GRAIN_BYTES``; 8 MiB without it)."""
+    from kvcore.kernels import _build
+
+    mod = _build.MODULE
+    if mod is not None and hasattr(mod, "cpu_grain"):
+        return int(mod.cpu_grain())
+    env = os.environ.get("KVCORE_CPU_GRAIN_BYTES", "").strip()
+    return int(env) if env.isdigit() else 8 << 20
+
+
+@contextlib.contextmanager
+def single_threaded(device: torch.device, nbytes: int):
+    """Run the block's torch CPU ops on the calling thread when ``nbytes`` is below two
+    grains (:func:`cpu_grain`): on a busy host, waking the intra-op pool costs milliseconds
+    per op, far more than moving a few MB. No effect for other devices or large sizes."""
+    if device.type != "cpu" or nbytes >= 2 * cpu_grain() or torch.get_num_threads() <= 1:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

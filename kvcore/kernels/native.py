@@ -1,31 +1,40 @@
 """Native transfer kernels: the C++ CPU and CUDA ops of ``csrc/`` (``torch.ops.kvcore``).
 
-Both ops take the layout's stride table as data — plane base addresses ``[NL, kv_size]``,
-per-plane byte strides ``[kv_size, 6]`` (block, token, head, chunk, chunk_bytes,
-n_chunks) — plus the slot mapping and the staging buffer, and never see a format name:
+Both take the layout's stride table as data and never see a format name: plane base
+addresses ``[NL, P]`` and one 16-field record per plane (:func:`plane_records`; the
+fields are documented in ``csrc/kvcore_ops.h``: cache strides incl. chunks and token
+groups, heads, width, the staging buffer / K/V index / byte offset / head stride the plane
+is staged into, and the alignment of its bases), plus the slot mapping and the staging
+buffers. Any table of the stride table v2 moves: classic K/V, MLA, blocked-scale records
+(two planes sharing a staged row), multi-plane records with planes of different widths,
+dtypes and staging buffers.
 
-- ``native-cpu``: parallel over (layer, K/V, token) rows with ``at::parallel_for``, one
-  16-byte vector copy loop per contiguous run (a whole ``NH*HS`` row where the layout
-  keeps it contiguous, e.g. NHD; one head's row for HND; one chunk for chunked heads).
-- ``native-cuda``: every layer and both K/V planes in one launch, 16-byte vectorised
-  coalesced loads and stores where every address allows (else 8/4/2/1), 64-bit
-  offsets; the staging buffer may be device memory or pinned host memory, read or
-  written in place (zero-copy).
+- ``native-cpu``: walks (plane, layer, token) rows, one 16-byte vector copy loop per
+  contiguous run (a block's adjacent rows as one run); a transfer below two grains
+  (default 8 MiB per thread, ``KVCORE_CPU_GRAIN_BYTES``) stays on the calling thread,
+  larger ones use ``at::parallel_for`` with one thread per grain, the rows split by bytes.
+- ``native-cuda``: every layer and every plane in one launch (up to 8 planes per launch),
+  each plane with its own vector width (16-byte coalesced loads and stores where its
+  addresses allow, else 8/4/2/1), 64-bit offsets; staging on the device or in pinned
+  host memory (zero-copy).
 
-Both are reached through the op library's direct entry (``transfer``: the same C++
-functions without the dispatcher's boxing, GIL released); ``torch.ops.kvcore.gather`` /
-``scatter`` are the registered ops for other callers. Neither throws: a refused call
-returns non-zero and ``torch.ops.kvcore.last_error()`` says why (raised here as
-:class:`~kvcore.TransferError`). Negative slots are skipped (the row stays untouched). Tables other than classic
-K/V tables (blocked-scale records, multi-plane records) are left to the reference kernel
-(``supports``).
+Both are reached through a prepared plan (``NativePlan`` in ``csrc/kvcore_cpu.cpp``),
+built once per stride table: it holds the plane records, the bases (on the cache's
+device), every cache storage with its address and size at detection (re-checked before
+every call: a freed, reallocated or replaced storage is a :class:`~kvcore.TransferError`,
+nothing moves) and the byte ranges the cache addresses (staging that shares memory with
+the cache, or rows of a staging buffer that share memory, are refused). A call runs
+without the dispatcher and with the GIL released. ``torch.ops.kvcore.gather`` /
+``scatter`` are the registered ops (the same kernels, the raw ABI, no storage check) for
+other callers. Neither throws: a refused call returns non-zero with the reason in
+``last_error()``.
+
 The library is built on first use (see :mod:`kvcore.kernels._build`); ``KVCORE_NATIVE=0``
 disables both kernels.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import weakref
@@ -34,68 +43,185 @@ from collections import OrderedDict
 import torch
 
 from kvcore.errors import TransferError
-from kvcore.kernels import TransferPlan, _build
+from kvcore.kernels import TransferPlan, _build, check_storages, plane_span
 from kvcore.spec import StrideTable
 
-__all__ = ["NativeCPUKernel", "NativeCUDAKernel", "kernels", "prepare"]
+__all__ = [
+    "NativeCPUKernel",
+    "NativeCUDAKernel",
+    "kernels",
+    "prepare",
+    "plane_records",
+    "PLANE_FIELDS",
+    "RC_OK",
+    "RC_REFUSED",
+    "RC_NEG_CONJ",
+    "RC_STALE",
+    "RC_PENDING",
+    "RC_PAGEABLE",
+]
+
+#: fields of one plane record (``csrc/kvcore_ops.h``, ``enum PlaneField``)
+PLANE_FIELDS = (
+    "block",
+    "token",
+    "head",
+    "chunk",
+    "chunk_bytes",
+    "n_chunks",
+    "token_group",
+    "token_group_stride",
+    "num_heads",
+    "head_bytes",
+    "buffer",
+    "kv_index",
+    "st_offset",
+    "st_head",
+    "base_align",
+    "reserved",
+)
+MAX_PLANES = 64
+RC_OK, RC_REFUSED, RC_NEG_CONJ, RC_STALE, RC_PENDING, RC_PAGEABLE = 0, 1, 2, 3, 4, 5
 
 _MAX_CACHED = 64
 
 
-class _Prepared:
-    """Per-table arguments of the native ops, computed once per stride table."""
-
-    __slots__ = ("ptrs", "strides", "base_align", "supported", "args", "probe", "__weakref__")
-
-    def __init__(self, table: StrideTable, device: torch.device):
-        # the first plane's storage: if the engine reallocated its cache since, re-prepare
-        t0 = table.bases[0][0][0]
-        self.probe = (t0, t0.untyped_storage().data_ptr(), t0.untyped_storage().nbytes())
-        self.supported = _classic(table)
-        host = table.ptrs()
-        self.ptrs = host.to(device) if device.type != "cpu" else host
-        self.strides = torch.tensor(
-            [[p.block, p.token, p.head, p.chunk, p.chunk_bytes, p.n_chunks] for p in table.planes], dtype=torch.int64
-        ).reshape(len(table.planes), 6)
+def plane_records(table: StrideTable) -> torch.Tensor:
+    """int64 ``[P, 16]``: the table's planes as the native ops read them (field order:
+    :data:`PLANE_FIELDS`; ``buffer`` indexes ``table.buffers``; ``kv_index`` is -1 for a
+    plane's own buffer; ``base_align`` is the largest power of two up to 16 dividing the
+    plane's base address in every layer)."""
+    keys = [b.key for b in table.buffers]
+    host = table.ptrs()
+    rows = []
+    for k, p in enumerate(table.planes):
         g = 16
-        for a in host.flatten().tolist():
+        for a in host[:, k].tolist():
             g = math.gcd(g, int(a))
-        self.base_align = g if g in (1, 2, 4, 8, 16) else 1
-        # block_size, num_heads, head_bytes, num_slots, base_align
-        self.args = (int(table.block_size), int(table.num_heads), int(table.head_bytes), int(table.num_slots), self.base_align)
+        s = p.strides
+        rows.append(
+            [
+                s.block,
+                s.token,
+                s.head,
+                s.chunk,
+                s.chunk_bytes,
+                s.n_chunks,
+                s.token_group,
+                s.token_group_stride,
+                p.num_heads,
+                p.head_bytes,
+                keys.index(p.staging.buffer),
+                -1 if p.staging.index is None else p.staging.index,
+                p.staging.offset,
+                p.staging.head_stride,
+                g,
+                0,
+            ]
+        )
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), len(PLANE_FIELDS))
 
 
-def _classic(table: StrideTable) -> bool:
-    """The op moves one or two planes of one width into the classic buffer."""
-    return len(table.planes) in (1, 2) and table.classic
+class _Prepared:
+    """A table's native plan (``plan``: the C++ ``NativePlan``), with what the Python side
+    needs per call: the staging buffer keys in order."""
+
+    __slots__ = ("plan", "keys", "classic", "single", "table", "__weakref__")
+
+    def __init__(self, table: StrideTable, single: bool):
+        mod = _build.MODULE
+        check_storages(table)  # a table whose storage already changed is refused, not prepared
+        self.table = table
+        self.single = single
+        self.keys = tuple(b.key for b in table.buffers)
+        b0 = table.buffers[0]
+        self.classic = len(table.buffers) == 1 and b0.key == "kv" and b0.kv_size is not None
+        host = table.ptrs()
+        buffers = torch.tensor([[-1 if b.kv_size is None else b.kv_size, b.row_bytes] for b in table.buffers], dtype=torch.int64).reshape(
+            len(table.buffers), 2
+        )
+        dtypes = [torch.empty(0, dtype=b.dtype) for b in table.buffers]
+        by_cdata: dict[int, tuple[torch.Tensor, str]] = {}
+        extents = []
+        for p in table.planes:
+            span = plane_span(table, p)
+            for li, (t, off) in enumerate(p.bases):
+                st = t.untyped_storage()
+                by_cdata.setdefault(st._cdata, (t, f"layer {li} plane {p.role}"))
+                if span:
+                    extents.append((st.data_ptr() + off, st.data_ptr() + off + span))
+        storages, labels, snap = [], [], []
+        for cdata, ptr, nbytes in table.snapshot:
+            if cdata in by_cdata:
+                t, label = by_cdata[cdata]
+                storages.append(t)
+                labels.append(label)
+                snap.append((ptr, nbytes))
+        self.plan = mod.NativePlan(
+            host,
+            plane_records(table),
+            buffers,
+            dtypes,
+            int(table.block_size),
+            int(table.num_slots),
+            storages,
+            labels,
+            torch.tensor(snap, dtype=torch.int64).reshape(len(snap), 2),
+            torch.tensor(extents, dtype=torch.int64).reshape(len(extents), 2),
+            torch.empty(0, device=table.device),
+            single,
+        )
+        if not self.plan.ok():
+            raise TransferError(self.plan.error())
+
+    def staging_list(self, staging, public: bool = False) -> list[torch.Tensor]:
+        """The staging buffers in the table's buffer order: a tensor is the classic ``"kv"``
+        buffer; otherwise a mapping holding exactly the table's buffer keys (the public API
+        takes classic staging only as a tensor, ``public``).
+
+        Raises:
+            TransferError: a mapping where one tensor is staged (public), a tensor where a
+                mapping is needed, or a mapping whose keys are not exactly the buffers.
+        """
+        classic = self.classic
+        if isinstance(staging, torch.Tensor):
+            if classic:
+                return [staging]
+            raise TransferError(f"staging must be a dict with the buffers {list(self.keys)}, got one tensor")
+        if classic and public:
+            raise TransferError(f"staging must be one tensor (the classic [kv_size, NL, T, row] buffer), got {type(staging).__name__}")
+        try:
+            if len(staging) != len(self.keys):
+                raise KeyError(sorted(set(staging) ^ set(self.keys)))
+            out = [staging[k] for k in self.keys]
+        except (KeyError, TypeError) as e:
+            raise TransferError(
+                f"staging must be a dict with exactly the buffers {list(self.keys)}, got {type(staging).__name__}: {e}"
+            ) from None
+        for k, t in zip(self.keys, out):
+            if not isinstance(t, torch.Tensor):
+                raise TransferError(f"staging[{k!r}] must be a torch.Tensor, got {type(t).__name__}")
+        return out
 
 
-_CACHE: OrderedDict[int, tuple[weakref.ref, _Prepared]] = OrderedDict()
+_CACHE: OrderedDict[tuple[int, bool], tuple[weakref.ref, _Prepared]] = OrderedDict()
 
 
-def _fresh(prep: _Prepared) -> bool:
-    t, ptr, nbytes = prep.probe
-    st = t.untyped_storage()
-    return st.data_ptr() == ptr and st.nbytes() == nbytes
-
-
-def prepare(table: StrideTable) -> _Prepared:
-    """The op arguments for ``table`` (cached while the table lives, and while its first
-    plane's storage is the one it was prepared against).
+def prepare(table: StrideTable, single: bool = False) -> _Prepared:
+    """The native plan for ``table`` (cached while the table lives).
 
     Raises:
-        TransferError: the cache's storage shrank below what the layout addresses (the
-            engine reallocated it: detect again).
+        TransferError: the op library is not loaded, a cache storage changed since the table
+            was built (the engine freed or re-created its cache: detect again), or the table
+            is not one the op can move.
     """
-    key = id(table)
+    key = (id(table), single)
     hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is table and _fresh(hit[1]):
+    if hit is not None and hit[0]() is table:
         return hit[1]
-    for layer in table.bases:
-        for t, _ in layer:
-            if t.untyped_storage().nbytes() == 0:
-                raise TransferError("the cache's storage was freed or resized since detection; detect the cache again")
-    prep = _Prepared(table, table.device)
+    if _ops() is None:
+        raise TransferError(f"the native op library is not available: {_build.status().reason}")
+    prep = _Prepared(table, single)
     _CACHE[key] = (weakref.ref(table), prep)
     while len(_CACHE) > _MAX_CACHED:
         _CACHE.popitem(last=False)
@@ -106,17 +232,12 @@ _OPS: list = []
 
 
 def _ops():
-    """``(gather, scatter)`` op overloads once the library is loaded, else None."""
+    """The loaded op module (``NativePlan``, ``take_device_error``...), or None."""
     if _OPS:
         return _OPS[0]
-    if not _build.load().loaded:
+    if not _build.load().loaded or _build.MODULE is None or not hasattr(_build.MODULE, "NativePlan"):
         return None
     mod = _build.MODULE
-    if mod is not None and hasattr(mod, "transfer"):
-        # the same implementations without the dispatcher's boxing, GIL released
-        _OPS.append((functools.partial(mod.transfer, True), functools.partial(mod.transfer, False)))
-    else:
-        _OPS.append((torch.ops.kvcore.gather.default, torch.ops.kvcore.scatter.default))
     tune = os.environ.get("KVCORE_CUDA_UNROLL", "").strip()
     if tune:  # "DEVICE,HOST": loads in flight per thread (4 or 8) for device / pinned-host staging
         try:
@@ -124,7 +245,67 @@ def _ops():
         except ValueError:
             raise TransferError(f"KVCORE_CUDA_UNROLL must be 'DEVICE,HOST' with values 4 or 8, got {tune!r}") from None
         torch.ops.kvcore.set_cuda_unroll(dev, host)
-    return _OPS[0]
+    grain = os.environ.get("KVCORE_CPU_GRAIN_BYTES", "").strip()
+    if grain:
+        try:
+            mod.set_cpu_grain(int(grain))
+        except ValueError:
+            raise TransferError(f"KVCORE_CPU_GRAIN_BYTES must be a number of bytes, got {grain!r}") from None
+    pdl = os.environ.get("KVCORE_CUDA_PDL", "").strip()
+    if pdl:
+        mod.set_cuda_pdl(pdl not in ("0", "false", "no", "off"))
+    _OPS.append(mod)
+    return mod
+
+
+def take_device_error() -> str:
+    """The pending device-side refusal of an earlier CUDA call, once ('' when none)."""
+    mod = _OPS[0] if _OPS else (_build.MODULE if _build.status().loaded else None)
+    if mod is None or not hasattr(mod, "take_device_error"):
+        return ""
+    return mod.take_device_error()
+
+
+def resolve_neg_conj(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with torch's negative / conjugate bits applied (a new tensor when set)."""
+    return t.resolve_neg().resolve_conj()
+
+
+def run_prepared(prep: _Prepared, gather: bool, slots: torch.Tensor, staging, skip: int, validate: int, who: str) -> None:
+    """One call of a prepared plan, with the return codes turned into kvcore's behaviour:
+    refusals raise :class:`TransferError`; staging with torch's negative/conjugate bit is
+    resolved (gather: into a resolved copy, then copied back through the view; scatter: from
+    a resolved copy); pageable host staging for a CUDA cache goes to the reference kernel."""
+    lst = prep.staging_list(staging)
+    rc = prep.plan.run1(gather, slots, lst[0], skip, validate) if len(lst) == 1 else prep.plan.run(gather, slots, lst, skip, validate)
+    if rc == RC_OK:
+        return
+    if rc == RC_NEG_CONJ:
+        fixed = [resolve_neg_conj(b) if (b.is_neg() or b.is_conj()) else b for b in lst]
+        rc = prep.plan.run(gather, slots, fixed, skip, validate)
+        if rc == RC_OK:
+            if gather:
+                for b, f in zip(lst, fixed):
+                    if f is not b:
+                        b.copy_(f)
+            return
+    if rc == RC_PAGEABLE:
+        raise _Pageable()
+    msg = _build.MODULE.last_error()
+    raise NativeRefusal(f"{who}: {msg}" if rc == RC_REFUSED and who else msg, rc)
+
+
+class NativeRefusal(TransferError):
+    """A call the native op refused before moving a byte; ``code`` is the op's return code
+    (:data:`RC_REFUSED`, :data:`RC_STALE`, :data:`RC_PENDING`)."""
+
+    def __init__(self, msg: str, code: int):
+        super().__init__(msg)
+        self.code = code
+
+
+class _Pageable(Exception):
+    """Internal: pageable host staging for a CUDA cache (the reference kernel moves it)."""
 
 
 class _NativeKernel:
@@ -137,25 +318,26 @@ class _NativeKernel:
         return (self.device_type,)
 
     def supports(self, table: StrideTable) -> bool:
-        """False for what the op does not move: anything but a classic K/V table."""
-        return _classic(table)
+        """Every table of the stride table v2 with at most 64 planes."""
+        return 1 <= len(table.planes) <= MAX_PLANES
 
     def _call(self, plan: TransferPlan, gather: bool) -> None:
-        table = plan.table
-        hit = _CACHE.get(id(table))
-        prep = hit[1] if hit is not None and hit[0]() is table and _fresh(hit[1]) else prepare(table)
-        ops = _OPS[0] if _OPS else _ops()
-        if ops is None or not prep.supported:
+        if _ops() is None or not self.supports(plan.table):
             # select_kernel skips this kernel when it is given the table (or when the op
             # library is not built); a caller that calls it anyway still gets a correct transfer
             from kvcore.kernels.reference import REFERENCE
 
             (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
             return
+        prep = prepare(plan.table)
         slots = plan.slots if plan.slots.is_contiguous() else plan.slots.contiguous()
-        if ops[0 if gather else 1](prep.ptrs, prep.strides, slots, plan.staging, *prep.args):
-            # the op validates before moving a byte, and reports instead of throwing
-            raise TransferError(f"{self.name} refused the transfer: {torch.ops.kvcore.last_error()}")
+        try:
+            # a TransferPlan is validated by its maker; the op still skips slots out of range
+            run_prepared(prep, gather, slots, plan.staging, 0, 0, f"{self.name} refused the transfer")
+        except _Pageable:
+            from kvcore.kernels.reference import REFERENCE
+
+            (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
 
     def gather(self, plan: TransferPlan) -> None:
         self._call(plan, True)
@@ -180,9 +362,11 @@ class NativeCPUKernel(_NativeKernel):
         st = _build.status() if _build.status().attempted else _build.load()
         if not st.loaded:
             return f"unavailable: {st.reason}; the torch reference kernel serves CPU caches"
+        grain = _ops().cpu_grain() if _ops() is not None else 0
         return (
-            f"C++ op torch.ops.kvcore (csrc/kvcore_cpu.cpp): at::parallel_for over (layer, K/V, token) rows on "
-            f"{torch.get_num_threads()} threads, one 16-byte vector copy per contiguous run; {st.reason}"
+            f"C++ op torch.ops.kvcore (csrc/kvcore_cpu.cpp): every plane of the record, (plane, layer, token) rows, one 16-byte "
+            f"vector copy per contiguous run; one thread below {grain >> 10} KiB per thread, else at::parallel_for on up to "
+            f"{torch.get_num_threads()} threads; {st.reason}"
         )
 
 
@@ -202,18 +386,7 @@ class NativeCUDAKernel(_NativeKernel):
         return staging_device_type in (None, "cuda", "cpu")
 
     def supports(self, table: StrideTable) -> bool:
-        return super().supports(table) and table.num_layers * table.kv_size <= 65535
-
-    def _call(self, plan: TransferPlan, gather: bool) -> None:
-        st = plan.staging
-        if not st.is_cuda and not st.is_pinned():
-            # pageable host memory cannot be reached by the GPU: the reference kernel
-            # moves it through a device buffer proportional to the tokens
-            from kvcore.kernels.reference import REFERENCE
-
-            (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
-            return
-        super()._call(plan, gather)
+        return super().supports(table) and table.num_layers <= 65535
 
     def why(self) -> str:
         if not torch.cuda.is_available():
@@ -224,8 +397,9 @@ class NativeCUDAKernel(_NativeKernel):
         if not st.cuda:
             return f"unavailable: the op library was built without CUDA ({'; '.join(st.log) or st.reason})"
         return (
-            "CUDA op torch.ops.kvcore (csrc/kvcore_cuda.cu): all layers and K/V in one launch, 16-byte coalesced "
-            f"vectors where aligned, staging on the GPU or in pinned host memory (zero-copy); {st.reason}"
+            "CUDA op torch.ops.kvcore (csrc/kvcore_cuda.cu): all layers and planes in one launch, each plane in its own vector "
+            f"width (16-byte coalesced where aligned), slots validated on the device, staging on the GPU or in pinned host memory "
+            f"(zero-copy); {st.reason}"
         )
 
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvcore.kernels import TransferPlan
+from kvcore.kernels import TransferPlan, check_storages, single_threaded
 from kvcore.spec import Plane, StrideTable
 
 _UNIT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -108,8 +108,17 @@ class ReferenceKernel:
 
     def _run(self, plan: TransferPlan, gather: bool) -> None:
         table = plan.table
+        check_storages(table)  # a freed or re-created cache storage is a TransferError, never a raw error
         if plan.num_valid == 0:
             return
+        nbytes = plan.num_valid * table.num_layers * sum(p.row_bytes for p in table.planes)
+        # small CPU transfers stay on the calling thread: each indexing op below would wake
+        # the intra-op pool, which on a busy host costs milliseconds per op (issue 12)
+        with single_threaded(table.device, nbytes):
+            self._move(plan, gather)
+
+    def _move(self, plan: TransferPlan, gather: bool) -> None:
+        table = plan.table
         buffers = plan.buffers
         dev = table.device
         slots = plan.slots

@@ -1,0 +1,461 @@
+"""The Triton kernel (``triton-xpu``) under Triton's interpreter, on CPU tensors.
+
+No Intel GPU exists on the development machines, so the program runs in Triton's
+interpreter (``TRITON_INTERPRET=1``), which executes it on the host against CPU tensors.
+Every test compares with the torch reference kernel byte for byte, or with views of the
+cache built independently of kvcore's stride table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvcore_xpu import KERNEL, NAME  # noqa: E402
+from kvcore_xpu.kernel import _Group, launch_params  # noqa: E402
+
+import kvcore  # noqa: E402
+from kvcore.errors import TransferError  # noqa: E402
+from kvcore.kernels import TransferPlan, select_kernel  # noqa: E402
+from kvcore.kernels.reference import REFERENCE  # noqa: E402
+from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable  # noqa: E402
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("KVCORE_KERNEL", raising=False)
+
+
+def _rand_(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    st = t.untyped_storage()
+    n = st.nbytes()
+    torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,)).copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+    return t
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).clone()
+
+
+def _esz(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+# -- hand-made stride tables, each with an engine-side view per plane ----------------------
+#
+# A case is (planes, buffers, views, tensors): ``views()[plane][layer]`` is ``[NB, BS, NH, E]``,
+# built with torch views of the plane's tensors (the oracle), ``buffers`` the staging buffers.
+
+NL, NB, BS, NH = 2, 5, 8, 3
+
+
+def _plane(role, strides, nh, head_bytes, dtype, tensors, staging):
+    return Plane(
+        role=role,
+        strides=strides,
+        num_heads=nh,
+        head_bytes=head_bytes,
+        dtype=dtype,
+        bases=tuple((t, t.storage_offset() * t.element_size()) for t in tensors),
+        staging=staging,
+    )
+
+
+def case_multi_plane():
+    """Four planes of four widths and dtypes, each staged into its own buffer: K values
+    uint8 NHD, K scales fp16 (one per head), V values bf16 HND, V zeros fp32 HND."""
+    hk, hv = 16, 8
+    k = [torch.empty(NB, BS, NH, hk, dtype=torch.uint8) for _ in range(NL)]
+    ks = [torch.empty(NB, BS, NH, dtype=torch.float16) for _ in range(NL)]
+    v = [torch.empty(NB, NH, BS, hv, dtype=torch.bfloat16) for _ in range(NL)]
+    vz = [torch.empty(NB, NH, BS, dtype=torch.float32) for _ in range(NL)]
+    planes = (
+        _plane("K", PlaneStrides(NH * hk * BS, NH * hk, hk, 0, hk, 1), NH, hk, torch.uint8, k, StagingTarget("K", None, 0, hk)),
+        _plane("KS", PlaneStrides(NH * 2 * BS, NH * 2, 2, 0, 2, 1), NH, 2, torch.float16, ks, StagingTarget("KS", None, 0, 2)),
+        _plane(
+            "V",
+            PlaneStrides(NH * BS * hv * 2, hv * 2, BS * hv * 2, 0, hv * 2, 1),
+            NH,
+            hv * 2,
+            torch.bfloat16,
+            v,
+            StagingTarget("V", None, 0, hv * 2),
+        ),
+        _plane("VZ", PlaneStrides(NH * BS * 4, 4, BS * 4, 0, 4, 1), NH, 4, torch.float32, vz, StagingTarget("VZ", None, 0, 4)),
+    )
+    buffers = (
+        StagingBuffer("K", None, NH * hk, torch.uint8),
+        StagingBuffer("KS", None, NH * 2, torch.float16),
+        StagingBuffer("V", None, NH * hv * 2, torch.bfloat16),
+        StagingBuffer("VZ", None, NH * 4, torch.float32),
+    )
+
+    def views():  # built when asked: a reshape of a permuted view is a copy
+        return [
+            [t for t in k],
+            [t.unsqueeze(-1) for t in ks],
+            [t.transpose(1, 2) for t in v],
+            [t.transpose(1, 2).unsqueeze(-1) for t in vz],
+        ]
+
+    return planes, buffers, views, k + ks + v + vz
+
+
+def case_token_groups():
+    """K with the block's tokens split in groups of 4 (``NB_BSC_NH_BSE_HS``) beside a
+    classic NHD V, both in the one ``kv`` buffer."""
+    hs, g = 8, 4
+    esz = 2
+    k = [torch.empty(NB, BS // g, NH, g, hs, dtype=torch.float16) for _ in range(NL)]
+    v = [torch.empty(NB, BS, NH, hs, dtype=torch.float16) for _ in range(NL)]
+    ks = PlaneStrides(
+        block=BS * NH * hs * esz,
+        token=hs * esz,
+        head=g * hs * esz,
+        chunk=0,
+        chunk_bytes=hs * esz,
+        n_chunks=1,
+        token_group=g,
+        token_group_stride=NH * g * hs * esz,
+    )
+    vs = PlaneStrides(BS * NH * hs * esz, NH * hs * esz, hs * esz, 0, hs * esz, 1)
+    planes = (
+        _plane("K", ks, NH, hs * esz, torch.float16, k, StagingTarget("kv", 0, 0, hs * esz)),
+        _plane("V", vs, NH, hs * esz, torch.float16, v, StagingTarget("kv", 1, 0, hs * esz)),
+    )
+    buffers = (StagingBuffer("kv", 2, NH * hs * esz, torch.float16),)
+
+    def views():
+        return [[t.permute(0, 1, 3, 2, 4).reshape(NB, BS, NH, hs) for t in k], [t for t in v]]
+
+    return planes, buffers, views, k + v
+
+
+def case_chunked_heads():
+    """ROCm-style split K ``[NB, NH, HS/x, BS, x]`` (16-byte chunks interleaved across
+    tokens) and a transposed V ``[NB, NH, HS, BS]`` (one element per chunk), bf16."""
+    hs, x, esz = 16, 8, 2
+    k = [torch.empty(NB, NH, hs // x, BS, x, dtype=torch.bfloat16) for _ in range(NL)]
+    v = [torch.empty(NB, NH, hs, BS, dtype=torch.bfloat16) for _ in range(NL)]
+    kst = PlaneStrides(
+        block=NH * hs * BS * esz, token=x * esz, head=hs * BS * esz, chunk=BS * x * esz, chunk_bytes=x * esz, n_chunks=hs // x
+    )
+    vst = PlaneStrides(block=NH * hs * BS * esz, token=esz, head=hs * BS * esz, chunk=BS * esz, chunk_bytes=esz, n_chunks=hs)
+    planes = (
+        _plane("K", kst, NH, hs * esz, torch.bfloat16, k, StagingTarget("kv", 0, 0, hs * esz)),
+        _plane("V", vst, NH, hs * esz, torch.bfloat16, v, StagingTarget("kv", 1, 0, hs * esz)),
+    )
+    buffers = (StagingBuffer("kv", 2, NH * hs * esz, torch.bfloat16),)
+
+    def views():
+        return [[t.permute(0, 3, 1, 2, 4).reshape(NB, BS, NH, hs) for t in k], [t.permute(0, 3, 1, 2) for t in v]]
+
+    return planes, buffers, views, k + v
+
+
+def case_interleaved_row():
+    """Two planes sharing one staged row, interleaved per head: head h's 12 value bytes,
+    then its 4 scale bytes (values HND, scales NHD, at a 24-byte dim-0 offset)."""
+    hv, hsc = 12, 4
+    vals = [torch.empty(NB, NH, BS, hv, dtype=torch.uint8) for _ in range(NL)]
+    big = [torch.empty(NB * BS * NH * hsc + 24, dtype=torch.uint8) for _ in range(NL)]
+    sc = [b[24:].view(NB, BS, NH, hsc) for b in big]
+    w = hv + hsc
+    planes = (
+        _plane("VALS", PlaneStrides(NH * BS * hv, hv, BS * hv, 0, hv, 1), NH, hv, torch.uint8, vals, StagingTarget("kv", 0, 0, w)),
+        _plane("SCALES", PlaneStrides(BS * NH * hsc, NH * hsc, hsc, 0, hsc, 1), NH, hsc, torch.uint8, sc, StagingTarget("kv", 0, hv, w)),
+    )
+    buffers = (StagingBuffer("kv", 1, NH * w, torch.uint8),)
+
+    def views():
+        return [[t.transpose(1, 2) for t in vals], [t for t in sc]]
+
+    return planes, buffers, views, vals + sc
+
+
+CASES = {
+    "multi_plane": case_multi_plane,
+    "token_groups": case_token_groups,
+    "chunked_heads": case_chunked_heads,
+    "interleaved_row": case_interleaved_row,
+}
+
+
+def _table(planes, buffers) -> StrideTable:
+    return StrideTable(num_layers=NL, block_size=BS, num_slots=NB * BS, device=torch.device("cpu"), planes=planes, buffers=buffers)
+
+
+def _staging(buffers, t: int, fill: int, *, strided: bool = False) -> dict[str, torch.Tensor]:
+    """One buffer per key, filled with ``fill`` bytes; ``strided``: each a view into a
+    larger buffer (rows padded, the token axis cut short: a non-contiguous view)."""
+    out = {}
+    for b in buffers:
+        shape = b.shape(NL, t)
+        if strided:
+            big = torch.empty(*shape[:-2], t + 3, shape[-1] + 5, dtype=b.dtype)
+            big.view(torch.uint8).fill_(fill)
+            out[b.key] = big[..., 1 : t + 1, 2 : 2 + shape[-1]]
+        else:
+            out[b.key] = torch.full(shape, 0, dtype=b.dtype)
+            out[b.key].view(torch.uint8).fill_(fill)
+    return out
+
+
+def _plan(table, slots, staging) -> TransferPlan:
+    s = torch.tensor(slots, dtype=torch.int64)
+    return TransferPlan(
+        table=table, slots=s, staging=staging if len(staging) > 1 or "kv" not in staging else staging["kv"], num_valid=int((s >= 0).sum())
+    )
+
+
+SLOTS = [17, 3, -1, 39, 0, 8, 22, -1, 31, 9, 10, 11]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided_staging"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gather_and_scatter_match_the_engine_views_and_the_reference(interp, name, strided):
+    planes, buffers, views, tensors = CASES[name]()
+    gen = torch.Generator().manual_seed(7)
+    for t in tensors:
+        _rand_(t, gen)
+    table = _table(planes, buffers)
+    got = _staging(buffers, len(SLOTS), 0xA5, strided=strided)
+    want = _staging(buffers, len(SLOTS), 0xA5, strided=strided)
+    KERNEL.gather(_plan(table, SLOTS, got))
+    REFERENCE.gather(_plan(table, SLOTS, want))
+    for key in got:
+        assert torch.equal(_bytes(got[key]), _bytes(want[key])), key
+    # the oracle: each staged row holds the engine's view of that (layer, slot, head)
+    engine = views()
+    for pi, p in enumerate(planes):
+        buf = got[p.staging.buffer]
+        for layer in range(NL):
+            rows = buf[layer] if p.staging.index is None else buf[p.staging.index, layer]
+            rows_u8 = rows.contiguous().view(torch.uint8)
+            for i, slot in enumerate(SLOTS):
+                if slot < 0:
+                    assert (rows_u8[i] == 0xA5).all()
+                    continue
+                eng = engine[pi][layer][slot // BS, slot % BS].contiguous().view(torch.uint8).reshape(p.num_heads, -1)
+                for h in range(p.num_heads):
+                    at = p.staging.offset + h * p.staging.head_stride
+                    assert torch.equal(rows_u8[i, at : at + p.head_bytes], eng[h]), (p.role, layer, slot, h)
+    # scatter random staging rows into the cache: byte-identical to the reference
+    src = _staging(buffers, len(SLOTS), 0, strided=strided)
+    for b in src.values():
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+    scatter_slots = [s if s < 0 else (s * 7 + 3) % (NB * BS) for s in SLOTS]
+    assert len(set(s for s in scatter_slots if s >= 0)) == sum(s >= 0 for s in scatter_slots)
+    before = [_bytes(t) for t in tensors]
+    KERNEL.scatter(_plan(table, scatter_slots, src))
+    after_kernel = [_bytes(t) for t in tensors]
+    for t, b in zip(tensors, before):
+        _bytes_set(t, b)
+    REFERENCE.scatter(_plan(table, scatter_slots, src))
+    for t, a in zip(tensors, after_kernel):
+        assert torch.equal(_bytes(t), a)
+    assert any(not torch.equal(a, b) for a, b in zip(after_kernel, before))
+
+
+def _bytes_set(t: torch.Tensor, b: torch.Tensor) -> None:
+    st = t.untyped_storage()
+    torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,)).copy_(b)
+
+
+# -- the partial last chunk ----------------------------------------------------------------
+#
+# An offloading connector moves a request in chunks of C tokens through one preallocated
+# chunk buffer [kv, NL, C, row]; the last chunk has fewer tokens than C (and than a block),
+# and its staging buffer is the view buf[:, :, :n] -- not contiguous. A kernel that assumes
+# a contiguous staging buffer writes the wrong rows, or past the view (one offloading
+# project's XPU path loses the device here). The kernel reads the view's strides.
+
+FORMATS = {
+    "NHD": ("NL_X_TWO_NB_BS_NH_HS", lambda nb, bs: (2, nb, bs, 4, 16), torch.bfloat16),
+    "HND": ("NL_X_TWO_NB_NH_BS_HS", lambda nb, bs: (2, nb, 4, bs, 16), torch.float16),
+    "MLA": ("NL_X_NB_BS_HS", lambda nb, bs: (nb, bs, 40), torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_partial_last_chunk_through_non_contiguous_staging_views(interp, monkeypatch, fmt):
+    name, shape, dtype = FORMATS[fmt]
+    nl, nb, bs, chunk = 3, 6, 16, 16
+    gen = torch.Generator().manual_seed(3)
+    caches = [_rand_(torch.empty(shape(nb, bs), dtype=dtype), gen) for _ in range(nl)]
+    lay = kvcore.build_layout(name, caches)
+    T = 37  # 2 full chunks of 16, then 5 tokens: not a multiple of the block size either
+    assert T % bs and T % chunk
+    slots = torch.randperm(nb * bs, generator=gen)[:T]
+    slots[[4, 33]] = -1
+    monkeypatch.setenv("KVCORE_KERNEL", "reference")
+    whole = kvcore.gather(lay, slots)
+    monkeypatch.setenv("KVCORE_KERNEL", NAME)
+    buf = torch.empty(lay.staging_shape(chunk), dtype=dtype)
+    for start in range(0, T, chunk):
+        n = min(chunk, T - start)
+        buf.view(torch.uint8).fill_(0x5A)
+        view = buf[:, :, :n]
+        assert n == chunk or not view.is_contiguous()
+        kvcore.gather(lay, slots[start : start + n], view)
+        got = view.clone()
+        want = whole[:, :, start : start + n]
+        pad = slots[start : start + n] < 0
+        assert torch.equal(got[:, :, ~pad].view(torch.uint8), want[:, :, ~pad].view(torch.uint8))
+        assert (got[:, :, pad].view(torch.uint8) == 0x5A).all()  # padding rows untouched
+        assert (buf[:, :, n:].view(torch.uint8) == 0x5A).all()  # nothing written past the view
+        # one layer of the partial chunk: a 3-D view [kv, n, row] with the layer's stride
+        one = torch.empty(lay.staging_shape(chunk, 1), dtype=dtype)
+        one.view(torch.uint8).fill_(0x5A)
+        kvcore.gather(lay, slots[start : start + n], one[:, :n], layers=1)
+        assert torch.equal(one[:, :n][:, ~pad].view(torch.uint8), want[:, 1][:, ~pad].view(torch.uint8))
+        assert (one[:, n:].view(torch.uint8) == 0x5A).all()
+    # scatter the chunks back through the same kind of views into a fresh cache
+    dst = [torch.zeros_like(c) for c in caches]
+    ref = [torch.zeros_like(c) for c in caches]
+    dl, rl = kvcore.build_layout(name, dst), kvcore.build_layout(name, ref)
+    for start in range(0, T, chunk):
+        n = min(chunk, T - start)
+        buf.copy_(torch.zeros_like(buf))
+        buf[:, :, :n] = whole[:, :, start : start + n]
+        monkeypatch.setenv("KVCORE_KERNEL", NAME)
+        kvcore.scatter(dl, slots[start : start + n], buf[:, :, :n])
+        monkeypatch.setenv("KVCORE_KERNEL", "reference")
+        kvcore.scatter(rl, slots[start : start + n], buf[:, :, :n])
+    for a, b in zip(dst, ref):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert a.view(torch.uint8).any()
+
+
+# -- units, alignment and launch shape -------------------------------------------------------
+
+
+def test_unit_width_is_the_widest_every_address_allows(interp):
+    caches = [torch.empty(2, 4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    lay = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches)
+    tb = lay.stride_table()
+    g = _Group("kv", True, list(tb.planes), tb, tb.device)
+    aligned = torch.empty(2, 2, 10, 128, dtype=torch.bfloat16)
+    lp = launch_params(g, aligned, 10, 2)
+    assert (lp.unit, lp.align) == (8, 16)
+    assert lp.block_e * lp.unit == 256 and lp.n_tiles == math.ceil(10 / lp.block_r)
+    # a small transfer is spread over one program per row; the interpreter asks for few
+    assert lp.block_r == 1 and launch_params(g, aligned, 10, 2, min_programs=1).n_tiles == 1
+    # a view one element in: every address is only 2-byte aligned, so units are int16
+    big = torch.empty(2 * 2 * 10 * 128 + 1, dtype=torch.bfloat16)
+    big.zero_()
+    odd = big[1:].view(2, 2, 10, 128)
+    lp = launch_params(g, odd, 10, 2)
+    assert (lp.unit, lp.align) == (2, 2)
+    # and the bytes still move unchanged
+    gen = torch.Generator().manual_seed(1)
+    for c in caches:
+        _rand_(c, gen)
+    slots = torch.tensor([5, -1, 60, 0, 33, 2, 7, 9, 63, 1])
+    ref = torch.zeros(2, 2, 10, 128, dtype=torch.bfloat16)
+    REFERENCE.gather(TransferPlan(tb, slots, ref, 9))
+    KERNEL.gather(TransferPlan(tb, slots, odd, 9))
+    assert torch.equal(odd.view(torch.int16), ref.view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "name,shape,nl,tokens,want",
+    [
+        # Llama-3-8B per rank (32 layers, 8 heads of 128, bf16) and a DeepSeek MLA latent
+        # (61 layers, 576): (unit bytes, units per step, items per program, programs per pair)
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 8192, (8, 256, 8, 1024)),
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 256, (8, 256, 8, 32)),
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 16, 128), 32, 8192, (8, 32, 64, 1024)),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 8192, (8, 32, 8, 1024)),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 256, (8, 32, 4, 64)),
+    ],
+)
+def test_launch_shape_of_the_benchmark_geometries(name, shape, nl, tokens, want):
+    """16 KB per program at 8192 tokens (every row a whole segment for NHD and MLA, one
+    head per segment for HND), at least 2048 programs at 256 tokens."""
+    caches = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(nl)]
+    lay = kvcore.build_layout(name, caches)
+    tb = lay.stride_table()
+    g = _Group("kv", True, list(tb.planes), tb, tb.device)
+    staging = torch.empty(lay.staging_shape(tokens), dtype=torch.bfloat16, device="meta")
+    lp = launch_params(g, staging, tokens, nl)
+    assert (lp.unit, lp.block_e, lp.block_r, lp.n_tiles) == want
+    assert lp.align == 16 and lp.chunks == ((0, nl * len(tb.planes)),)
+
+
+def test_one_launch_moves_all_layers_and_planes(interp, monkeypatch):
+    """A classic table is one launch over every (layer, K/V) pair; a table staged into
+    four buffers is four launches."""
+    from kvcore_xpu import _triton_copy
+
+    calls = []
+    real = _triton_copy.jitted
+
+    class Spy:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return self.fn[grid]
+
+    monkeypatch.setattr(_triton_copy, "jitted", lambda interp: Spy(real(interp)))
+    caches = [torch.randn(2, 4, 16, 2, 8) for _ in range(5)]
+    lay = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches)
+    monkeypatch.setenv("KVCORE_KERNEL", NAME)
+    out = kvcore.gather(lay, torch.arange(20))
+    assert len(calls) == 1
+    monkeypatch.setenv("KVCORE_KERNEL", "reference")
+    assert torch.equal(out, kvcore.gather(lay, torch.arange(20)))
+    calls.clear()
+    planes, buffers, _, tensors = case_multi_plane()
+    KERNEL.gather(_plan(_table(planes, buffers), [1, 2, 3], _staging(buffers, 3, 0)))
+    assert len(calls) == 4
+
+
+# -- selection and refusals -------------------------------------------------------------------
+
+
+def test_selection_serves_xpu_and_only_when_forced_elsewhere(monkeypatch):
+    monkeypatch.delenv("KVCORE_KERNEL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "cpu" not in KERNEL.device_types and {"xpu", "cuda"} <= set(KERNEL.device_types)
+    assert KERNEL.supports is not None and KERNEL.accepts("xpu") and not KERNEL.accepts("cuda") and not KERNEL.accepts("cpu")
+    assert select_kernel("cpu", "NL_X_TWO_NB_BS_NH_HS", "cpu").name != NAME
+    monkeypatch.setenv("KVCORE_KERNEL", NAME)
+    with pytest.raises(TransferError, match=f"KVCORE_KERNEL={NAME} does not serve .* on cpu"):
+        select_kernel("cpu", "NL_X_TWO_NB_BS_NH_HS", "cpu")
+    # under the interpreter it serves CPU tensors, but only when forced
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "cpu" in KERNEL.device_types and KERNEL.available()
+    assert select_kernel("cpu", "NL_X_TWO_NB_BS_NH_HS", "cpu").name == NAME
+    monkeypatch.delenv("KVCORE_KERNEL")
+    assert select_kernel("cpu", "NL_X_TWO_NB_BS_NH_HS", "cpu").name != NAME
+    assert not KERNEL.accepts("xpu")  # an XPU cache is never handed to the interpreter
+
+
+def test_refuses_before_writing(monkeypatch):
+    """Outside the interpreter a CPU cache is refused; a staging buffer of the wrong shape
+    is refused; neither the cache nor the staging buffer changes."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    caches = [torch.randn(2, 4, 16, 2, 8) for _ in range(2)]
+    lay = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches)
+    tb = lay.stride_table()
+    before = [c.clone() for c in caches]
+    out = torch.full((2, 2, 3, 16), 7.0)
+    with pytest.raises(TransferError, match="cpu ones only under TRITON_INTERPRET=1"):
+        KERNEL.gather(TransferPlan(tb, torch.tensor([1, 2, 3]), out, 3))
+    with pytest.raises(TransferError, match="cpu ones only under TRITON_INTERPRET=1"):
+        KERNEL.scatter(TransferPlan(tb, torch.tensor([1, 2, 3]), out, 3))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(TransferError, match="rows of 64 bytes"):
+        KERNEL.scatter(TransferPlan(tb, torch.tensor([1, 2, 3]), torch.zeros(2, 2, 3, 8), 3))
+    with pytest.raises(TransferError, match="no staging buffer 'kv'"):
+        KERNEL.scatter(TransferPlan(tb, torch.tensor([1, 2, 3]), {"K": out}, 3))
+    assert all(torch.equal(a, b) for a, b in zip(caches, before)) and (out == 7.0).all()
