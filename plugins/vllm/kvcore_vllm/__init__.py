@@ -2,8 +2,8 @@
 
 Modules: :mod:`~kvcore_vllm.rules` (the layouts as data, per era and backend),
 :mod:`~kvcore_vllm.hints` (vLLM's vocabulary and the hint precedence),
-:mod:`~kvcore_vllm.detect` (the ``kvcore_detect`` hook), :mod:`~kvcore_vllm.specs` (the two
-exotic layouts), :mod:`~kvcore_vllm.fixtures` (allocation as vLLM does it, per version),
+:mod:`~kvcore_vllm.detect` (the ``kvcore_detect`` hook), :mod:`~kvcore_vllm.specs` (the byte
+records vLLM writes, per width), :mod:`~kvcore_vllm.fixtures` (allocation as vLLM does it, per version),
 :mod:`~kvcore_vllm.formats` (registration), :mod:`~kvcore_vllm.plugin` (hooks).
 
 What vLLM allocates, per version and backend, and the kvcore format it is: the table in

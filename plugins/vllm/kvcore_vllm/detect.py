@@ -30,6 +30,15 @@ Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
    (``tensor_order="physical"`` says the tensor was permuted into memory order);
    hints that rule out every reading the tensors allow, likewise.
 
+Layouts whose parts live apart come back as multi-plane names with ``kv_caches={role:
+container}``: vLLM's paged-attention reading (``split_kv_cache``: K ``(NB, NH, HS/x, BS, x)``,
+V ``(NB, NH, HS, BS)``) is ``K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS``, ROCm's tiled
+indexer page ``K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS``. uint8 byte records are read by
+their width (:mod:`kvcore_vllm.specs`); where the platform changes a record's order and the
+tensors cannot tell it (:func:`kvcore_vllm.rules.platform_rocm` is None), detection raises
+:class:`kvcore.AmbiguousLayoutError` naming ``device_type``; a record only ROCm's aiter can read
+(0.33's MXFP4 indexer pages on gfx950) is a :class:`kvcore.DetectionError`.
+
 vLLM 0.33 int8 byte views with neither ``dtype`` nor an fp8 ``cache_dtype`` hint are
 described in bytes (dtype int8, head_size in bytes): transfers still move exactly the
 right bytes, K before V; pass ``dtype`` for element geometry.
@@ -95,7 +104,7 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("kv_cache_layout")
     if differs(lambda r: r.candidate.order == "physical"):
         keys.append("kv_cache_layout")
-    if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm")):
+    if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm", "rocm?")):
         keys.append("device_type")
     # settings vLLM reads at run time that no tensor shows (IPEX importable, an env var)
     for field, name in (("use_ipex", "use_ipex"), ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")):
@@ -330,8 +339,9 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     variants, extra = _fp8_variants(h, items)
     readings: list[Reading] = []
     needs: list[str] = []
+    unclaimed: list[str] = []
     for hv, suffix in variants:
-        rs = candidates(items, hv, evidence=layout_given, layout_source=source, needs=needs)
+        rs = candidates(items, hv, evidence=layout_given, layout_source=source, needs=needs, unclaimed=unclaimed)
         # one tensor given on its own may be a whole cross-layer buffer (as a cross-layer connector is handed it);
         # in a list it is one layer, unless its rank is no per-layer tensor's
         if bare or (len(items) == 1 and not any(r.rule.rank == t0.dim() for r in rs) and t0.dim() >= 5):
@@ -346,10 +356,22 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         deciding = _deciding(readings) + extra
         for r in readings:
             r.candidate.decided_by = {k: v for k, v in r.candidate.decided_by.items() if k in deciding}
-        det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=deciding, hints=_given(h), geometry_hints=_GEOMETRY)
+        geometry = dict(_GEOMETRY)
+        if all(r.rule.blocked for r in readings):
+            del geometry["head_size"]  # a record's width is its bytes whatever the hint: head_size decides nothing there
+        det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=deciding, hints=_given(h), geometry_hints=geometry)
+        if det is not None and unclaimed:
+            # the tensors may also be a layout kvcore does not read, and only the platform (or the backend) tells: not a decision
+            deciding_unclaimed = [k for k in ("device_type", "attention_backend") if k not in _given(h)]
+            raise AmbiguousLayoutError(
+                f"vllm: these tensors read as {det.format} ({det.note}), and may also be {'; '.join(unclaimed)}.\n"
+                f"tensors:\n{describe_input(items)}\nPass {' or '.join(deciding_unclaimed)} (the engine's platform) to decide",
+                candidates=[det.format, *unclaimed],
+                hints=deciding_unclaimed,
+            )
         if det is not None and needs:
             # another reading exists that only more hints could build (vLLM 0.11 CPU's flat pages): not a decision
-            missing = [m for n in needs for m in ("block_size", "head_size", "num_kv_heads") if m in n and m not in _given(h)]
+            missing = [m for n in needs for m in ("block_size", "head_size", "num_kv_heads", "dtype") if m in n and m not in _given(h)]
             raise AmbiguousLayoutError(
                 f"vllm: these tensors read as {det.format} ({det.note}), and may also be a layout that needs more hints: "
                 f"{'; '.join(dict.fromkeys(needs))}.\ntensors:\n{describe_input(items)}\n"
@@ -370,5 +392,10 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         )
     if t0.dim() < 3:
         return Detection(format=None, excluded=f"tensor of shape {tuple(t0.shape)}: rank < 3 is not a paged vLLM KV cache")
+    if unclaimed:
+        raise DetectionError(
+            f"vLLM: these tensors are {'; '.join(unclaimed)}.\ntensors:\n{describe_input(items)}\n"
+            "Only the platform's own kernels know that order; kvcore reads the CUDA layout of this record (device_type cuda)"
+        )
     _explain_misfit(items, h, raw, needs)
     return None

@@ -39,11 +39,18 @@ Allocation (:func:`allocate`)
 
 Reading (:func:`kv_view`, the oracle)
 -------------------------------------
-One layer's K (``kv=0``) or V (``kv=1``) as ``[NB, BS, NH, *elem]``, built with the very
-operations the backend's ``forward`` uses (``unbind(0)``, ``unbind(1)``, ``kv_cache[:, 0]``,
+``kv_view(kv_caches, layer, plane_index)``: one layer's plane in the format name's plane
+order (K = 0, V = 1) as ``[NB, BS, NH, *elem]``, built with the very operations the
+backend's ``forward`` uses (``unbind(0)``, ``unbind(1)``, ``kv_cache[:, 0]``,
 ``transpose(1, 2).split(head_size, -1)``, ``view(NB, NH, 2*BS, HS).chunk(2, dim=2)``,
 ``PagedAttention.split_kv_cache``, ``squeeze(1)``), then only a ``permute`` to put the block,
 token and head axes first. Writing into the view writes the cache.
+
+Byte records (:func:`allocate_records`, :func:`record_view`)
+-------------------------------------------------------------
+uint8 ``[NB, BS, W]`` caches (0.33: ``[NB, 1, BS, W]``) of DeepSeek's MLA records and the DSA
+indexer keys, per width (:data:`RECORD_WRITERS`); the oracle restates the writer kernels'
+pointer arithmetic, per platform (ROCm tiles the indexer's keys).
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ __all__ = [
     "allocate_dsv32",
     "kv_view",
     "blocked_views",
+    "allocate_records",
+    "record_view",
+    "RECORD_WRITERS",
+    "RECORD_CASES",
     "VllmKVCaches",
     "fixture_cases",
     "LAYOUT_ORDERS",
@@ -305,14 +316,14 @@ def _views_033(raw, n_layers, nb, heads, n, c, layout, layer_stride, block_strid
     return [view5[i] if byte_views else view5[i].view(storage) for i in range(n_layers)]
 
 
-def _allocate_033(out, names, backend, lay, nb, bs, nh, hs, storage, device, cache_dtype, byte_views, padding, kernel_bs):
+def _allocate_033(out, names, backend, lay, nb, bs, nh, hs, storage, device, cache_dtype, byte_views, padding, kernel_bs, content=None):
     lay = _ALIASES.get(lay, lay)
     if lay not in LAYOUT_ORDERS:
         raise GeometryError(f"vLLM 0.33 KVCacheLayout is one of {', '.join(LAYOUT_ORDERS)} (or NHD/HND), not {lay!r}")
     allowed = SUPPORTED_LAYOUTS_033.get(backend)
     if allowed and lay not in allowed:
         raise GeometryError(f"vLLM 0.33 {backend}.supported_kv_cache_layouts() is {allowed}; {lay} is never resolved for it")
-    heads, c = spec_033(backend, nh, hs, storage, cache_dtype)
+    heads, c = content or spec_033(backend, nh, hs, storage, cache_dtype)
     L = len(names)
     page = heads * bs * c
     padded = page + padding if padding else None
@@ -557,7 +568,7 @@ def _split_kv_cache(kv: torch.Tensor, nh: int, hs: int) -> tuple[torch.Tensor, t
 def kv_view(
     kv_caches: Any,
     layer: int,
-    kv: int,
+    plane_index: int,
     *,
     version: str | None = None,
     backend: str | None = None,
@@ -569,16 +580,20 @@ def kv_view(
     prefill_decode_attention: bool | None = None,
     hints: dict | None = None,
 ) -> torch.Tensor:
-    """One layer's K (``kv=0``) or V (``kv=1``) as the backend's ``forward`` reads it:
-    ``[NB, BS, NH, HS]`` (split K of ``split_kv_cache``: ``[NB, BS, NH, HS/x, x]``; MLA:
-    ``[NB, BS, 1, W]``, kv 0 only), in the element dtype; writing into it writes the cache.
+    """Plane ``plane_index`` of one layer as the backend's ``forward`` reads it (the
+    conformance suite's oracle contract ``kv_view(kv_caches, layer, plane_index)``), in the
+    element dtype; writing into it writes the cache. Planes follow the format name's order:
+    classic K/V layouts K = 0, V = 1, each ``[NB, BS, NH, HS]``; ``split_kv_cache`` layouts
+    (``K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS``) K = 0 as ``[NB, BS, NH, HS/x, x]`` (its
+    elements flatten row-major to the head's HS) and V = 1 as ``[NB, BS, NH, HS]``; MLA
+    latents plane 0 only, ``[NB, BS, 1, W]``. Written without any of kvcore's detection.
 
     Facts default to the ``meta`` :func:`allocate` attached, then to ``hints`` (vllm_version,
     attention_backend, head_size, num_kv_heads, cache_dtype, dtype, use_ipex,
     VLLM_V1_USE_PREFILL_DECODE_ATTENTION).
 
     Raises:
-        GeometryError: missing facts, kv 1 of an MLA cache, or a blocked-scale page (use
+        GeometryError: missing facts, plane_index 1 of an MLA cache, or a blocked-scale page (use
             :func:`blocked_views`).
     """
     meta = dict(getattr(kv_caches, "meta", {}))
@@ -603,65 +618,207 @@ def kv_view(
     if b == "INDEXER":
         raise GeometryError("a blocked-scale page (values of a block, then its scales) has no per-token view; use blocked_views()")
     if b in MLA_BACKENDS:
-        if kv != 0:
-            raise GeometryError("an MLA latent cache has no V plane (kv_size 1): use kv=0")
+        if plane_index != 0:
+            raise GeometryError("an MLA latent cache has no V plane (kv_size 1): use plane_index=0")
         if era == "0.33":
             t = t.squeeze(1)  # MLAAttention.bind_kv_cache: [B, 1, N, C] -> [B, N, C]
         v = t.unsqueeze(2)  # FlashMLA unsqueeze(-2) / Triton MLA unsqueeze(2): [B, N, 1, C]
     elif b == "PALLAS":
-        v = t[:, :, kv::2, :hs]  # write_to_kv_cache: cat([k, v], -1).reshape(-1, 2H, D): k0, v0, k1, v1...
+        v = t[:, :, plane_index::2, :hs]  # write_to_kv_cache: cat([k, v], -1).reshape(-1, 2H, D): k0, v0, k1, v1...
     elif b == "TORCH_SDPA":  # 0.11 cpu_attn.py: _get_paged_attn_impl().split_kv_cache
         if ipex is None:
             raise GeometryError("vLLM 0.11 TORCH_SDPA reads K/V differently with and without IPEX: pass use_ipex")
         nb = t.shape[1]
         if ipex:  # _IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)
-            v = t[kv].view(nb, nh, -1, hs).transpose(1, 2)
+            v = t[plane_index].view(nb, nh, -1, hs).transpose(1, 2)
         else:
-            v = _split_kv_cache(t, nh, hs)[kv]
+            v = _split_kv_cache(t, nh, hs)[plane_index]
     elif b == "ROCM_ATTN" and era == "0.33":
         # rocm_attn.py forward: split_kv_cache(kv_cache.transpose(0, 1), ...) of the [B, 2, N, H*hs] view
-        v = _split_kv_cache(t.transpose(0, 1), nh, hs)[kv]
+        v = _split_kv_cache(t.transpose(0, 1), nh, hs)[plane_index]
     elif b == "ROCM_ATTN":
         if era == "0.11" and pda is None:
             raise GeometryError("vLLM 0.11 ROCM_ATTN reads K/V by VLLM_V1_USE_PREFILL_DECODE_ATTENTION: pass it")
         if era == "0.11" and not pda:
-            v = t.unbind(0)[kv]  # RocmAttentionImpl.forward: kv_cache.unbind(0) (unified attention)
+            v = t.unbind(0)[plane_index]  # RocmAttentionImpl.forward: kv_cache.unbind(0) (unified attention)
         else:
-            v = _split_kv_cache(t, nh, hs)[kv]  # PagedAttention.split_kv_cache
+            v = _split_kv_cache(t, nh, hs)[plane_index]  # PagedAttention.split_kv_cache
     elif b == "CPU_ATTN" and era == "0.13":
-        v = t.unbind(0)[kv].transpose(1, 2)  # (NB, NH, BS, HS) per side
+        v = t.unbind(0)[plane_index].transpose(1, 2)  # (NB, NH, BS, HS) per side
     elif b == "CPU_ATTN":
         nb, heads, bs, _ = t.shape
         # 0.24-0.33 cpu_attn.py forward: view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
-        v = t.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)[kv].transpose(1, 2)
+        v = t.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)[plane_index].transpose(1, 2)
     elif era in ("0.26", "0.33"):
-        v = t.transpose(1, 2).split(hs, dim=-1)[kv]  # FlashAttentionImpl.forward and the other packed backends
+        v = t.transpose(1, 2).split(hs, dim=-1)[plane_index]  # FlashAttentionImpl.forward and the other packed backends
     elif b == "FLASHINFER":
-        v = t[:, kv]  # reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], ...)
+        v = t[:, plane_index]  # reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], ...)
     elif era in ("0.11", "0.13") and b in ("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"):
-        v = t.unbind(0)[kv]
+        v = t.unbind(0)[plane_index]
     else:
-        v = t.unbind(1)[kv]  # Triton (<= 0.24), 0.24 FlashAttention / Flex / AITER
+        v = t.unbind(1)[plane_index]  # Triton (<= 0.24), 0.24 FlashAttention / Flex / AITER
     if element is not None and element != v.dtype and _esz(element) == v.element_size():
         v = v.view(element)
     return v
 
 
-#: record bytes per token -> scale bytes per token of blocked-scale pages. 132 is vLLM's own
-#: DeepSeek-V3.2 indexer (deepseek_v2.py::DeepseekV32IndexerCache: 128 + 128 // 128 * 4); the
-#: other widths are LMCache's table (lmcache_kv_format.md section 6.4), not read from vLLM.
-BLOCKED_RECORDS = {132: 4, 68: 4, 584: 8, 528: 16, 352: 32}
+# -- vLLM's byte records (uint8 [NB, BS, W]): allocation and the writers' reading -------------
+
+#: record width -> (layout, scale bytes, page alignment, first era, what writes it), from the
+#: vLLM 0.33.0 writers (0.24.0 / 0.26.0 for the earlier eras). "token": each token's W bytes
+#: are contiguous, its scales inside; "blocked": per block all tokens' W - S value bytes, then
+#: all tokens' S scale bytes. The alignment is the ``MLAAttentionSpec`` page alignment
+#: (``_apply_alignment_padding``: the page is rounded up to it). vLLM's own tests build the
+#: blocked pages the same way: ``tests/kernels/attention/test_indexer.py::kv_cache_cast_to_fp8``
+#: (``block_size * head_dim`` fp8 bytes, then ``block_size`` fp32 scales) and
+#: ``tests/kernels/attention/dsv4_compress_utils.py::ShapeConfig`` (token stride 576 / 128 / 64,
+#: scale bytes 8 / 4 / 4, ``bytes_per_block = BS*token_stride + BS*scale_dim``).
+RECORD_WRITERS: dict[int, tuple[str, int, int | None, str, str]] = {
+    # mla/flashmla_sparse.py docstring; deepseek_v32/common/kernels.py (656 B: 512 fp8, 4 fp32 scales, 64 bf16)
+    656: ("token", 0, None, "0.11", "DeepSeek-V3.2 fp8_ds_mla"),
+    # deepseek_v41/common/ops/fused_compress_quant_cache.py::_rope_quant_insert_kernel:
+    # values = page + t*576, scales = page + BS*576 + t*8; alignment=576 (deepseek_v4/attention.py get_kv_cache_spec)
+    584: ("blocked", 8, 576, "0.24", "DeepSeek-V4 fp8_ds_mla"),
+    # ::_rope_quant_insert_mxfp8_kernel: values = page + t*528, scales = values + 512; kv_page_alignment 512
+    528: ("token", 0, 512, "0.33", "DeepSeek-V4.1 fp8_ds_mla (MXFP8, SM100)"),
+    # deepseek_v32/common/kernels.py: byte_base = block*block_stride + t*entry_stride; [0,256) e2m1, [256,320) rope, [320,352) scales
+    352: ("token", 0, None, "0.33", "DeepSeek-V3.2 nvfp4_ds_mla"),
+    # ::_rope_quant_insert_nvfp4_kernel: values = page + t*288, 256 B e2m1 then 32 B scales
+    288: ("token", 0, 512, "0.33", "DeepSeek-V4.1 nvfp4_ds_mla compressed cache"),
+    # deepseek_v41/common/ops/indexer_k_store.py: val = page + t*128, scale = page + BS*128 + t*4
+    # (ROCm, block_size > 1: rocm_aiter_mla_sparse.py::_indexer_k_quant_and_cache_kernel SHUFFLE tiles)
+    132: ("blocked", 4, None, "0.11", "DSA indexer fp8 keys"),
+    # indexer_k_store.py USE_FP4: val = page + t*64, scale = page + BS*64 + t*4 (ROCm gfx950: aiter's pages)
+    68: ("blocked", 4, 512, "0.24", "DSA indexer MXFP4 keys"),
+}
+#: ROCm's indexer value tiles: 16 tokens x 16 bytes (rocm_aiter_mla_sparse.py::
+#: indexer_k_quant_and_cache_triton block_tile_size=16, head_tile_size=16).
+_TILE_TOKENS, _TILE_BYTES = 16, 16
+
+#: record bytes per token -> scale bytes per token of the records vLLM writes blocked.
+BLOCKED_RECORDS = {w: r[1] for w, r in RECORD_WRITERS.items() if r[0] == "blocked"}
+
+
+def _round_up(x: int, m: int | None) -> int:
+    return x if not m else -(-x // m) * m
+
+
+def allocate_records(
+    record: int,
+    layout: str = "LBNHC",
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    version: str = "0.33.0",
+    tokens_per_state: int = 1,
+    alignment: int | None = -1,
+    platform: str = "cuda",
+    device: Any = "cpu",
+) -> VllmKVCaches:
+    """A uint8 byte-record cache (:data:`RECORD_WRITERS`) as vLLM allocates it.
+
+    0.33: an ``MLAAttentionSpec`` with one head slot, ``N = block_size // tokens_per_state``
+    states of ``state_content_bytes = record`` (``deepseek_v4/attention.py``,
+    ``deepseek_v41/attention.py``, ``mla_attention.py``), its page rounded up to
+    ``alignment`` (default: the record's, see :data:`RECORD_WRITERS`) and laid out by
+    ``create_kv_cache_views`` as every 0.33 cache (:func:`allocate`): ``[B, 1, N, W]`` uint8
+    views. 0.24 / 0.26: ``get_kv_cache_shape`` ``(NB, N, W)`` per layer with the padded page
+    as block stride (``sparse_swa.py`` / ``deepseek_v4/sparse_mla.py``, the indexer's
+    ``indexer.py``). ``platform`` (``cuda``, ``rocm``, ``cpu``, ``xpu``) is the engine's: it
+    changes what the writers put where (:func:`record_view`), not the allocation.
+
+    Raises:
+        GeometryError: an unknown record, a record the version does not write, or a ROCm
+            tiled indexer block that is not a multiple of 16 tokens.
+    """
+    if record not in RECORD_WRITERS:
+        raise GeometryError(f"vLLM writes no {record}-byte record; known: {sorted(RECORD_WRITERS)}")
+    kind, _scale, align, first, what = RECORD_WRITERS[record]
+    era = era_of(version)
+    if ERAS.index(era) < ERAS.index(first):
+        raise GeometryError(f"vLLM {version} writes no {record}-byte record ({what} first appears in {first})")
+    n = block_size // tokens_per_state
+    if record == 132 and platform == "rocm" and n > 1 and era not in ("0.11", "0.13") and n % _TILE_TOKENS:
+        raise GeometryError(f"ROCm tiled indexer K cache needs block_size % {_TILE_TOKENS} == 0 (indexer_k_store.py), got {n}")
+    align = align if alignment == -1 else alignment
+    page = n * record
+    padded = _round_up(page, align)
+    names = [f"model.layers.{i}.self_attn.{'indexer.k_cache' if record in (132, 68) else 'attn'}" for i in range(num_layers)]
+    out = VllmKVCaches()
+    out.meta = dict(
+        era=era, backend="RECORD", layout=_ALIASES.get(layout.upper(), layout.upper()) if era == "0.33" else layout.upper(),
+        head_size=record, num_kv_heads=1, block_size=n, kernel_block_size=n, storage=torch.uint8, element=torch.uint8,
+        cache_dtype="auto", byte_views=False, use_ipex=False, prefill_decode_attention=False, record=record, platform=platform,
+    )  # fmt: skip
+    if era == "0.33":
+        return _allocate_033(
+            out, names, "RECORD", layout.upper(), num_blocks, n, 1, record, torch.uint8, device, "auto", False, padded - page, None,
+            content=(1, record),
+        )  # fmt: skip
+    for name in names:
+        raw = torch.zeros(padded * num_blocks, dtype=torch.uint8, device=device)
+        out[name] = torch.as_strided(raw, (num_blocks, n, record), (padded, record, 1))
+    return out
+
+
+def record_view(kv_caches: Any, layer: int, plane_index: int, hints: dict | None = None) -> Any:
+    """The oracle of :func:`allocate_records` caches: one layer's record as vLLM's writer
+    kernels address it (their pointer arithmetic, restated; nothing of kvcore's detection).
+
+    * per-token records (656, 528, 352, 288): plane 0, ``[NB, BS, 1, W]`` (each token's row);
+    * blocked records (584, 132, 68): plane 0, the segments ``([NB, BS, 1, W - S], [NB, BS, 1,
+      S])`` -- a token's values at ``page + t*(W - S)``, its scales at ``page + BS*(W - S) + t*S``;
+    * ROCm's tiled indexer page (132, ``platform="rocm"``, block_size > 1, 0.24+): plane 0 the
+      keys as :class:`kvcore.testing.TokenGroups` ``[NB, BS/16, 16, 1, 128/16, 16]`` -- token t's
+      byte e at ``page + (t//16)*16*128 + (t%16)*16 + (e//16)*16*16 + e%16`` -- and plane 1 the
+      scales ``[NB, BS, 1, 4]`` at ``page + BS*128 + t*4``
+      (``rocm_aiter_mla_sparse.py::_indexer_k_quant_and_cache_kernel``).
+
+    Raises:
+        GeometryError: a plane the record does not have, or ROCm's aiter MXFP4 pages (68 B,
+            0.33), whose order aiter decides at run time.
+    """
+    from kvcore.testing import TokenGroups
+
+    meta = getattr(kv_caches, "meta", {})
+    t = _layers(kv_caches)[layer]
+    if t.dim() == 4:
+        t = t.squeeze(1)  # bind_kv_cache: [B, 1, N, C] -> [B, N, C]
+    nb, bs, w = t.shape
+    kind, s, _align, _first, _what = RECORD_WRITERS[w]
+    platform, era = meta.get("platform", "cuda"), meta.get("era", "0.33")
+    if platform == "rocm" and w == 68 and era == "0.33":
+        raise GeometryError("vLLM 0.33 ROCm writes MXFP4 indexer pages in aiter's order (cache_format() at run time): no oracle")
+    tiles = platform == "rocm" and w == 132 and bs > 1 and era not in ("0.11", "0.13")
+    if plane_index != 0 and not (tiles and plane_index == 1):
+        raise GeometryError(f"a {w}-byte record has {'two planes' if tiles else 'one plane'}; plane {plane_index} does not exist")
+    if kind == "token":
+        return t.unsqueeze(2)
+    sb, off, hv = t.stride(0), t.storage_offset(), w - s
+    if tiles:
+        bt, ht = _TILE_TOKENS, _TILE_BYTES
+        if plane_index == 0:
+            keys = torch.as_strided(t, (nb, bs // bt, bt, hv // ht, ht), (sb, bt * hv, ht, bt * ht, 1), off)
+            return TokenGroups(keys.unsqueeze(3))
+        return torch.as_strided(t, (nb, bs, s), (sb, s, 1), off + bs * hv).unsqueeze(2)
+    values = torch.as_strided(t, (nb, bs, hv), (sb, hv, 1), off)
+    scales = torch.as_strided(t, (nb, bs, s), (sb, s, 1), off + bs * hv)
+    return values.unsqueeze(2), scales.unsqueeze(2)
 
 
 def blocked_views(kv_caches: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two views of one layer's blocked-scale page ``(NB, BS, W)`` uint8 (the
-    DeepSeek-V3.2 indexer: W = 132): ``values [NB, BS, W - S]`` and ``scales [NB, BS, S]`` --
-    per block all BS tokens' value bytes, then all BS tokens' scale bytes (vLLM 0.11
-    ``deepseek_v2.py::DeepseekV32IndexerCache``, ``indexer_k_quant_and_cache``). A 0.33
-    ``[B, 1, N, W]`` view is squeezed first (``DeepseekV32IndexerCache.bind_kv_cache``).
+    """The two views of one layer's blocked-scale page ``(NB, BS, W)`` uint8 (W in
+    :data:`BLOCKED_RECORDS`: the DSA indexer's 132 / 68, DeepSeek-V4's 584):
+    ``values [NB, BS, W - S]`` and ``scales [NB, BS, S]`` -- per block all BS tokens' value
+    bytes, then all BS tokens' scale bytes (vLLM 0.11 ``deepseek_v2.py::DeepseekV32IndexerCache``,
+    ``indexer_k_quant_and_cache``; 0.33 ``indexer_k_store.py``, ``fused_compress_quant_cache.py::
+    _rope_quant_insert_kernel``). A 0.33 ``[B, 1, N, W]`` view is squeezed first
+    (``bind_kv_cache``). The CUDA writers' order; ROCm tiles the indexer's values
+    (:func:`record_view`).
 
     Raises:
-        GeometryError: the record width is not a known blocked-scale record.
+        GeometryError: the record width is not one vLLM writes blocked.
     """
     t = _layers(kv_caches)[layer]
     if t.dim() == 4:
@@ -686,6 +843,13 @@ _IPEX = {"use_ipex": True}
 _NO_IPEX = {"use_ipex": False}
 _PD_OFF = {"prefill_decode_attention": False}
 
+#: ``PagedAttention.split_kv_cache``'s reading as a kvcore name: K ``(NB, NH, HS/x, BS, x)``
+#: and V ``(NB, NH, HS, BS)`` are two planes of their own orders. The same name serves every
+#: allocation read that way (0.11 CPU and ROCm, ROCm 0.13-0.26, both 0.33 ROCm layouts): where
+#: the K and V slots sit (a layer's whole K half then its V half, or a block's K slot beside its
+#: V slot) is in the planes' strides, not in either plane's axis order.
+SPLIT_K = "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS"
+
 #: (version, backend, layout, cross_layer, format kvcore must detect, allocate() extras).
 #: Every row is a cache vLLM's own code allocates (SOURCES.md), read back by :func:`kv_view`.
 MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
@@ -697,9 +861,9 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.11.0", "TRITON_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
     ("0.11.0", "ROCM_AITER_FA", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
     ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", _PD_OFF),
-    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", _PD),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _PD),
     ("0.11.0", "TORCH_SDPA", "NHD", False, "NL_X_TWO_NB_NH_BS_HS", _IPEX),
-    ("0.11.0", "TORCH_SDPA", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", _NO_IPEX),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, SPLIT_K, _NO_IPEX),
     ("0.11.0", "FLASHMLA", "NHD", False, "NL_X_NB_BS_HS", {}),
     ("0.11.0", "PALLAS", "NHD", False, "NL_X_NB_BS_NH_TWO_HS", {}),
     ("0.13.0", "FLASH_ATTN", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
@@ -707,7 +871,7 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.13.0", "FLASHINFER", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
     ("0.13.0", "FLASHINFER", "HND", True, "NB_TWO_NH_NL_BS_HS", {}),
     ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_TWO_NB_NH_BS_HS", {}),
-    ("0.13.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.13.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {}),
     ("0.13.0", "ROCM_AITER_UNIFIED_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
     ("0.13.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
     ("0.24.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
@@ -724,7 +888,7 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.24.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_BS_TWO_NH_HS", {}),
     ("0.24.0", "FLEX_ATTENTION", "NHD", True, "NB_NL_BS_TWO_NH_HS", {}),
     ("0.24.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_TWO_BS_HS", {}),
-    ("0.24.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.24.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {}),
     ("0.24.0", "ROCM_AITER_FA", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
     ("0.24.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
     ("0.26.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_BS_NH_CS", {}),
@@ -735,7 +899,7 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.26.0", "TRITON_ATTN", "NHD", True, "NB_NL_BS_NH_CS", {}),
     ("0.26.0", "FLEX_ATTENTION", "NHD", True, "NB_NL_BS_NH_CS", {}),
     ("0.26.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_TWO_BS_HS", {}),
-    ("0.26.0", "ROCM_ATTN", "NHD", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.26.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {}),
     ("0.26.0", "ROCM_AITER_FA", "HND", False, "NL_X_NB_NH_BS_CS", {}),
     ("0.26.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
     ("0.33.0", "FLASH_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
@@ -748,18 +912,15 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.33.0", "TRITON_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
     ("0.33.0", "FLEX_ATTENTION", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
     ("0.33.0", "CPU_ATTN", "LBHNC", False, "NL_X_NB_NH_TWO_BS_HS", {}),
-    ("0.33.0", "ROCM_ATTN", "LBHNC", False, "NL_X_NB_TWO_NH_HS_BS", {}),
-    ("0.33.0", "ROCM_ATTN", "LHBNC", False, "NL_X_TWO_NB_NH_HS_BS", {}),
+    ("0.33.0", "ROCM_ATTN", "LBHNC", False, SPLIT_K, {}),
+    ("0.33.0", "ROCM_ATTN", "LHBNC", False, SPLIT_K, {}),
     ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
     ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
     ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS", {}),
 )
 
-#: multi-plane names these rows get once the core's multi-plane layouts land (K and V differ).
-MULTI_PLANE = {
-    "NL_X_TWO_NB_NH_HS_BS": "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS",
-    "NL_X_NB_TWO_NH_HS_BS": "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS",
-}
+#: the formats of the rows whose parts live apart (multi-plane names: K and V differ).
+MULTI_PLANE = frozenset({SPLIT_K})
 
 
 def case_name(version: str, backend: str, layout: str, cross: bool, extra: dict | None = None) -> str:
@@ -863,7 +1024,73 @@ def fixture_cases() -> list[FixtureCase]:
         )
     out.append(_indexer_case())
     out.append(_dsv32_indexer_case())
+    out.extend(_record_case(*r) for r in RECORD_CASES)
     return out
+
+
+#: (record width, version, layout, platform, format kvcore must detect): the byte records of
+#: :data:`RECORD_WRITERS` as vLLM allocates them, read back by :func:`record_view`.
+RECORD_CASES: tuple[tuple[int, str, str, str, str], ...] = (
+    (584, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BSV_BSS"),
+    (584, "0.33.0", "BLNHC", "cuda", "NB_NL_BSV_BSS"),
+    (584, "0.26.0", "NHD", "cuda", "NL_X_NB_BSV_BSS"),
+    (584, "0.24.0", "NHD", "cuda", "NL_X_NB_BSV_BSS"),
+    (528, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BS_HS"),
+    (352, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BS_HS"),
+    (288, "0.33.0", "BLHNC", "cuda", "NB_NL_BS_HS"),
+    (132, "0.33.0", "LBNHC", "rocm", "K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS"),
+    (132, "0.33.0", "BLHNC", "rocm", "K=NB_NL_BSC_HSC_BSE_HSE+KS=NB_NL_BS_HS"),
+    (132, "0.26.0", "NHD", "rocm", "K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS"),
+    (68, "0.33.0", "LBNHC", "cuda", "NL_X_NB_BSV_BSS"),
+    (68, "0.26.0", "NHD", "cuda", "NL_X_NB_BSV_BSS"),
+    (132, "0.24.0", "NHD", "rocm", "K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS"),
+)
+
+#: a record's cache dtype, for the hints vLLM itself would report.
+_RECORD_CACHE_DTYPE = {656: "fp8_ds_mla", 584: "fp8_ds_mla", 528: "fp8_ds_mla", 352: "nvfp4_ds_mla", 288: "nvfp4_ds_mla"}
+
+
+def record_case_name(record: int, version: str, layout: str, platform: str) -> str:
+    return f"vllm-{era_of(version)}-RECORD{record}-{layout}" + ("-rocm" if platform == "rocm" else "")
+
+
+def record_hints(record: int, version: str, layout: str, platform: str) -> dict:
+    """The hints vLLM itself knows for a record cache: version, the sparse MLA backend of the
+    platform, the layout (0.33), the platform, and the cache dtype of a KV record."""
+    h: dict[str, Any] = {
+        "vllm_version": version,
+        "attention_backend": "ROCM_AITER_MLA_SPARSE" if platform == "rocm" else "FLASHMLA_SPARSE",
+        "device_type": platform,
+    }
+    if era_of(version) == "0.33":
+        h["kv_cache_layout"] = layout
+    if record in _RECORD_CACHE_DTYPE:
+        h["cache_dtype"] = _RECORD_CACHE_DTYPE[record]
+    return h
+
+
+def _record_case(record: int, version: str, layout: str, platform: str, fmt: str) -> FixtureCase:
+    kind, scale, _align, _first, what = RECORD_WRITERS[record]
+    tiled = fmt.startswith("K=")
+
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        kv = allocate_records(
+            record, layout, version=version, num_layers=sizes["num_layers"], num_blocks=sizes["num_blocks"],
+            block_size=sizes["block_size"], platform=platform, device=device,
+        )  # fmt: skip
+        return kv, record_hints(record, version, layout, platform)
+
+    return FixtureCase(
+        name=record_case_name(record, version, layout, platform),
+        engine="vllm",
+        format=fmt,
+        make=make,
+        kv_view=lambda kv, layer, p, hints=None: record_view(kv, layer, p, hints),
+        sizes=dict(num_layers=2, num_blocks=3, block_size=32, num_heads=1, head_size=record - scale if tiled else record),
+        dtypes=(torch.uint8,),
+        source=f"vllm {version} {what} ({record} B, {kind}{', ROCm tiles' if tiled else ''}) {layout}",
+        size_constraints={"fixed": ("num_heads", "head_size"), **({"block_size_multiple": 16} if tiled else {})},
+    )
 
 
 def _dsv32_indexer_case() -> FixtureCase:

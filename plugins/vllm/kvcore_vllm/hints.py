@@ -97,6 +97,7 @@ BACKEND_FAMILY = {
     "FLASHINFER_MLA": "MLA",
     "FLASH_ATTN_MLA": "MLA",
     "ROCM_AITER_MLA": "MLA",
+    "ROCM_AITER_MLA_SPARSE": "MLA",
     "CPU_ATTN": "CPU",
     "TORCH_SDPA": "CPU",
     "PALLAS": "PALLAS",
@@ -185,7 +186,9 @@ class VllmHints(BaseModel):
         vllm_version: ``"0.11.0"``, ``"0.24"``...; selects that era's rules only.
         device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``/``hpu``/``npu``; ``cpu``
             selects vLLM's CPU backend rules, ``tpu`` the Pallas rules, ``xpu`` forces
-            NHD, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x).
+            NHD, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x),
+            allows ``ROCM_ATTN``'s reading and ROCm's tiled DSA indexer pages
+            (:func:`kvcore_vllm.rules.platform_rocm`).
         kv_cache_spec: ``attention`` or ``mamba``: what vLLM's ``KVCacheSpec`` says the
             layers are, for per-layer lists of tensors (K/V pairs or Mamba state).
         tensor_order: the core's generic hint (:data:`kvcore.TENSOR_ORDER`): ``allocated``
@@ -505,9 +508,13 @@ def declared_hints() -> list[Any]:
             engine="vllm",
             name="device_type",
             meaning="the platform: cpu selects the CPU backend's rules, tpu the Pallas rules, xpu forces NHD, rocm makes an fp8 "
-            "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype)",
+            "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype), allows ROCM_ATTN's split_kv_cache reading and reads a DSA "
+            "indexer page (132 B records, block_size > 1, 0.24+) as ROCm's 16x16-byte key tiles (0.33 MXFP4 indexer pages "
+            "on ROCm are aiter's and refused)",
             values=list(DEVICE_TYPES),
-            default="the tensors' device",
+            default="a backend of one platform only (ROCM_*, FLASHMLA*, CUTLASS_MLA, FLASHINFER*, CPU, PALLAS), else the torch "
+            "build of the process holding the tensors; tensors that say nothing (meta, a description) name this hint where "
+            "it decides",
         ),
         Hint(
             engine="vllm",

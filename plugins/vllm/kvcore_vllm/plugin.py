@@ -1,8 +1,10 @@
 """Entry point of the kvcore-vllm plugin (group ``kvcore``, name ``vllm``).
 
 Hooks: formats (:mod:`kvcore_vllm.formats`), detection for engine ``"vllm"``
-(:mod:`kvcore_vllm.detect`), specs for the two exotic layouts (:mod:`kvcore_vllm.specs`),
-allocation fixtures (:mod:`kvcore_vllm.fixtures`) and the ``vllm`` demo.
+(:mod:`kvcore_vllm.detect`), hints, allocation fixtures (:mod:`kvcore_vllm.fixtures`) and
+the ``vllm`` demo. No ``kvcore_spec``: every vLLM layout is a name kvcore's generic spec
+reads (K and V of different orders are multi-plane names; the blocked-scale records take
+their scale width from :data:`kvcore_vllm.specs.BLOCKED_SCALE_RECORDS`).
 """
 
 from __future__ import annotations
@@ -27,15 +29,6 @@ def kvcore_detect(kv_caches, engine, hints):
     from kvcore_vllm.detect import detect_vllm
 
     return detect_vllm(kv_caches, hints)
-
-
-@hookimpl
-def kvcore_spec(format):
-    from kvcore_vllm.specs import SPECS
-
-    if ENGINE not in getattr(format, "engines", ()):
-        return None
-    return SPECS.get(format.name)
 
 
 @hookimpl

@@ -32,33 +32,68 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvcore import Candidate, DetectionError, Source, memory_ordered
-from kvcore.dtypes import is_fp8
-from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, VllmHints
-from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS
+from kvcore.dtypes import is_fp8, rocm_build
+from kvcore.grammar import parse
+from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, MLA_CACHE_DTYPES, VllmHints
+from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS, RECORDS, ROCM_TILE_BYTES, ROCM_TILE_TOKENS
 
-__all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name"]
+__all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name", "platform_rocm", "SPLIT_KV"]
 
 #: MLA latent widths vLLM's MLA backends accept: ``get_supported_head_sizes() == [576]``
-#: (0.11 ``mla/common.py``), plus fp8_ds_mla's 656-byte per-token record
-#: (``mla/flashmla_sparse.py`` l.74: 512 fp8 + 16 scale + 128 rope bytes, uint8). A rank-3
-#: ``[NB, BS, W]`` cache of any other width is a latent too (``NL_X_NB_BS_HS``, kv_size 1):
-#: MiniMax-M3 on 0.26 keeps rank-3 indexer key caches ``(NB, 128, 128)`` bf16 beside its
-#: packed GQA caches; only byte records whose width is in :data:`BLOCKED_SCALE_RECORDS` are
-#: read as blocked-scale pages, unless ``cache_dtype`` / ``head_size`` say per-token.
+#: (0.11 ``mla/common.py``). A rank-3 ``[NB, BS, W]`` cache of any other width is a latent
+#: too (``NL_X_NB_BS_HS``, kv_size 1): MiniMax-M3 on 0.26 keeps rank-3 indexer key caches
+#: ``(NB, 128, 128)`` bf16 beside its packed GQA caches. A uint8 width that is one of vLLM's
+#: byte records (:data:`kvcore_vllm.specs.RECORDS`) is read as vLLM writes that record: per
+#: token (656, 528, 352, 288) or as a blocked-scale page (584, 132, 68).
 MLA_WIDTHS = (576,)
-FP8_DS_MLA_BYTES = 656
-#: uint8 MLA record widths that are either per-token records or blocked-scale pages: shape
-#: cannot tell, the cache dtype does. nvfp4_ds_mla (352 B) is written slot by slot
-#: (``concat_and_cache_mla`` with a slot mapping, as the nvfp4 variants in vLLM-derived
-#: code do: NoPE, then scales, then RoPE inside each token's record); LMCache's table
-#: (lmcache_kv_format.md §6.4) lists 352/528/584 as blocked-scale, which kvcore-vllm keeps
-#: for fp8_ds_mla's DeepSeek-V4 584/528 B pages. No cache_dtype: AmbiguousLayoutError.
-RECORD_WIDTHS_PER_TOKEN_DTYPE = {352: "nvfp4_ds_mla", 528: "nvfp4_ds_mla", 584: "nvfp4_ds_mla"}
-INDEXER_WIDTHS = (132, 68)
+
+#: vLLM's paged-attention reading (``PagedAttention.split_kv_cache``): K ``(NB, NH, HS/x,
+#: BS, x)`` with ``x = 16 // element_size``, V ``(NB, NH, HS, BS)`` -- K and V differ, so
+#: one plane each.
+SPLIT_KV = "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS"
+#: the paged kernels' K chunk, in bytes (``x = 16 // element_size``).
+K_CHUNK_BYTES = 16
+#: ROCm's DSA indexer page (vLLM 0.24+, block_size > 1): the block's fp8 keys in tiles of 16
+#: tokens x 16 bytes (``K``), then each token's 4-byte scale (``KS``).
+ROCM_INDEXER = "K=NL_X_NB_BSC_HSC_BSE_HSE+KS=NL_X_NB_BS_HS"
+ROCM_INDEXER_CROSS = "K=NB_NL_BSC_HSC_BSE_HSE+KS=NB_NL_BS_HS"
+
+#: backends that only run on ROCm / never on ROCm (vLLM 0.33 ``platforms/rocm.py``
+#: backend selection; FlashMLA, CUTLASS MLA and FlashInfer are NVIDIA libraries).
+ROCM_ONLY_BACKENDS = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "ROCM_AITER_MLA", "ROCM_AITER_MLA_SPARSE")
+NOT_ROCM_BACKENDS = (
+    "FLASHMLA",
+    "FLASHMLA_SPARSE",
+    "CUTLASS_MLA",
+    "FLASHINFER_MLA",
+    "FLASH_ATTN_MLA",
+    "FLASHINFER",
+    "FLASHINFER_VLLM_V1",
+    "CPU_ATTN",
+    "TORCH_SDPA",
+    "PALLAS",
+    "PALLAS_VLLM_V1",
+)
+
+
+def platform_rocm(h: VllmHints, tensors: Sequence[torch.Tensor]) -> bool | None:
+    """Whether the engine that wrote ``tensors`` ran on ROCm: the ``device_type`` hint, else
+    a backend that exists on one platform only, else the torch build of the process holding
+    the tensors (:func:`kvcore.dtypes.rocm_build`); None when nothing tells (meta tensors,
+    a description from a log)."""
+    if h.device_type is not None:
+        return h.device_type == "rocm"
+    if h.attention_backend in ROCM_ONLY_BACKENDS:
+        return True
+    if h.attention_backend in NOT_ROCM_BACKENDS:
+        return False
+    return rocm_build(list(tensors))
+
 
 _FA = "vllm/v1/attention/backends/flash_attn.py::FlashAttentionBackend.get_kv_cache_shape"
 _FI = "vllm/v1/attention/backends/flashinfer.py::FlashInferBackend.get_kv_cache_shape"
@@ -72,6 +107,11 @@ _PALLAS = "vllm/v1/attention/backends/pallas.py::PallasAttentionBackend.get_kv_c
 _ROCM = "vllm/v1/attention/backends/rocm_attn.py"
 _SPLIT = "PagedAttention.split_kv_cache (K (NB, NH, HS/x, BS, x), x = 16 // element_size; V (NB, NH, HS, BS))"
 _IDX = "vllm/v1/attention/backends/mla/indexer.py; vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache"
+_RIDX = (
+    "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py::indexer_k_quant_and_cache_triton / _indexer_k_quant_and_cache_kernel "
+    "(LAYOUT SHUFFLE when block_size > 1: [BS/16, 128/16, 16, 16] value tiles, then [BS] fp32 scales)"
+)
+_V4 = "vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py"
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 
@@ -95,12 +135,17 @@ class Rule:
         transform: name of a zero-copy view transform (:data:`TRANSFORMS`), or "".
         gate: "gpu" (excluded when device_type is cpu/tpu), "cpu" (needs device_type cpu
             or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "rocm" (needs
-            device_type rocm or ROCM_ATTN), "" (any).
+            device_type rocm, ROCM_ATTN, or tensors of a ROCm process: :func:`platform_rocm`),
+            "rocm?" (excluded only where the platform is known not to be ROCm), "" (any).
         physical_ok: a tensor already permuted to a layout's physical order (the
             caller's ``tensor_order="physical"``) is a reading of this rule: offered for
             every memory-ordered tensor, marked ``order="physical"`` (the core decides,
             :mod:`kvcore.detection`).
         mla: MLA latent (no K/V axis); blocked: blocked-scale records.
+        planes: the name of a plane builder (:data:`PLANE_BUILDERS`) for layouts whose
+            parts live apart (K and V of different orders, a tiled value region beside its
+            scales): each per-layer view (in ``logical`` order) becomes one view per plane,
+            and ``layouts`` maps each key to a multi-plane name (``K=...+V=...``).
         requires: ``(hint field, value)`` pairs: a setting vLLM reads at run time that the
             tensors cannot show (``use_ipex``, ``prefill_decode_attention``); the rule is
             out when the hint says otherwise, and two rules that differ only here make
@@ -112,7 +157,7 @@ class Rule:
     families: tuple[str, ...]
     rank: int
     logical: tuple[str, ...]
-    layouts: dict[str, tuple[str, ...]]
+    layouts: dict[str, tuple[str, ...] | str]
     sources: tuple[Source, ...]
     transform: str = ""
     gate: str = "gpu"
@@ -121,6 +166,7 @@ class Rule:
     blocked: bool = False
     backends_label: tuple[str, ...] = field(default=())
     requires: tuple[tuple[str, bool], ...] = ()
+    planes: str = ""
 
 
 def _src(version: str, file: str) -> Source:
@@ -315,7 +361,7 @@ RULES: tuple[Rule, ...] = (
         families=("CPU",),
         rank=3,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"*": _o("NL TWO NB NH HS BS")},
+        layouts={"*": SPLIT_KV},
         sources=(
             _src("0.11.0", _CPU + "::_PagedAttention.get_kv_cache_shape / split_kv_cache (K (NB, NH, HS/x, BS, x), V (NB, NH, HS, BS))"),
         ),
@@ -323,6 +369,7 @@ RULES: tuple[Rule, ...] = (
         gate="cpu",
         requires=(("use_ipex", False),),
         backends_label=("TORCH_SDPA",),
+        planes="split_kv",
     ),
     Rule(
         label="CPU 0.11 TORCH_SDPA with IPEX (2, NB, BS*NH*HS) viewed (NB, NH, BS, HS)",
@@ -343,12 +390,13 @@ RULES: tuple[Rule, ...] = (
         families=("ROCM_ATTN",),
         rank=5,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"*": _o("NL TWO NB NH HS BS")},
+        layouts={"*": SPLIT_KV},
         sources=(_src("0.11.0", _ROCM + "::RocmAttentionImpl.forward with VLLM_V1_USE_PREFILL_DECODE_ATTENTION=1: " + _SPLIT),),
         transform="paged5",
         gate="rocm",
         requires=(("prefill_decode_attention", True),),
         backends_label=("ROCM_ATTN",),
+        planes="split_kv",
     ),
     Rule(
         label="ROCm paged (2, NB, BS, NH, HS) read by split_kv_cache",
@@ -356,11 +404,16 @@ RULES: tuple[Rule, ...] = (
         families=("ROCM_ATTN",),
         rank=5,
         logical=_o("TWO NB NH HS BS"),
-        layouts={"*": _o("NL TWO NB NH HS BS")},
-        sources=(_src("0.13.0", _ROCM + "::RocmAttentionImpl.forward: " + _SPLIT), _src("0.24.0", _ROCM), _src("0.26.0", _ROCM)),
+        layouts={"*": SPLIT_KV},
+        sources=(
+            _src("0.13.0", _ROCM + "::RocmAttentionImpl.forward: " + _SPLIT),
+            _src("0.24.0", _ROCM + "; v1/attention/ops/paged_attn.py::PagedAttention.split_kv_cache"),
+            _src("0.26.0", _ROCM + "; v1/attention/ops/paged_attn.py::PagedAttention.split_kv_cache"),
+        ),
         transform="paged5",
         gate="rocm",
         backends_label=("ROCM_ATTN",),
+        planes="split_kv",
     ),
     Rule(
         label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS] read by split_kv_cache",
@@ -368,7 +421,9 @@ RULES: tuple[Rule, ...] = (
         families=("ROCM_ATTN",),
         rank=4,
         logical=_o("NB TWO NH HS BS"),
-        layouts={"LBHNC": _o("NL NB TWO NH HS BS"), "LHBNC": _o("NL TWO NB NH HS BS")},
+        # each plane's own order is (NB, NH, ...) under both layouts: LBHNC puts a block's K and V
+        # slots side by side, LHBNC every block's K slot before every V slot (the planes' strides)
+        layouts={"LBHNC": SPLIT_KV, "LHBNC": SPLIT_KV},
         sources=(
             _src(
                 "0.33.0",
@@ -379,6 +434,7 @@ RULES: tuple[Rule, ...] = (
         transform="head_slots",
         gate="rocm",
         backends_label=("ROCM_ATTN",),
+        planes="split_kv",
     ),
     Rule(
         label="CPU 0.13 (2, NB, NH, BS, HS)",
@@ -435,6 +491,7 @@ RULES: tuple[Rule, ...] = (
             _src("0.11.0", "vllm/v1/attention/backends/mla/flashmla_sparse.py::get_kv_cache_shape (l.74) fp8_ds_mla (NB, BS, 656) uint8"),
             _src("0.33.0", "vllm/model_executor/layers/attention/mla_attention.py::MLAAttention.bind_kv_cache (l.748) squeeze(1)"),
             _src("0.33.0", "mla_attention.py l.1371: state_content_bytes 656 (fp8_ds_mla), 352 (nvfp4_ds_mla) per stored state"),
+            _src("0.33.0", _V4 + "::_rope_quant_insert_mxfp8_kernel (528 B) / _rope_quant_insert_nvfp4_kernel (288 B): per-token records"),
         ),
         gate="",
         mla=True,
@@ -461,13 +518,20 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"),
     ),
     Rule(
-        label="blocked-scale pages (NB, BS, W) uint8 (DeepSeek-V3.2 indexer 132/68; DeepSeek-V4 fp8_ds_mla 584/528)",
+        label="blocked-scale pages (NB, BS, W) uint8 (DSA indexer keys 132 / MXFP4 68; DeepSeek-V4 fp8_ds_mla 584)",
         eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
         layouts={"*": _o("NL NB BSV BSS")},
-        sources=(_src("0.11.0", _IDX + " (l.36); head_size 128 + 4 = 132, uint8"),),
+        sources=(
+            _src("0.11.0", _IDX + " (l.36); head_size 128 + 4 = 132, uint8"),
+            _src(
+                "0.24.0",
+                "vllm/models/deepseek_v4/common/ops/cache_utils.py::quantize_and_insert_k_kernel (584 B: 576 B rows, then 8 B scales)",
+            ),
+            _src("0.33.0", _V4 + "::_rope_quant_insert_kernel (584); vllm/models/deepseek_v41/common/ops/indexer_k_store.py (132, 68)"),
+        ),
         gate="",
         mla=True,
         blocked=True,
@@ -494,11 +558,53 @@ RULES: tuple[Rule, ...] = (
         blocked=True,
         backends_label=("FLASHMLA_SPARSE", "indexer"),
     ),
+    Rule(
+        label="ROCm DSA indexer page (NB, BS, 132) uint8: 16x16-byte key tiles, then the scales",
+        eras=("0.24", "0.26", "0.33"),
+        families=("MLA",),
+        rank=3,
+        logical=_o("NB BS HS"),
+        layouts={"*": ROCM_INDEXER},
+        sources=(
+            _src("0.24.0", _RIDX),
+            _src("0.33.0", _RIDX + "; vllm/models/deepseek_v32/amd/rocm.py::DeepseekV32ROCmIndexerCache.uses_shuffled_layout"),
+        ),
+        gate="rocm?",
+        mla=True,
+        blocked=True,
+        backends_label=("ROCM_AITER_MLA_SPARSE", "indexer"),
+        planes="rocm_tiles",
+    ),
+    Rule(
+        label="ROCm 0.33 DSA indexer view [NB, 1, BS, 132]: 16x16-byte key tiles, then the scales",
+        eras=("0.33",),
+        families=("MLA",),
+        rank=4,
+        logical=_o("NB BS HS"),
+        layouts={
+            "LBNHC": ROCM_INDEXER,
+            "LBHNC": ROCM_INDEXER,
+            "LHBNC": ROCM_INDEXER,
+            "BLHNC": ROCM_INDEXER_CROSS,
+            "BLNHC": ROCM_INDEXER_CROSS,
+            "BHLNC": ROCM_INDEXER_CROSS,
+        },
+        sources=(_src("0.33.0", _V33 + "; " + _RIDX),),
+        transform="squeeze_head",
+        gate="rocm?",
+        mla=True,
+        blocked=True,
+        backends_label=("ROCM_AITER_MLA_SPARSE", "indexer"),
+        planes="rocm_tiles",
+    ),
 )
 
 
-def physical_name(order: Sequence[str]) -> str:
-    """``("NL","TWO","NB",...)`` -> ``NL_X_TWO_NB_...``; ``NL`` inside -> one tensor name."""
+def physical_name(order: Sequence[str] | str) -> str:
+    """``("NL","TWO","NB",...)`` -> ``NL_X_TWO_NB_...``; ``NL`` inside -> one tensor name; a
+    multi-plane name (a plane rule's layout) is itself."""
+    if isinstance(order, str):
+        return order
     toks = list(order)
     if toks[0] == "NL":
         return "NL_X_" + "_".join(toks[1:])
@@ -598,6 +704,70 @@ def _t_pallas(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     if d > p:
         return None
     return torch.as_strided(t, (b, n, h2 // 2, 2, d), (t.stride(0), t.stride(1), 2 * t.stride(2), t.stride(2), 1), t.storage_offset())
+
+
+# -- plane builders: one layer's view -> its planes ------------------------------------
+
+
+def _p_split_kv(v: torch.Tensor, tokens: Sequence[str]) -> dict[str, torch.Tensor] | None:
+    """``PagedAttention.split_kv_cache`` (vLLM 0.11 ``attention/ops/paged_attn.py``, 0.24+
+    ``v1/attention/ops/paged_attn.py``; 0.11 CPU ``cpu_attn.py::_PagedAttention``): the K slot's
+    ``NH*HS*BS`` run per block viewed ``(NH, HS/x, BS, x)``, x = 16 // element_size, the V slot's
+    ``(NH, HS, BS)``. ``v`` is the V-shaped view of both slots (``TWO`` among ``tokens``, the
+    rest ``NB NH HS BS``) in the element dtype."""
+    two = list(tokens).index("TWO")
+    k, val = v.select(two, 0), v.select(two, 1)
+    nb, nh, hs, bs = k.shape
+    x = K_CHUNK_BYTES // v.element_size()
+    if x < 1 or hs % x:
+        return None  # vLLM's view(num_blocks, num_kv_heads, head_size // x, -1, x) needs x | head_size
+    sb, sh, sd, sn = k.stride()
+    if (bs > 1 and sn != 1) or (hs > 1 and sd != bs):
+        return None
+    key = torch.as_strided(k, (nb, nh, hs // x, bs, x), (sb, sh, bs * x, x, 1), k.storage_offset())
+    return {"K": key, "V": val}
+
+
+def _p_rocm_tiles(v: torch.Tensor, tokens: Sequence[str]) -> dict[str, torch.Tensor] | None:
+    """ROCm's DSA indexer page (vLLM 0.24+ ``rocm_aiter_mla_sparse.py::
+    indexer_k_quant_and_cache_triton``, ``LAYOUT == "SHUFFLE"``): one block's ``BS*W`` bytes
+    are the values ``[BS/16, HV/16, 16 tokens, 16 bytes]`` (HV = W - scale bytes), then each
+    token's scale bytes. ``v`` is one layer's ``[NB, BS, W]`` uint8."""
+    nb, bs, w = v.shape
+    s = BLOCKED_SCALE_RECORDS.get(w)
+    if s is None:
+        return None
+    hv = w - s
+    bt, ht = ROCM_TILE_TOKENS, ROCM_TILE_BYTES
+    if bs <= 1 or bs % bt or hv % ht or v.stride(2) != 1 or v.stride(1) != w:
+        return None  # kv_cache.view(num_blocks, -1): each block one contiguous BS*W run
+    sb, off = v.stride(0), v.storage_offset()
+    key = torch.as_strided(v, (nb, bs // bt, hv // ht, bt, ht), (sb, bt * hv, bt * ht, ht, 1), off)
+    scale = torch.as_strided(v, (nb, bs, s), (sb, s, 1), off + bs * hv)
+    return {"K": key, "KS": scale}
+
+
+PLANE_BUILDERS: dict[str, Callable[[torch.Tensor, Sequence[str]], dict[str, torch.Tensor] | None]] = {
+    "split_kv": _p_split_kv,
+    "rocm_tiles": _p_rocm_tiles,
+}
+
+
+def _element_view(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    """A 0.33 int8 byte view as the cache's element dtype (the split reading's V has tokens
+    one *element* apart, so it cannot be read in bytes); other tensors unchanged. None when
+    the element dtype is unknown or the view impossible."""
+    if t.dtype != torch.int8:
+        return t
+    el = h.element_dtype()
+    if el is None:
+        return None
+    esz = torch.empty(0, dtype=el).element_size()
+    if esz == 1:
+        return t
+    if t.stride(-1) != 1 or t.shape[-1] % esz:
+        return None
+    return t.view(el)
 
 
 TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] = {
@@ -715,7 +885,7 @@ def _layout_ok(rule: Rule, key: str, h: VllmHints) -> bool:
     return not specific or (h.kv_cache_layout[0] == "B") == cross
 
 
-def _rule_ok(rule: Rule, h: VllmHints) -> bool:
+def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None) -> bool:
     if h.era is not None and h.era not in rule.eras:
         return False
     fam = h.family
@@ -738,7 +908,9 @@ def _rule_ok(rule: Rule, h: VllmHints) -> bool:
         return False
     if rule.gate == "tpu" and not (dev == "tpu" or fam == "PALLAS"):
         return False
-    if rule.gate == "rocm" and not (dev == "rocm" or fam == "ROCM_ATTN"):
+    if rule.gate == "rocm" and not (dev == "rocm" or fam == "ROCM_ATTN" or (dev is None and rocm)):
+        return False
+    if rule.gate == "rocm?" and (rocm is False or dev in ("cpu", "tpu")):
         return False
     return True
 
@@ -754,7 +926,23 @@ def _sizes(tokens: Sequence[str], t: torch.Tensor) -> dict[str, int] | None:
     return out
 
 
-def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints, kernel_split: bool = False) -> bool:
+def _record_hints_ok(rec, h: VllmHints) -> bool:
+    """The hints agree with vLLM's byte record ``rec``: a ``*_ds_mla`` cache dtype must be one
+    that writes this width; a head size must be the record's bytes or, with its cache dtype,
+    the model's own head size (``model_config.get_head_size()``: 576 for V3.2's 656 B record,
+    512 for V4's 584 B page). An indexer's record follows no cache dtype or model head size."""
+    if not rec.cache_dtypes:
+        return True
+    if h.cache_dtype in MLA_CACHE_DTYPES and h.cache_dtype not in rec.cache_dtypes:
+        return False
+    if h.head_size is not None and h.head_size != rec.width:
+        return h.head_size == rec.head_size and h.cache_dtype in rec.cache_dtypes
+    return True
+
+
+def _sizes_ok(
+    rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints, kernel_split: bool = False, rocm: bool | None = None
+) -> bool:
     isz = t.element_size()
     if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
         # 0.13+: the manager's block_size may be split into kernel blocks of the tensor's BS
@@ -772,21 +960,28 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
     if width_bytes % esz:
         return False
     width = width_bytes // esz
+    record = RECORDS.get(sz[last]) if t.dtype in _BYTE_DTYPES and esz == 1 else None
     if rule.blocked:
-        w = sz[last]
-        if not (t.dtype in _BYTE_DTYPES and esz == 1 and w in BLOCKED_SCALE_RECORDS) or h.head_size == w:
-            return False  # a head_size hint equal to the record width declares a per-token record
-        return w in INDEXER_WIDTHS or h.cache_dtype in (None, "auto", "fp8_ds_mla")
+        if record is None or record.layout != "blocked" or not _record_hints_ok(record, h):
+            return False
+        # ROCm writes the indexer's value region in tiles once a block holds more than one token
+        # (0.24+; 0.13's ROCm indexer blocks hold one token, 0.11 has no ROCm sparse MLA)
+        tiles = record.rocm == "tiles" and sz.get("BS", 1) > 1 and h.era not in ("0.11", "0.13")
+        if rule.planes == "rocm_tiles":
+            return tiles and rocm is not False
+        if tiles and rocm:
+            return False
+        if record.rocm == "aiter" and rocm and h.era in (None, "0.33"):
+            return False  # aiter's MXFP4 pages on ROCm gfx950: not claimed (see _aiter_pages)
+        return True
     if rule.mla:
         # a rank-3 cache is a latent of any width (576 for DeepSeek, 128 for MiniMax-M3's indexer
-        # keys, ...); only byte records whose width is in the blocked-scale table are pages of
-        # values-then-scales unless the cache dtype says they are per-token records
+        # keys, ...); a uint8 width that is one of vLLM's byte records is read as vLLM writes it
+        # (the width identifies the record: kvcore_vllm.specs)
+        if record is not None:
+            return record.layout == "token" and _record_hints_ok(record, h)
         if h.head_size is not None:
-            # model_config.get_head_size() is 576 for the 656 B fp8_ds_mla record: the engine's own truth
-            record = h.cache_dtype == "fp8_ds_mla" and h.head_size == 576 and sz[last] * isz == FP8_DS_MLA_BYTES
-            return width == h.head_size or record
-        if t.dtype in _BYTE_DTYPES and esz == 1 and sz[last] in BLOCKED_SCALE_RECORDS:
-            return sz[last] in RECORD_WIDTHS_PER_TOKEN_DTYPE and h.cache_dtype in (None, "auto", RECORD_WIDTHS_PER_TOKEN_DTYPE[sz[last]])
+            return width == h.head_size
         return True
     if last == "CS":
         if width % 2:
@@ -797,8 +992,30 @@ def _sizes_ok(rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: Vllm
     return True
 
 
+def _aiter_pages(rule: Rule, v: torch.Tensor, h: VllmHints, rocm: bool | None) -> str | None:
+    """A description of the layout this tensor may be and kvcore does not read: vLLM 0.33 on
+    ROCm gfx950 stores the DSA indexer's MXFP4 keys (68 B records) in aiter's preshuffled
+    pages, whose tile sizes aiter's ``cache_format()`` reports at run time
+    (``v1/attention/ops/rocm_paged_mxfp4_indexer.py::rocm_paged_mxfp4_cache_layout``)."""
+    if not rule.blocked or rule.planes or rocm is False or h.era not in (None, "0.33"):
+        return None
+    if v.dtype not in _BYTE_DTYPES or v.shape[-1] not in RECORDS or RECORDS[v.shape[-1]].rocm != "aiter":
+        return None
+    return (
+        f"vLLM 0.33 ROCm (gfx950) MXFP4 indexer pages [NB, BS, {v.shape[-1]}] in aiter's preshuffled order "
+        "(rocm_paged_mxfp4_indexer.py: tile sizes from aiter's cache_format() at run time; not claimed by kvcore)"
+    )
+
+
 def _reading(
-    rule: Rule, key: str, views: list[torch.Tensor], tokens: tuple[str, ...], h: VllmHints, note: str, kernel_split: bool = False
+    rule: Rule,
+    key: str,
+    views: list[torch.Tensor],
+    tokens: tuple[str, ...],
+    h: VllmHints,
+    note: str,
+    kernel_split: bool = False,
+    rocm: bool | None = None,
 ) -> Reading | None:
     """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``.
 
@@ -814,10 +1031,28 @@ def _reading(
     if sz is None:
         return None
     dtype, esz = _element_dtype(t0, h, rule)
-    if not _sizes_ok(rule, sz, t0, esz, h, kernel_split):
+    if not _sizes_ok(rule, sz, t0, esz, h, kernel_split, rocm):
         return None
     if kernel_split and "BS" in sz and sz["BS"] != h.block_size:
         note += f" (block_size {h.block_size} is the manager's: the kernel reads blocks of {sz['BS']} tokens)"
+    decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
+    if key != "*":
+        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+    if rule.planes:
+        kv = _planes(rule, order, views, tokens)
+        if kv is None:
+            return None
+        if rule.gate in ("rocm", "rocm?"):
+            decided["device_type"] = "rocm"
+        cand = Candidate(
+            format=order,
+            kv_caches=kv,
+            dtype=dtype,
+            note=f"vLLM {rule.label}, layout {key}{note}",
+            decided_by=decided,
+            label=f"{rule.label}, {key}{note}",
+        )
+        return Reading(cand, rule, key, True)
     as_given = False
     if order[0] == "NL":
         perm = [tokens.index(tok) for tok in _fmt_tokens(order[1:])]
@@ -842,9 +1077,8 @@ def _reading(
     physical = tokens != rule.logical
     fmt = physical_name(order)
     params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
-    decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
-    if key != "*":
-        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+    if rule.gate in ("rocm", "rocm?"):
+        decided["device_type"] = "rocm"
     cand = Candidate(
         format=fmt,
         kv_caches=kv,
@@ -856,6 +1090,35 @@ def _reading(
         order="physical" if physical else (None if identity else "allocated"),
     )
     return Reading(cand, rule, key, as_given)
+
+
+def _planes(rule: Rule, name: str, views: list[torch.Tensor], tokens: tuple[str, ...]) -> dict[str, Any] | None:
+    """One layer view per entry (in ``tokens`` order) -> ``{role: container}`` for the
+    multi-plane ``name``: a list of per-layer plane views, or, where the name's template
+    has ``NL`` inside (0.33 block-outermost layouts), one view of all layers per plane."""
+    per = [PLANE_BUILDERS[rule.planes](v, tokens) for v in views]
+    if any(p is None for p in per):
+        return None
+    syntax = parse(name)
+    out: dict[str, Any] = {}
+    for role in syntax.roles:
+        ps = [p[role] for p in per]
+        axes = syntax.plane(role).syntax.axes
+        if "NL" in axes:
+            stacked = stack_layers(ps)
+            if stacked is None:
+                return None
+            at = axes.index("NL")
+            perm = list(range(1, at + 1)) + [0] + list(range(at + 1, stacked.dim()))
+            x = stacked.permute(perm)
+            if not _ordered(x):
+                return None
+            out[role] = x
+        else:
+            if not all(_ordered(x) for x in ps) or not _layers_separate(ps):
+                return None
+            out[role] = ps
+    return out
 
 
 def _fmt_tokens(order: Sequence[str]) -> tuple[str, ...]:
@@ -886,6 +1149,7 @@ def candidates(
     evidence: bool = False,
     layout_source: str = "kv_cache_layout",
     needs: list[str] | None = None,
+    unclaimed: list[str] | None = None,
 ) -> list[Reading]:
     """Every reading of ``tensors`` (one per layer, in layer order) that a rule allows.
 
@@ -904,13 +1168,25 @@ def candidates(
             ``VLLM_KV_CACHE_LAYOUT`` when it came from the environment), for messages.
         needs: when given, rules whose transform cannot apply for want of a hint append
             ``"<rule label>: <hints>"`` here (vLLM 0.11 CPU's flat ``(2, NB, BS*NH*HS)``
-            needs ``block_size`` and ``head_size`` or ``num_kv_heads``).
+            needs ``block_size`` and ``head_size`` or ``num_kv_heads``; the split reading of
+            int8 byte views needs ``dtype``).
+        unclaimed: when given, layouts these tensors may be that kvcore does not read
+            (vLLM 0.33 ROCm's aiter MXFP4 indexer pages) are appended here.
+
+    The platform (ROCm or not) comes from :func:`platform_rocm`.
 
     A ``block_size`` hint is first matched exactly; only when no reading has that block
     size is it read as the manager's block size split into kernel blocks (vLLM 0.13+:
     ``block_size // kernel_block_size`` kernel blocks per block).
     """
-    opts = dict(check_layout=check_layout, evidence=evidence, layout_source=layout_source, needs=needs)
+    opts = dict(
+        check_layout=check_layout,
+        evidence=evidence,
+        layout_source=layout_source,
+        needs=needs,
+        unclaimed=unclaimed,
+        rocm=platform_rocm(h, tensors),
+    )
     out = _candidates(tensors, h, False, **opts)
     if not [r for r in out if not r.candidate.against] and h.block_size is not None and h.era != "0.11":
         out = _candidates(tensors, h, True, **opts)
@@ -926,22 +1202,34 @@ def _candidates(
     evidence: bool,
     layout_source: str,
     needs: list[str] | None,
+    unclaimed: list[str] | None = None,
+    rocm: bool | None = None,
 ) -> list[Reading]:
     out: list[Reading] = []
     t0 = tensors[0]
     for rule in RULES:
-        if t0.dim() != rule.rank or not _rule_ok(rule, h):
+        if t0.dim() != rule.rank or not _rule_ok(rule, h, rocm):
             continue
+        src = list(tensors)
+        if rule.planes == "split_kv":
+            src = [_element_view(t, h) for t in tensors]
+            if any(t is None for t in src):
+                if needs is not None:
+                    needs.append(f"{rule.label}: needs dtype (an int8 byte view: V's tokens are one element apart)")
+                continue
         if rule.transform:
             fn = TRANSFORMS[rule.transform]
-            views = [fn(t, h) for t in tensors]
+            views = [fn(t, h) for t in src]
             if any(v is None for v in views):
                 missing = _missing_hints(rule, t0, h)
                 if needs is not None and missing:
                     needs.append(f"{rule.label}: needs {' and '.join(missing)}")
                 continue
         else:
-            views = list(tensors)
+            views = src
+        other = _aiter_pages(rule, views[0], h, rocm)
+        if other is not None and unclaimed is not None and other not in unclaimed:
+            unclaimed.append(other)
         for key in rule.layouts:
             against: dict[str, str] = {}
             if check_layout and not _layout_ok(rule, key, h):
@@ -949,17 +1237,17 @@ def _candidates(
                     continue
                 against = _against(h, layout_source)
             found = []
-            r = _reading(rule, key, views, rule.logical, h, "", kernel_split)
+            r = _reading(rule, key, views, rule.logical, h, "", kernel_split, rocm)
             if r is not None:
                 found.append(r)
             # the tensor already permuted to this layout's physical order
             order = rule.layouts[key]
-            phys = tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
+            phys = () if rule.planes else tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
             # vLLM 0.33 reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
             # _LAYOUT_COMPAT_ALIASES): a twin of another member is not what such a hint names
             alias_only = check_layout and h.kv_cache_layout in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != h.layout33
-            if rule.physical_ok and "/" not in key and order[0] == "NL" and phys != rule.logical and not alias_only:
-                r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split)
+            if rule.physical_ok and not rule.planes and "/" not in key and order[0] == "NL" and phys != rule.logical and not alias_only:
+                r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split, rocm)
                 if r is not None:
                     found.append(r)
             for r in found:
@@ -991,8 +1279,9 @@ def bare_candidates(
     out: list[Reading] = []
     if not _ordered(t):
         return out
+    rocm = platform_rocm(h, [t])
     for rule in RULES:
-        if rule.transform or not _rule_ok(rule, h):
+        if rule.transform or rule.planes or not _rule_ok(rule, h, rocm):
             continue
         for key, order in rule.layouts.items():
             if order[0] == "NL" or len(order) != t.dim():
@@ -1007,7 +1296,7 @@ def bare_candidates(
             if sz is None:
                 continue
             dtype, esz = _element_dtype(t, h, rule)
-            if not _sizes_ok(rule, sz, t, esz, h):
+            if not _sizes_ok(rule, sz, t, esz, h, rocm=rocm):
                 continue
             decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
             decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")

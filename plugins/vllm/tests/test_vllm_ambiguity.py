@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import allocate, kv_view
+from kvcore_vllm.fixtures import SPLIT_K, allocate, kv_view
 
 import kvcore
 
@@ -144,7 +144,7 @@ def test_rocm_paged_vs_flash_attention(semantic):
     kv = allocate("0.13.0", "ROCM_ATTN", "NHD", **g)  # same shape as FlashAttention's, bytes in the paged layout
     nhd = {"kv_cache_layout": "NHD"}  # contiguous: without it an HND cache in memory order fits too
     assert kvcore.detect(kv, "vllm", nhd).format.name == "NL_X_TWO_NB_BS_NH_HS"  # no ROCm signal: CUDA FlashAttention
-    _ambiguous(kv, {**nhd, "device_type": "rocm"}, "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS", deciding=("attention_backend",))
+    _ambiguous(kv, {**nhd, "device_type": "rocm"}, "NL_X_TWO_NB_BS_NH_HS", SPLIT_K, deciding=("attention_backend",))
     # without the version, 0.11's ROCM_ATTN (unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION) also fits
     _ambiguous(
         kv,
@@ -152,7 +152,7 @@ def test_rocm_paged_vs_flash_attention(semantic):
         deciding=("vllm_version", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"),
     )
     lay = kvcore.detect(kv, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_ATTN", "vllm_version": "0.13.0"})
-    assert lay.format.name == "NL_X_TWO_NB_NH_HS_BS"
+    assert lay.format.name == SPLIT_K
     semantic(lay, kv, kv_view)
 
 
@@ -160,14 +160,12 @@ def test_nh2_packed_vs_rocm_head_slots(semantic):
     """[NB, 2, BS, C]: two KV heads with K|V packed per head, or ROCm 0.33's K slot and V slot."""
     g = dict(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_size=8)
     packed = allocate("0.33.0", "FLASH_ATTN", "LBHNC", **g)
-    _ambiguous(
-        packed, {"device_type": "rocm", "vllm_version": "0.33"}, "NL_X_NB_NH_BS_CS", "NL_X_NB_TWO_NH_HS_BS", deciding=("attention_backend",)
-    )
+    _ambiguous(packed, {"device_type": "rocm", "vllm_version": "0.33"}, "NL_X_NB_NH_BS_CS", SPLIT_K, deciding=("attention_backend",))
     lay = kvcore.detect(packed, "vllm", {"device_type": "rocm", "attention_backend": "ROCM_AITER_FA", "kv_cache_layout": "LBHNC"})
     assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
     semantic(lay, packed, kv_view)
     slots = allocate("0.33.0", "ROCM_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=16)
     assert next(iter(slots.values())).shape == (3, 2, 4, 16)  # one KV head: the same shape as two packed heads of 8
     lay = kvcore.detect(slots, "vllm", {"attention_backend": "ROCM_ATTN", "num_kv_heads": 1})
-    assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_TWO_NH_HS_BS", 1, 16)
+    assert (lay.format.name, lay.num_heads, lay.head_size) == (SPLIT_K, 1, 16)
     semantic(lay, slots, kv_view)

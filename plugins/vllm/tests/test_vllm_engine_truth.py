@@ -18,6 +18,7 @@ from kvcore_vllm.fixtures import (
     MATRIX,
     MLA_BACKENDS,
     MULTI_PLANE,
+    SPLIT_K,
     allocate,
     allocate_dsv32,
     blocked_views,
@@ -165,7 +166,7 @@ def test_rocm_033_split_kv_cache_issue_geometry():
     kv = allocate("0.33.0", "ROCM_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
     _random_fill(kv)
     lay = kvcore.detect(kv, "vllm", {"attention_backend": "ROCM_ATTN", "num_kv_heads": 2})
-    assert lay.format.name == "NL_X_NB_TWO_NH_HS_BS"
+    assert lay.format.name == SPLIT_K
     _slot_rows_match(lay, kv, [5, 0, 47, 16, 31])
 
 
@@ -174,7 +175,7 @@ def test_rocm_attn_split_before_033(version, semantic):
     kv = allocate(version, "ROCM_ATTN", "NHD", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
     _random_fill(kv)
     lay = kvcore.detect(kv, "vllm", {"attention_backend": "ROCM_ATTN", "vllm_version": version})
-    assert lay.format.name == "NL_X_TWO_NB_NH_HS_BS"
+    assert lay.format.name == SPLIT_K
     _slot_rows_match(lay, kv, [5, 0, 47, 16, 31])
 
 
@@ -186,19 +187,19 @@ def test_rocm_011_default_is_unbind_and_the_variable_decides(monkeypatch, semant
     with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
         kvcore.detect(kv, "vllm", hints)
     assert "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in ei.value.hints and "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in str(ei.value)
-    assert {"NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_HS_BS"} <= set(ei.value.candidates)
+    assert {"NL_X_TWO_NB_BS_NH_HS", SPLIT_K} <= set(ei.value.candidates)
     for flag, fmt in (
         (False, "NL_X_TWO_NB_BS_NH_HS"),
         ("0", "NL_X_TWO_NB_BS_NH_HS"),
-        (True, "NL_X_TWO_NB_NH_HS_BS"),
-        ("1", "NL_X_TWO_NB_NH_HS_BS"),
+        (True, SPLIT_K),
+        ("1", SPLIT_K),
     ):
         kv = allocate("0.11.0", "ROCM_ATTN", "NHD", prefill_decode_attention=flag in (True, "1"), **g)
         lay = kvcore.detect(kv, "vllm", {**hints, "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": flag})
         assert lay.format.name == fmt
         semantic(lay, kv, kv_view)
     monkeypatch.setenv("VLLM_V1_USE_PREFILL_DECODE_ATTENTION", "1")  # the engine's own setting, read from its environment
-    assert kvcore.detect(kv, "vllm", hints).format.name == "NL_X_TWO_NB_NH_HS_BS"
+    assert kvcore.detect(kv, "vllm", hints).format.name == SPLIT_K
     with pytest.raises(kvcore.DetectionError, match="VLLM_V1_USE_PREFILL_DECODE_ATTENTION"):
         kvcore.detect(kv, "vllm", {**hints, "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": "maybe"})
 
@@ -210,7 +211,7 @@ def test_torch_sdpa_ipex_or_not_is_never_guessed(semantic):
     with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
         kvcore.detect(kv, "vllm", hints)
     assert "use_ipex" in ei.value.hints and "use_ipex" in str(ei.value)
-    for ipex, fmt in ((True, "NL_X_TWO_NB_NH_BS_HS"), (False, "NL_X_TWO_NB_NH_HS_BS")):
+    for ipex, fmt in ((True, "NL_X_TWO_NB_NH_BS_HS"), (False, SPLIT_K)):
         kv = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=ipex, **g)
         _random_fill(kv)
         lay = kvcore.detect(kv, "vllm", {**hints, "use_ipex": ipex})
@@ -329,30 +330,104 @@ def test_kernel_blocks_need_dense_pages():
         )
 
 
-# -- pending: multi-plane names (K and V differ) ---------------------------------------------
+# -- multi-plane names: K and V of different orders ---------------------------------------------
 
 
-def _has_multi_plane() -> bool:
-    """The core parses multi-plane names (branch planes) *and* this plugin registers them."""
-    try:
-        kvcore.parse_format("K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS")
-    except kvcore.KVCoreError:
-        return False
-    return set(MULTI_PLANE.values()) <= {f.name for f in kvcore.formats()}
+SPLIT_ROWS = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] in MULTI_PLANE]
 
 
-PENDING = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] in MULTI_PLANE]
+def test_the_seven_split_rows():
+    """0.11 ROCM_ATTN with the variable on, ROCM_ATTN 0.13 / 0.24 / 0.26, 0.33 LBHNC and LHBNC,
+    0.11 TORCH_SDPA without IPEX: every allocation vLLM reads through split_kv_cache."""
+    ids = {case_name(*r[:4], r[5]) for r in MATRIX if r[4] in MULTI_PLANE}
+    assert ids == {
+        "vllm-0.11-ROCM_ATTN-NHD-prefill_decode",
+        "vllm-0.13-ROCM_ATTN-NHD",
+        "vllm-0.24-ROCM_ATTN-NHD",
+        "vllm-0.26-ROCM_ATTN-NHD",
+        "vllm-0.33-ROCM_ATTN-LBHNC",
+        "vllm-0.33-ROCM_ATTN-LHBNC",
+        "vllm-0.11-TORCH_SDPA-NHD-noipex",
+    }
 
 
-@pytest.mark.xfail(
-    not _has_multi_plane(),
-    strict=True,
-    reason="pending the core's multi-plane layouts (K=...+V=... names): until they land, these K/V-differing layouts are "
-    "detected as the plugin's single-plane paged spec (NL_X_TWO_NB_NH_HS_BS / NL_X_NB_TWO_NH_HS_BS), bytes verified above",
-)
-@pytest.mark.parametrize("row", PENDING)
-def test_split_k_layouts_get_multi_plane_names(row, semantic):
-    kv, h = _alloc(row, 2, 16, 3)
+@pytest.mark.parametrize("row", SPLIT_ROWS)
+@pytest.mark.parametrize(("nh", "bs", "nb"), [(1, 16, 2), (2, 16, 3), (8, 64, 2)], ids=lambda v: str(v))
+def test_split_k_layouts_get_multi_plane_names(row, nh, bs, nb, semantic):
+    """Detection builds K ``(B, NH, HS/x, N, x)`` and V ``(B, NH, HS, N)`` from the engine's own
+    tensors (views, never copies), stages classic ``[2, NL, T, NH*HS]``, and every byte is the
+    one vLLM's split_kv_cache reads (random bytes, row by row, and the semantic check)."""
+    kv, h = _alloc(row, nh, bs, nb)
     lay = kvcore.detect(kv, "vllm", h)
-    assert lay.format.name == MULTI_PLANE[row[4]]
+    assert lay.format.name == SPLIT_K and lay.format.container == "planes"
+    assert [p.role for p in lay.planes] == ["K", "V"] and lay.classic_staging
+    assert (lay.num_heads, lay.head_size, lay.block_size, lay.num_blocks, lay.kv_size) == (nh, 16, bs, nb, 2)
+    x = 16 // 2  # bf16: 16-byte K chunks of 8 elements
+    k0, v0 = lay.kv_caches["K"][0], lay.kv_caches["V"][0]
+    assert tuple(k0.shape) == (nb, nh, 16 // x, bs, x) and tuple(v0.shape) == (nb, nh, 16, bs)
+    storages = {t.untyped_storage().data_ptr() for t in kv.values()}
+    assert all(t.untyped_storage().data_ptr() in storages for r in ("K", "V") for t in lay.kv_caches[r])
+    assert lay.staging_shapes(5) == {"kv": (2, 2, 5, nh * 16)}  # classic: one [2, NL, T, NH*HS] buffer
+    _random_fill(kv)
+    _slot_rows_match(lay, kv, [0, bs - 1, bs, nb * bs - 1, 3])
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.uint8], ids=str)
+def test_split_k_chunk_follows_the_element_size(dtype, semantic):
+    """x = 16 // element_size: 8 fp16, 4 fp32, 16 uint8 (fp8 storage) elements per K chunk."""
+    cd = "fp8_e4m3" if dtype == torch.uint8 else "auto"
+    kv = allocate("0.24.0", "ROCM_ATTN", "NHD", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=32,
+                  dtype=dtype, cache_dtype=cd)  # fmt: skip
+    h = {"attention_backend": "ROCM_ATTN", "vllm_version": "0.24", "cache_dtype": cd}
+    if dtype == torch.uint8:
+        h["dtype"] = "float8_e4m3fnuz"  # the platform's fp8 (gfx94x), as vLLM's RocmPlatform.fp8_dtype() gives it
+    lay = kvcore.detect(kv, "vllm", h)
+    x = 16 // torch.empty(0, dtype=dtype).element_size()
+    assert lay.format.name == SPLIT_K and lay.kv_caches["K"][0].shape[-1] == x
+    assert lay.dtype == (torch.float8_e4m3fnuz if dtype == torch.uint8 else dtype)
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p, dtype=lay.dtype))
+
+
+def test_split_k_refuses_a_head_the_chunks_do_not_divide():
+    # vLLM's view(num_blocks, num_kv_heads, head_size // x, -1, x) needs x | head_size: bf16 x = 8, head_size 12
+    kv = allocate("0.24.0", "ROCM_ATTN", "NHD", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=12)
+    with pytest.raises(kvcore.DetectionError):
+        kvcore.detect(kv, "vllm", {"attention_backend": "ROCM_ATTN", "vllm_version": "0.24"})
+
+
+def test_rocm_033_byte_views_need_the_element_dtype(semantic):
+    """0.33 int8 byte views: V's tokens are one element apart, so the split reading needs the
+    element size (``dtype``); with it, the planes are the element-dtype views of the caller's bytes."""
+    kv = allocate("0.33.0", "ROCM_ATTN", "LHBNC", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=16,
+                  byte_views=True)  # fmt: skip
+    assert next(iter(kv.values())).dtype == torch.int8
+    h = {"attention_backend": "ROCM_ATTN", "num_kv_heads": 2}
+    with pytest.raises(kvcore.DetectionError, match="dtype"):
+        kvcore.detect(kv, "vllm", h)
+    lay = kvcore.detect(kv, "vllm", {**h, "dtype": "bfloat16"})
+    assert (lay.format.name, lay.dtype, lay.head_size) == (SPLIT_K, torch.bfloat16, 16)
+    semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
+
+
+def test_split_k_tensors_on_a_rocm_build_need_the_backend(monkeypatch):
+    """Tensors of a ROCm process (torch.version.hip): a (2, NB, BS, NH, HS) cache is ROCM_ATTN's
+    split layout or an AITER/FlashAttention unbind: the backend decides, never a guess."""
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    kv = allocate("0.13.0", "ROCM_ATTN", "NHD", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=16)
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
+        kvcore.detect(kv, "vllm", {"vllm_version": "0.13", "kv_cache_layout": "NHD"})
+    assert SPLIT_K in ei.value.candidates and "attention_backend" in ei.value.hints
+    assert kvcore.detect(kv, "vllm", {"vllm_version": "0.13", "attention_backend": "ROCM_ATTN"}).format.name == SPLIT_K
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+@pytest.mark.parametrize(("nh", "hs"), [(1, 8), (3, 16)])
+def test_split_k_one_or_odd_tokens_per_block(bs, nh, hs, semantic):
+    """0.11 TORCH_SDPA takes any block size: one token per block (the K chunks and the V column
+    are then contiguous) and odd block sizes move the bytes split_kv_cache reads."""
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", num_layers=2, num_blocks=5, block_size=bs, num_kv_heads=nh, head_size=hs)
+    h = {"device_type": "cpu", "use_ipex": False, "block_size": bs, "num_kv_heads": nh, "vllm_version": "0.11"}
+    lay = kvcore.detect(kv, "vllm", h)
+    assert (lay.format.name, lay.block_size, lay.num_heads, lay.head_size) == (SPLIT_K, bs, nh, hs)
     semantic(lay, kv, kv_view)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import MATRIX, MLA_BACKENDS, MULTI_PLANE, case_name, fixture_cases
+from kvcore_vllm.fixtures import MATRIX, MLA_BACKENDS, MULTI_PLANE, RECORD_CASES, case_name, fixture_cases, record_case_name
 
 import kvcore
 from kvcore.testing import registered_fixtures
@@ -22,8 +22,12 @@ def _kernel_split(name: str) -> int:
 
 def test_matrix_has_one_case_per_row():
     # one case per matrix row, plus the blocked-scale indexer (its oracle is a pair of segment views)
+    # and one per byte record (RECORD_CASES: their oracle is the writers' pointer arithmetic)
     assert len(ROWS) == len(MATRIX)
-    assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} == set(CASES)
+    records = {record_case_name(*r[:4]) for r in RECORD_CASES}
+    assert len(records) == len(RECORD_CASES)
+    assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} | records == set(CASES)
+    assert {CASES[record_case_name(*r[:4])].format for r in RECORD_CASES} == {r[4] for r in RECORD_CASES}
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
     assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | {"vllm-ascend-pairs"}  # + kvcore_vllm.pairs
 

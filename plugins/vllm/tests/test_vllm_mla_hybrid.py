@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import allocate, blocked_views, kv_view
+from kvcore_vllm.fixtures import allocate, allocate_records, blocked_views, kv_view
 
 import kvcore
 
@@ -14,32 +14,27 @@ import kvcore
     [
         ("0.11.0", "INDEXER", "NHD", 132, 4),
         ("0.33.0", "INDEXER", "LBNHC", 132, 4),
-        ("0.11.0", "V4", "NHD", 584, 8),
-        ("0.33.0", "V4", "LBNHC", 528, 16),
+        ("0.26.0", "V4", "NHD", 584, 8),
+        ("0.33.0", "V4", "LBNHC", 584, 8),
+        ("0.33.0", "MXFP4", "LBNHC", 68, 4),
     ],
 )
 @pytest.mark.parametrize("padding", [0, 40])
 def test_blocked_scale_records(version, backend, layout, width, scale, padding):
-    if backend == "V4":  # DeepSeek-V4 fp8_ds_mla pages (LMCache's blocked-scale table), as vLLM's allocator lays them
-        cd = "fp8_ds_mla"
-        raw = torch.zeros((4 * width + padding) * 5, dtype=torch.int8)
-        shape = (5, 1, 4, width) if version.startswith("0.33") else (5, 4, width)
-        stride = (4 * width + padding, 4 * width, width, 1) if len(shape) == 4 else (4 * width + padding, width, 1)
-        kv = {f"model.layers.{i}.attn": torch.as_strided(raw.view(torch.uint8), shape, stride, 0) for i in range(1)}
-        kv["model.layers.1.attn"] = torch.as_strided(torch.zeros_like(raw).view(torch.uint8), shape, stride, 0)
-        hints = {"cache_dtype": cd}
-        with pytest.raises(kvcore.AmbiguousLayoutError):  # without the cache dtype: per-token record or blocked page
-            kvcore.detect(kv, "vllm", {"vllm_version": version})
-    else:
-        cd = "auto"
+    """The widths vLLM writes blocked: per block all tokens' values, then all tokens' scales
+    (DSA indexer keys 132 / 68, DeepSeek-V4 fp8_ds_mla 584; kvcore_vllm.specs), padded pages too."""
+    if backend == "INDEXER":
         kv = allocate(version, backend, layout, num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=576,
                       dtype=torch.uint8, block_padding=padding)  # fmt: skip
-        hints = None
-    if version.startswith("0.33") and backend == "INDEXER":
-        # [NB, 1, BS, 132] uint8 is also one fp8 MHA head of 66: the backend decides
+    else:  # DeepSeek-V4's pages are rounded up to 576 B (alignment); add the test's padding on top
+        kv = allocate_records(width, layout, version=version, num_layers=2, num_blocks=5, block_size=4,
+                              alignment=(4 * width + padding) if padding else None)  # fmt: skip
+    hints = {"vllm_version": version, "cache_dtype": "fp8_ds_mla" if backend == "V4" else None}
+    if version.startswith("0.33"):
+        # [NB, 1, BS, W] uint8 is also one fp8 MHA head of W/2: the backend decides
         with pytest.raises(kvcore.AmbiguousLayoutError):
-            kvcore.detect(kv, "vllm")
-        hints = {"attention_backend": "FLASHMLA_SPARSE"}
+            kvcore.detect(kv, "vllm", {"vllm_version": version})
+        hints["attention_backend"] = "FLASHMLA_SPARSE"
     lay = kvcore.detect(kv, "vllm", hints)
     assert lay.format.name == "NL_X_NB_BSV_BSS"
     assert (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (2, 5, 4, 1, width, 1)
@@ -76,20 +71,19 @@ def test_blocked_scale_records(version, backend, layout, width, scale, padding):
 
 
 def test_nvfp4_ds_mla_records(semantic):
-    # vLLM 0.33 flashmla_sparse.py: nvfp4_ds_mla is a 352 B record per token (NoPE, RoPE, then its own scales)
+    # vLLM 0.33 flashmla_sparse.py / deepseek_v32 kernels.py: nvfp4_ds_mla is a 352 B record per token
+    # (NoPE, RoPE, then its own scales); vLLM writes no 352-byte blocked page
     kv = allocate("0.33.0", "FLASHMLA_SPARSE", "LBNHC", num_layers=2, num_blocks=3, block_size=4, num_kv_heads=1, head_size=576,
                   cache_dtype="nvfp4_ds_mla")  # fmt: skip
     assert next(iter(kv.values())).shape == (3, 1, 4, 352)
-    err = None
-    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:  # per-token record, or LMCache's blocked-scale page
-        kvcore.detect(kv, "vllm")
-    err = ei.value
-    assert {"NL_X_NB_BS_HS", "NL_X_NB_BSV_BSS"} <= set(err.candidates) and "cache_dtype" in err.hints
-    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "nvfp4_ds_mla"})
-    assert (lay.format.name, lay.head_size, lay.dtype) == ("NL_X_NB_BS_HS", 352, torch.uint8)
+    for hints in ({"attention_backend": "FLASHMLA_SPARSE"}, {"cache_dtype": "nvfp4_ds_mla"}, {"head_size": 352}):
+        lay = kvcore.detect(kv, "vllm", hints)
+        assert (lay.format.name, lay.head_size, lay.dtype) == ("NL_X_NB_BS_HS", 352, torch.uint8)
     semantic(lay, kv, lambda k, layer, p: kv_view(k, layer, p))
-    assert kvcore.detect(kv, "vllm", {"head_size": 352}).format.name == "NL_X_NB_BS_HS"  # declared per token
-    assert kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_ds_mla"}).format.name == "NL_X_NB_BSV_BSS"
+    # model_config.get_head_size() is 576 for it: the engine's own truth, with its cache dtype
+    assert kvcore.detect(kv, "vllm", {"cache_dtype": "nvfp4_ds_mla", "head_size": 576}).head_size == 352
+    with pytest.raises(kvcore.DetectionError):  # fp8_ds_mla writes 656 / 584 / 528 B records, never 352
+        kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_ds_mla"})
 
 
 def test_fp8_ds_mla_is_a_per_token_record(semantic):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import MATRIX, allocate, kv_view
+from kvcore_vllm.fixtures import MATRIX, SPLIT_K, allocate, kv_view
 from kvcore_vllm.pairs import allocate_pairs
 
 import kvcore
@@ -204,7 +204,7 @@ def test_a_rank3_cache_that_needs_hints_names_them():
         kvcore.detect(flat, "vllm", {"device_type": "cpu", "attention_backend": "TORCH_SDPA"})
     full = {"device_type": "cpu", "attention_backend": "TORCH_SDPA", "block_size": 16, "head_size": 64, "use_ipex": False}
     lay = kvcore.detect(flat, "vllm", full)
-    assert (lay.format.name, lay.block_size, lay.num_heads, lay.head_size) == ("NL_X_TWO_NB_NH_HS_BS", 16, 1, 64)
+    assert (lay.format.name, lay.block_size, lay.num_heads, lay.head_size) == (SPLIT_K, 16, 1, 64)
 
 
 # -- 5. bare cross-layer tensors ------------------------------------------------------------------
@@ -219,7 +219,11 @@ def test_the_bare_cross_layer_tensor_of_a_connector():
     assert kvcore.detect([t], "vllm").format.name == "NB_NL_TWO_BS_NH_HS"  # one 6-D entry can only be that
 
 
-CROSS = [(v, b, lay, fmt) for v, b, lay, cross, fmt, extra in MATRIX if not fmt.startswith("NL_X_") and b != "FLASHMLA" and not extra]
+CROSS = [
+    (v, b, lay, fmt)
+    for v, b, lay, cross, fmt, extra in MATRIX
+    if kvcore.parse_format(fmt).container == "cross_layer" and b != "FLASHMLA" and not extra
+]
 
 
 @pytest.mark.parametrize(("version", "backend", "layout", "fmt"), CROSS, ids=_ids(CROSS))
