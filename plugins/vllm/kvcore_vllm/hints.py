@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from kvcore import DetectionError
 from kvcore.detection import tensor_order
@@ -133,8 +133,10 @@ CACHE_DTYPES: dict[str, torch.dtype | None] = {
 MLA_CACHE_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
 #: fp8 cache dtypes -> their fp8 kind; the exact dtype (OCP or FNUZ) depends on the platform.
 FP8_KINDS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_inc": "e4m3", "fp8_e5m2": "e5m2"}
-#: ``kv_cache_spec`` hint values: what vLLM's ``KVCacheSpec`` says a layer is.
-KV_CACHE_SPECS = ("attention", "mamba")
+#: ``kv_cache_spec`` hint values: what vLLM's ``KVCacheSpec`` says a layer is (``attention``:
+#: ``FullAttentionSpec`` / ``SlidingWindowSpec``...; ``mla``: ``MLAAttentionSpec``; ``mamba``:
+#: ``MambaSpec``).
+KV_CACHE_SPECS = ("attention", "mla", "mamba")
 
 #: Layout eras (first release of each): every vLLM version maps to the latest era at or
 #: below it. 0.11 also covers 0.12; 0.13 covers 0.14-0.23 (engine_layouts.md §1.1: the
@@ -142,6 +144,20 @@ KV_CACHE_SPECS = ("attention", "mamba")
 ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
 
 DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
+
+#: the values vLLM accepts in ``VLLM_KV_CACHE_LAYOUT`` (``vllm/envs.py``: ``env_with_choices``,
+#: case-sensitive): ``["NHD", "HND"]`` in 0.11-0.26, the 0.33 list in 0.33.
+ENV_LAYOUTS = {"0.26": ("NHD", "HND"), "0.33": ("LBNHC", "LBHNC", "LHBNC", "NHD", "HND", "BLHNC", "BLNHC", "BHLNC")}
+
+
+def env_flag(value: Any) -> bool:
+    """A boolean environment variable as vLLM 0.11 / 0.13 ``vllm/envs.py`` reads
+    ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION``: ``value.lower() in ("true", "1")``; every
+    other string (``"yes"``, ``"on"``, ``"2"``, ``" 1"``) is False. A bool is itself, an int
+    its decimal string (``1`` -> True, ``2`` -> False)."""
+    if isinstance(value, bool):
+        return value
+    return str(value).lower() in ("true", "1")
 
 
 def era_of(version: str) -> str:
@@ -228,8 +244,9 @@ class VllmHints(BaseModel):
     tensor_order: str | None = None
     use_ipex: bool | None = None
     prefill_decode_attention: bool | None = None
+    env_kv_cache_layout: str | None = None
 
-    @field_validator("use_ipex", "prefill_decode_attention", mode="before")
+    @field_validator("use_ipex", mode="before")
     @classmethod
     def _flag(cls, v, info):
         if v is None or isinstance(v, bool):
@@ -239,8 +256,45 @@ class VllmHints(BaseModel):
             return True
         if s in ("0", "false", "no", "off", ""):
             return False
-        name = "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" if info.field_name == "prefill_decode_attention" else info.field_name
-        raise DetectionError(f"vLLM hint {name}={v!r} must be a bool (True/False, 1/0)")
+        raise DetectionError(f"vLLM hint {info.field_name}={v!r} must be a bool (True/False, 1/0)")
+
+    @field_validator("prefill_decode_attention", mode="before")
+    @classmethod
+    def _env_flag(cls, v):
+        # exactly as vLLM reads the variable (0.11 / 0.13 vllm/envs.py, environment_variables
+        # ["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"]): os.getenv(..., "False").lower() in ("true", "1"),
+        # every other value is False ("yes", "on", "2", " 1" included); a bool is itself
+        if v is None or isinstance(v, bool):
+            return v
+        return env_flag(v)
+
+    @field_validator("env_kv_cache_layout", mode="before")
+    @classmethod
+    def _env_layout(cls, v):
+        # vLLM's envs.py env_with_choices("VLLM_KV_CACHE_LAYOUT", None, choices): case-sensitive, anything
+        # else makes vLLM raise ValueError when it reads the variable (the engine never starts)
+        if v is None:
+            return None
+        s = str(v)
+        if s not in ENV_LAYOUTS["0.33"]:
+            raise DetectionError(
+                f"VLLM_KV_CACHE_LAYOUT={s!r} is not a value vLLM accepts (vllm/envs.py env_with_choices, case-sensitive): "
+                f"{', '.join(ENV_LAYOUTS['0.26'])} up to 0.26, {', '.join(ENV_LAYOUTS['0.33'])} from 0.33; vLLM refuses to "
+                "start with it, so it describes no cache. Fix or unset the variable"
+            )
+        return s
+
+    @model_validator(mode="after")
+    def _env_layout_era(self):
+        era = self.era
+        if self.env_kv_cache_layout is not None and era is not None:
+            ok = ENV_LAYOUTS["0.33" if era == "0.33" else "0.26"]
+            if self.env_kv_cache_layout not in ok:
+                raise DetectionError(
+                    f"VLLM_KV_CACHE_LAYOUT={self.env_kv_cache_layout!r} is not a value vLLM {self.vllm_version} accepts "
+                    f"(vllm/envs.py env_with_choices: {', '.join(ok)}); vLLM refuses to start with it. Fix or unset the variable"
+                )
+        return self
 
     @field_validator("kv_cache_layout", mode="before")
     @classmethod
@@ -287,7 +341,14 @@ class VllmHints(BaseModel):
         if v is None:
             return None
         s = str(v).strip().lower().removesuffix("spec").removesuffix("_")
-        s = {"fullattention": "attention", "full_attention": "attention", "slidingwindow": "attention"}.get(s, s)
+        s = {
+            "fullattention": "attention",
+            "full_attention": "attention",
+            "slidingwindow": "attention",
+            "sliding_window": "attention",
+            "mlaattention": "mla",
+            "mla_attention": "mla",
+        }.get(s, s)
         if s not in KV_CACHE_SPECS:
             raise _bad("kv_cache_spec", v, KV_CACHE_SPECS)
         return s
@@ -352,7 +413,7 @@ class VllmHints(BaseModel):
     @property
     def is_mla(self) -> bool | None:
         """True for MLA backends or MLA-only cache dtypes, False for other backends, else None."""
-        if self.cache_dtype in MLA_CACHE_DTYPES:
+        if self.cache_dtype in MLA_CACHE_DTYPES or self.kv_cache_spec == "mla":
             return True
         if self.family is None:
             return None
@@ -421,18 +482,29 @@ def parse_hints(hints: Any) -> VllmHints:
             val = getattr(obj, attr, None)
             if field not in d and val is not None:
                 d[field] = val
+    # the engine's environment variables: given as hints (the engine's values), else this process's,
+    # parsed exactly as vLLM's envs.py parses them (VllmHints validators)
     if "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in d:
         d["prefill_decode_attention"] = d.pop("VLLM_V1_USE_PREFILL_DECODE_ATTENTION")
     elif "prefill_decode_attention" not in d and os.environ.get("VLLM_V1_USE_PREFILL_DECODE_ATTENTION") is not None:
         d["prefill_decode_attention"] = os.environ["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"]
-    if "kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT"):
-        d["kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
+    if "VLLM_KV_CACHE_LAYOUT" in d:
+        d["env_kv_cache_layout"] = d.pop("VLLM_KV_CACHE_LAYOUT")
+    if "kv_cache_layout" in d:
+        d.pop("env_kv_cache_layout", None)  # a layout from the hints or vLLM's config wins over the variable
+    elif "env_kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT") is not None:
+        d["env_kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
     # the core passes hints meant for every plugin; keep ours, refuse misspellings of ours
     known = set(VllmHints.model_fields)
     generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}  # tensor_order is a field
     unknown = set(d) - known - generic
     if unknown:
-        accepted = (known - {"prefill_decode_attention"}) | {"cache_config", "vllm_config", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"}
+        accepted = (known - {"prefill_decode_attention", "env_kv_cache_layout"}) | {
+            "cache_config",
+            "vllm_config",
+            "VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
+            "VLLM_KV_CACHE_LAYOUT",
+        }
         raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
     if "page_size" in d and "block_size" not in d:
         d["block_size"] = d["page_size"]
