@@ -219,8 +219,16 @@ def _pair_shape(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(k.shape), tuple(v.shape)
 
 
+def _shapes(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    if isinstance(x, (list, tuple)):
+        return [_shapes(y) for y in x]
+    return type(x).__name__
+
+
 def _mamba(items: list[Any]) -> Detection:
-    shapes = [[tuple(t.shape) for t in x] if isinstance(x, (list, tuple)) else tuple(x.shape) for x in items]
+    shapes = [_shapes(x) for x in items]
     return Detection(
         format=None,
         excluded=f"Mamba state (a list of state tensors per layer, shapes {shapes[:3]}): not KV "

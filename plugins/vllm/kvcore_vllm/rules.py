@@ -1391,32 +1391,39 @@ def _candidates(
     for rule in RULES:
         if t0.dim() != rule.rank or not _rule_ok(rule, h, rocm, cpu):
             continue
-        src = list(tensors)
-        if rule.planes == "split_kv":
-            src = [_element_view(t, h) for t in tensors]
-            if any(t is None for t in src):
-                if needs is not None:
-                    needs.append(f"{rule.label}: needs dtype (an int8 byte view: V's tokens are one element apart)")
-                continue
-        if rule.transform:
-            fn = TRANSFORMS[rule.transform]
-            views = [fn(t, h) for t in src]
-            if any(v is None for v in views):
-                missing = _missing_hints(rule, t0, h)
-                if needs is not None and missing:
-                    needs.append(f"{rule.label}: needs {' and '.join(missing)}")
-                continue
-        else:
-            views = src
-        other = _aiter_pages(rule, views[0], h, rocm)
-        if other is not None and unclaimed is not None and other not in unclaimed:
-            unclaimed.append(other)
+        keys = {}
         for key in rule.layouts:
             fams, against = layout_families(rule, key, h, layout_source) if check_layout else (_rule_families(rule, key, h), {})
             if not fams:
                 if not against or not evidence:
                     continue
                 fams = _rule_families(rule, key, h)
+            keys[key] = (fams, against)
+        if not keys:
+            continue  # no layout of this rule is allowed: it needs no hint either
+        # only readings the layout hints rule out: what they would need is beside the point
+        rule_needs = None if all(a for _, a in keys.values()) else needs
+        src = list(tensors)
+        if rule.planes == "split_kv":
+            src = [_element_view(t, h) for t in tensors]
+            if any(t is None for t in src):
+                if rule_needs is not None:
+                    rule_needs.append(f"{rule.label}: needs dtype (an int8 byte view: V's tokens are one element apart)")
+                continue
+        if rule.transform:
+            fn = TRANSFORMS[rule.transform]
+            views = [fn(t, h) for t in src]
+            if any(v is None for v in views):
+                missing = _missing_hints(rule, t0, h)
+                if rule_needs is not None and missing:
+                    rule_needs.append(f"{rule.label}: needs {' and '.join(missing)}")
+                continue
+        else:
+            views = src
+        other = _aiter_pages(rule, views[0], h, rocm)
+        if other is not None and unclaimed is not None and other not in unclaimed:
+            unclaimed.append(other)
+        for key, (fams, against) in keys.items():
             found = []
             why = rejected if not against else None  # a reading a hint rules out explains nothing
             r = _reading(rule, key, views, rule.logical, h, "", kernel_split, rocm, fams, why)
