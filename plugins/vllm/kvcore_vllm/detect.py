@@ -10,10 +10,15 @@ may also be a whole cross-layer buffer (what a cross-layer connector is handed).
 Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
 
 1. entries that are lists of tensors are per-layer ``(K, V)`` pairs when they can be
-   (two tensors ``[NB, BS, NH, HS]`` of one shape: vllm-ascend
-   ``NPUModelRunner._reshape_kv_cache_tensors``), else vLLM's Mamba state (a list of state
-   tensors of different shapes, 0.11 ``gpu_model_runner.py::_reshape_kv_cache_tensors``);
-   the ``kv_cache_spec`` hint (``attention`` / ``mamba``) says which outright. 4-D
+   (two tensors ``[NB, BS, NH, *]`` of one leading shape: vllm-ascend
+   ``NPUModelRunner._reshape_kv_cache_tensors``; NHD only, so an HND or block-outermost
+   ``kv_cache_layout`` contradicts them; of unequal widths they are K/V with ``head_size_v``
+   or an MLA layer's (nope, rope) caches, multi-plane names that ``kv_cache_spec`` or
+   ``head_size`` pick), one-element lists ``[kv_cache]`` as vLLM 0.11 / 0.13
+   ``bind_kv_cache`` keeps them (read as the tensor; at ranks a one-state Mamba layer shares
+   ``kv_cache_spec`` decides), else vLLM's Mamba state (a list of state tensors of different
+   shapes, 0.11 ``gpu_model_runner.py::_reshape_kv_cache_tensors``); the ``kv_cache_spec``
+   hint (``attention`` / ``mla`` / ``mamba``) says which outright. 4-D
    ``[NB, 1, 1, C]`` pages no rule reads (0.33 ``MambaSpec``: one state per block) are not
    KV either. Not-KV entries come back as ``Detection(format=None, excluded=...)``;
 2. entries that are the same memory (KV sharing: one cache under several layer names)
@@ -28,7 +33,10 @@ Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
    across versions, OCP vs FNUZ fp8 on ROCm);
 4. a layout hint the strides contradict raises :class:`kvcore.DetectionError` naming both
    (``tensor_order="physical"`` says the tensor was permuted into memory order);
-   hints that rule out every reading the tensors allow, likewise.
+   hints that rule out every reading the tensors allow, likewise; readings whose shapes fit
+   but whose memory cannot be a vLLM cache (per-layer views that overlap; a single tensor
+   whose layer axis would exceed :data:`kvcore_vllm.rules.MAX_BARE_LAYERS`) are named with
+   the reason when nothing else fits.
 
 Layouts whose parts live apart come back as multi-plane names with ``kv_caches={role:
 container}``: vLLM's paged-attention reading (``split_kv_cache``: K ``(NB, NH, HS/x, BS, x)``,

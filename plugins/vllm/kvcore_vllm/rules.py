@@ -42,7 +42,23 @@ from kvcore.grammar import parse
 from kvcore_vllm.hints import BACKEND_FAMILY, KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, MLA_CACHE_DTYPES, VllmHints
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS, RECORDS, ROCM_TILE_BYTES, ROCM_TILE_TOKENS
 
-__all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name", "platform_rocm", "SPLIT_KV"]
+__all__ = [
+    "Rule",
+    "RULES",
+    "candidates",
+    "bare_candidates",
+    "layout_families",
+    "stack_layers",
+    "MLA_WIDTHS",
+    "MAX_BARE_LAYERS",
+    "LAYOUT_READERS",
+    "LAYOUT_OVERRIDES",
+    "XPU_FORCES_NHD",
+    "physical_name",
+    "platform_rocm",
+    "platform_cpu",
+    "SPLIT_KV",
+]
 
 #: MLA latent widths vLLM's MLA backends accept: ``get_supported_head_sizes() == [576]``
 #: (0.11 ``mla/common.py``). A rank-3 ``[NB, BS, W]`` cache of any other width is a latent
