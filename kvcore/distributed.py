@@ -117,8 +117,13 @@ def _dt(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
 def _timeout(timeout) -> float:
     if timeout is None:
+        if _ENV_DATA is not None and b"KVCORE_P2P_TIMEOUT" not in _ENV_DATA:
+            return 300.0
         env = os.environ.get("KVCORE_P2P_TIMEOUT", "").strip()
         try:
             return float(env) if env else 300.0
@@ -680,6 +685,7 @@ class _Cuda:
         self.ks = torch.cuda.Stream(device)  # the sender reads the receiver's answers here
         self.rings = {True: _Ring(device), False: _Ring(device)}
         self.inflight: deque[_InFlight] = deque()
+        self.ev_main = torch.cuda.Event()  # reused: the posting stream waits for the current stream
 
 
 _CUDA: dict[int, _Cuda] = {}
@@ -784,11 +790,17 @@ def _surface(device: torch.device, block: bool = False) -> None:
             except _PeerLost as e:
                 q.clear()
                 raise _lost_error(f, i, a, b, e.reason) from None
-    from kvcore.kernels.native import take_device_error
-
-    msg = take_device_error()
+    msg = _take_device_error()
     if msg:
         raise TransferError(msg)
+
+
+def _take_device_error() -> str:
+    global _take_device_error
+    from kvcore.kernels.native import take_device_error
+
+    _take_device_error = take_device_error
+    return take_device_error()
 
 
 def _lost_error(f: _InFlight, i: int, a: int, b: int, reason: str) -> TransferError:
@@ -1005,11 +1017,11 @@ def _send_slow(ch, g, pg, dst, wdev, layout, side, s, t, heads, chunk_bytes, err
             raise TransferError(
                 f"{what}: the receiver's channel state is out of step with this side's; destroy and re-create the process group"
             )
-        why = str(err) if err is not None else None
-        if why is None:
-            why, _ = _mismatch(head, ag.sig, ag.layers, ag.tokens, _src_desc(head), f"rank {dst}'s {ag.peer_desc}", "the receiver")
-            why = why or f"this call's chunking differs from the agreed one ({ag.chunk_tokens} tokens per chunk)"
         _complete_refused_send(g, pg, dst, wdev, ag, tag, tmo)
+        if err is not None:
+            raise err  # the receiver's gate refused the transfer: it raises too
+        why, _ = _mismatch(head, ag.sig, ag.layers, ag.tokens, _src_desc(head), f"rank {dst}'s {ag.peer_desc}", "the receiver")
+        why = why or "this call differs from the transfer this channel agreed on"
         raise TransferError(
             f"{what}: the receiver refused and wrote nothing: {why} (the receiver repeats the transfer this channel agreed on, "
             f"{ag.tokens} token rows; the two calls do not match, both sides raise)"
@@ -1087,21 +1099,29 @@ class _Done(Exception):
         self.msg = msg
 
 
-@contextlib.contextmanager
-def _step(ch: _Channel):
+class _step:
     """A fast transfer: an exception before all its messages were posted leaves the two
     sides out of step (the channel is marked broken); a refusal after it (:class:`_Done`)
     is raised as a TransferError."""
-    try:
-        yield
-    except _Done as e:
-        raise TransferError(e.msg) from None
-    except BaseException as e:
-        if not isinstance(e, TransferError) or "destroy and re-create the process group" not in str(e).lower():
-            ch.broken = f"{type(e).__name__}: {str(e)[:300]}"
+
+    __slots__ = ("ch",)
+
+    def __init__(self, ch: _Channel):
+        self.ch = ch
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, e, tb):
+        if e is None:
+            return False
+        if isinstance(e, _Done):
+            raise TransferError(e.msg) from None
+        if isinstance(e, TransferError) and "destroy and re-create the process group" in str(e).lower():
+            self.ch.broken = str(e)[:300]
         else:
-            ch.broken = str(e)[:300]
-        raise
+            self.ch.broken = f"{type(e).__name__}: {str(e)[:300]}"
+        return False
 
 
 def _send_fast_any(ch, ag, g, pg, dst, wdev, side, s, tmo, tag) -> None:
@@ -1137,13 +1157,14 @@ class _DevEngine:
     def ctl(self, ch: _Channel) -> _Ctl:
         return _ctl(ch, self.dev)
 
-    @contextlib.contextmanager
     def on(self, stream):
-        torch.cuda.set_stream(stream)
-        try:
-            yield
-        finally:
-            torch.cuda.set_stream(self.main)
+        return _On(stream, self.main)
+
+    def xs_after_main(self) -> None:
+        """The posting stream waits for everything on the current stream so far."""
+        ev = self.st.ev_main
+        ev.record(self.main)
+        self.xs.wait_event(ev)
 
     def post(self, ops):
         return _coalesced(self.g, self.pg, self.dev, self.gpeer, ops, self.tag)
@@ -1163,6 +1184,22 @@ class _DevEngine:
 
     def keep(self, f: _InFlight) -> None:
         self.st.inflight.append(f)
+
+
+class _On:
+    """Make ``stream`` current, then ``main`` again."""
+
+    __slots__ = ("stream", "main")
+
+    def __init__(self, stream, main):
+        self.stream, self.main = stream, main
+
+    def __enter__(self):
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *a):
+        torch.cuda.set_stream(self.main)
+        return False
 
 
 class _NoEvent:
@@ -1202,6 +1239,9 @@ class _EmuEngine:
     def on(self, stream):
         return contextlib.nullcontext()
 
+    def xs_after_main(self) -> None:
+        pass
+
     def post(self, ops):
         return _Works([_post(snd, t, self.peer, self.pg, self.tag) for snd, t in ops], self.tmo)
 
@@ -1229,7 +1269,7 @@ def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
     ring = eng.ring(True)
     P, tb = ag.prefix_bytes, ag.token_bytes
     ring.ensure(P + ag.chunk_tokens * tb)
-    main, xs = eng.main, eng.xs
+    xs = eng.xs
     ctl = eng.ctl(ch)
     prep = side.native(emulate=eng.emulated)
     plan = prep.plan
@@ -1269,8 +1309,7 @@ def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
             if rc:
                 raise TransferError(f"{what}: packing chunk {i} was refused: {mod.last_error()}")
             with eng.on(xs):
-                if main is not None:
-                    xs.wait_stream(main)
+                eng.xs_after_main()
                 if i == 0:
                     if ctl.work is not None:
                         eng.wait_event(xs, ctl.ev)  # the last reader of this control slot's R0 / V
@@ -1284,8 +1323,7 @@ def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
             works.append((w, i, a, b))
         if not works:  # no tokens: the D / R0 / V exchange alone
             with eng.on(xs):
-                if main is not None:
-                    xs.wait_stream(main)
+                eng.xs_after_main()
                 if ctl.work is not None:
                     eng.wait_event(xs, ctl.ev)
                 works.append((eng.post([(True, ag.dfast), (False, ctl.r0), (False, ctl.v)]), -1, 0, 0))
