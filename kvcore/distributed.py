@@ -1073,11 +1073,16 @@ def _complete_refused_send(g, pg, dst, wdev, ag: _Agreement, tag, tmo) -> None:
             if w is not None:
                 w.wait()
     buf[:CTL_BYTES].copy_(_ctl_record(MAGIC, 0, ag.epoch, ag.tokens, 8).to(wdev))
+    groups = []
     for i, (a, b) in enumerate(bounds):
         lo = 0 if i == 0 else ag.prefix_bytes
-        ops = [(True, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])]
-        if i == len(bounds) - 1:
-            ops.append((False, v))
+        groups.append([(True, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])])
+    # V as the receiver sends it: with the last chunk, or alone after a single chunk
+    if len(groups) > 1:
+        groups[-1].append((False, v))
+    else:
+        groups.append([(False, v)])
+    for ops in groups:
         try:
             _exchange(g, pg, dst, wdev, ops, tag, tmo)
         except _PeerLost:
@@ -1316,11 +1321,14 @@ def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
                     ops = [(True, ag.dfast), (False, ctl.r0), (True, buf[: P + (b - a) * tb])]
                 else:
                     ops = [(True, buf[P : P + (b - a) * tb])]
-                if i == last:
-                    ops.append((False, ctl.v))
+                if i == last and last > 0:
+                    ops.append((False, ctl.v))  # with the last chunk (one chunk: a group of its own, as the receiver posts it)
                 w = eng.post(ops)
             ring.work[k] = w
             works.append((w, i, a, b))
+        if len(works) == 1:
+            with eng.on(xs):
+                works.append((eng.post([(False, ctl.v)]), -1, 0, 0))
         if not works:  # no tokens: the D / R0 / V exchange alone
             with eng.on(xs):
                 eng.xs_after_main()
@@ -1444,7 +1452,7 @@ def _send_fast_host(ch, ag, g, pg, dst, wdev, side, s, tmo, tag) -> None:
         else:
             ops = [(True, buf[P : P + (b - a) * tb])]
         if i == len(bounds) - 1:
-            ops.append((False, v))
+            ops.append((False, v))  # the receiver posts it with the last chunk (one chunk: alone); Gloo matches in order
         pending[k] = [(_post(snd, t, dst, pg, tag), (i, a, b)) for snd, t in ops]
     if not bounds:
         pending[0] = [(_post(snd, t, dst, pg, tag), (-1, 0, 0)) for snd, t in [(True, ag.dfast), (False, r0), (False, v)]]
@@ -1590,7 +1598,7 @@ def _recv_slow(ch, g, pg, src, wdev, layout, side, s, t, layers, heads, err, tmo
                 side.sig,
                 side.table.num_layers,
                 t,
-                f"rank {src}'s {ag.peer_desc}",
+                ag.peer_desc,
                 mine,
             )
             err = TransferError(
@@ -1646,11 +1654,15 @@ def _complete_refused_recv(g, pg, src, wdev, ag: _Agreement, tag, tmo) -> None:
     buf = ring.bufs[0]
     v = _ctl_record(MAGIC, 0, ag.epoch, ag.tokens, 8).to(wdev)
     bounds = ag.bounds()
+    groups = []
     for i, (a, b) in enumerate(bounds):
         lo = 0 if i == 0 else ag.prefix_bytes
-        ops = [(False, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])]
-        if i == len(bounds) - 1:
-            ops.append((True, v))
+        groups.append([(False, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])])
+    if len(groups) > 1:
+        groups[-1].append((True, v))
+    else:
+        groups.append([(True, v)])
+    for ops in groups:
         try:
             _exchange(g, pg, src, wdev, ops, tag, tmo)
         except _PeerLost:
