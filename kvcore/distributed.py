@@ -98,13 +98,16 @@ CTL_BYTES = 64
 PROTOCOL = 2
 MAGIC = 0x6B76636F72650002
 FAST, SLOW = 1, 2
-DEFAULT_CHUNK_BYTES = 128 << 20
-"""The largest staging chunk (bytes) kvcore.send picks by itself on a GPU (8 MiB on the CPU)."""
+DEFAULT_CHUNK_BYTES = 256 << 20
+"""The largest staging chunk (bytes) kvcore.send picks by itself on a GPU (8 MiB on the CPU).
+On two H200s (docs/benchmarks.md) every chunk cost tens of µs of NCCL and host time: 8192
+tokens of a TP half (537 MB) moved fastest in two chunks of 256 MiB (88 % of the ceiling for
+both halves, against 82 % in four of 128 MiB and 72 % in eight of 64 MiB)."""
 DEFAULT_CHUNK_BYTES_CPU = 8 << 20
 _MIN_CHUNK_BYTES = {"cuda": 16 << 20, "cpu": 2 << 20}
 """The smallest chunk kvcore.send picks by itself: below it a NCCL operation's fixed cost
 (tens of µs) outweighs what overlapping its packing would save."""
-_MIN_CHUNKS = 4
+_MIN_CHUNKS = {"cuda": 2, "cpu": 4}
 _CTL_RING = 8
 _STATS = {"handshakes": 0, "fast": 0}
 _NO_GATE = torch.empty(0, dtype=torch.int32)  # per process: handshakes run, fast transfers started (tests, diagnostics)
@@ -407,14 +410,16 @@ def _wire(table: StrideTable, per_plane: bool = False) -> _Wire:
 
 
 def _chunk_tokens(token_bytes: int, num_tokens: int, chunk_bytes: int | None, device_type: str) -> int:
-    """Tokens per chunk: ``chunk_bytes`` exactly when given; else a quarter of the transfer,
-    between the device's smallest chunk and :data:`DEFAULT_CHUNK_BYTES`."""
+    """Tokens per chunk: ``chunk_bytes`` exactly when given; else half of the transfer on a
+    GPU (a quarter on the CPU), between the device's smallest chunk and
+    :data:`DEFAULT_CHUNK_BYTES`."""
     if token_bytes <= 0 or num_tokens <= 0:
         return 1
     if chunk_bytes is None:
-        cap = DEFAULT_CHUNK_BYTES if device_type == "cuda" else DEFAULT_CHUNK_BYTES_CPU
+        gpu = device_type == "cuda"
+        cap = DEFAULT_CHUNK_BYTES if gpu else DEFAULT_CHUNK_BYTES_CPU
         lo = _MIN_CHUNK_BYTES.get(device_type, _MIN_CHUNK_BYTES["cpu"])
-        chunk_bytes = min(cap, max(lo, -(-num_tokens * token_bytes // _MIN_CHUNKS)))
+        chunk_bytes = min(cap, max(lo, -(-num_tokens * token_bytes // _MIN_CHUNKS["cuda" if gpu else "cpu"])))
     return max(1, min(num_tokens, chunk_bytes // token_bytes))
 
 
@@ -882,8 +887,8 @@ def send(
         group: the process group (default: the world).
         chunk_bytes: bytes per staging chunk (two are kept; a chunk holds at least one
             token), agreed in the handshake that opens the channel or changes its geometry
-            or token count. Default: a quarter of the transfer, at least 16 MiB (CPU:
-            2 MiB) and at most 128 MiB (CPU: 8 MiB).
+            or token count. Default: half of the transfer (CPU: a quarter), at least 16 MiB
+            (CPU: 2 MiB) and at most 256 MiB (CPU: 8 MiB).
         timeout: seconds (or a timedelta) each message may take (default
             ``KVCORE_P2P_TIMEOUT`` or 300).
         tag: the point-to-point tag: one channel per tag (Gloo also tells concurrent

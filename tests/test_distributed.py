@@ -325,7 +325,8 @@ def test_chunk_sizes():
 
     tb = 64 << 10  # one TP half of a Llama-3-8B token
     assert _chunk_tokens(tb, 256, None, "cuda") == 256  # 16.8 MB: one chunk (at least 16 MiB)
-    assert _chunk_tokens(tb, 8192, None, "cuda") == 2048  # 537 MB: four chunks of 128 MiB
+    assert _chunk_tokens(tb, 8192, None, "cuda") == 4096  # 537 MB: two chunks of 256 MiB
+    assert _chunk_tokens(2 * tb, 8192, None, "cuda") == 2048  # 1.07 GB: four chunks of 256 MiB
     assert _chunk_tokens(tb, 256, None, "cpu") == 64  # a quarter, at least 2 MiB
     assert _chunk_tokens(tb, 256, 1, "cuda") == 1  # explicit: exact, at least one token
     assert _chunk_tokens(tb, 3, 64 << 20, "cuda") == 3
