@@ -112,18 +112,23 @@ def _copy_rows(
         tokoff = o * tok_stride
     crow = base + blk * blk_stride + tokoff
     srow = stage_addr + s_idx * s_index + layer.to(tl.int64) * s_layer + s_off + t.to(tl.int64) * s_token
+    # the rows as pointers declared ALIGN-byte aligned: the hint goes on the pointers (it
+    # does not survive an int -> pointer cast), and on 1-D values only (Triton folds a
+    # tile of one element into a scalar and keeps the hint, whose rank must then fit)
+    cp_row = tl.multiple_of(crow.to(tl.pointer_type(UT)), ALIGN)
+    sp_row = tl.multiple_of(srow.to(tl.pointer_type(UT)), ALIGN)
     for s0 in range(0, n_segs, NSEG):  # one step unless a row has more than NSEG segments
         s = s0 + tl.arange(0, NSEG)
         sm = s < n_segs
         if SEGS:  # several segments per token row: a (token, segment) tile of runs
             sb = segs_ptr + j * 2 * n_segs
-            coff = tl.load(sb + s, mask=sm, other=0)
-            soff = tl.load(sb + n_segs + s, mask=sm, other=0)
+            coff = tl.multiple_of(tl.load(sb + s, mask=sm, other=0) // W, ALIGN // W)
+            soff = tl.multiple_of(tl.load(sb + n_segs + s, mask=sm, other=0) // W, ALIGN // W)
+            cp = cp_row[:, None, None] + coff[None, :, None]
+            sp = sp_row[:, None, None] + soff[None, :, None]
         else:  # one segment per token row (NHD-like rows, MLA)
-            coff = s.to(tl.int64) * 0
-            soff = coff
-        cp = tl.multiple_of((crow[:, None] + coff[None, :]).to(tl.pointer_type(UT)), [ALIGN, ALIGN])[:, :, None]
-        sp = tl.multiple_of((srow[:, None] + soff[None, :]).to(tl.pointer_type(UT)), [ALIGN, ALIGN])[:, :, None]
+            cp = cp_row[:, None, None]
+            sp = sp_row[:, None, None]
         m = (valid[:, None] & sm[None, :])[:, :, None]
         for i in range(0, n_full):  # whole pieces of EA units
             e = (i * EA + tl.arange(0, EA))[None, None, :]

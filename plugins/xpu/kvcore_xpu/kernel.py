@@ -300,11 +300,32 @@ def _device_ctx(dev: torch.device):
     return contextlib.nullcontext()
 
 
+_FAST_OFF: list[str] = []  # why direct launches were turned off in this process
+
+
+def _fast_launch_failed(e: Exception) -> None:
+    """A direct launch raised: launch through the JIT from now on (warned once). The
+    launches of a transfer move the same bytes to the same places when repeated."""
+    import warnings
+
+    if not _FAST_OFF:
+        _FAST_OFF.append(f"{type(e).__name__}: {e}")
+        warnings.warn(
+            f"{NAME}: Triton {triton_version()}'s compiled-kernel launcher refused a direct launch ({_FAST_OFF[0]}); "
+            "launching through the JIT from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    for _, prep in _CACHE.values():
+        prep.calls.clear()
+
+
 def _fast_launch() -> bool:
     """Whether a compiled kernel's launcher may be called directly: Triton >= 3.3 (its
     JIT passes every argument, constexprs included, to the launcher, as the compiled
-    kernel's ``[grid]`` runner does), unless ``KVCORE_TRITON_FAST_LAUNCH=0``."""
-    if os.environ.get("KVCORE_TRITON_FAST_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
+    kernel's ``[grid]`` runner does), unless ``KVCORE_TRITON_FAST_LAUNCH=0`` or a direct
+    launch raised in this process."""
+    if _FAST_OFF or os.environ.get("KVCORE_TRITON_FAST_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     try:
         import triton
@@ -317,12 +338,13 @@ def _fast_launch() -> bool:
 
 def _runner(compiled, grid: tuple[int, int]):
     """``compiled[grid]``: the compiled kernel's launcher alone, taking ``(*every
-    argument)``; None when this Triton's compiled kernel offers none (then the JIT
-    launches)."""
+    argument)`` (Triton's ``CompiledKernel[grid]`` reads three grid dimensions; the
+    JIT pads them, this does too); None when this Triton's compiled kernel offers none
+    (then the JIT launches)."""
     if compiled is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "__getitem__")):
         return None
     try:
-        return compiled[grid]
+        return compiled[(*grid, *(1,) * (3 - len(grid)))]
     except Exception:  # noqa: BLE001 - the JIT path still works
         return None
 
@@ -466,14 +488,19 @@ class TritonKernel:
                 sig = _signature(plan.staging, slots, gather, interpreting() if dev.type == "cpu" else False)
                 calls = prep.calls.get(sig)
                 if calls is not None:
-                    if _on_current(dev):
-                        for run, args in calls:
-                            run(slots, *args)
-                    else:
-                        with _device_ctx(dev):
+                    try:
+                        if _on_current(dev):
                             for run, args in calls:
                                 run(slots, *args)
-                    return
+                        else:
+                            with _device_ctx(dev):
+                                for run, args in calls:
+                                    run(slots, *args)
+                        return
+                    except Exception as e:  # noqa: BLE001 - only a refused direct launch is retried
+                        if all(isinstance(run, _Bound) for run, _ in calls):
+                            raise
+                        _fast_launch_failed(e)  # then the JIT launches (again): same bytes, same places
         self._run_checked(plan, gather)
 
     def _run_checked(self, plan: TransferPlan, gather: bool) -> None:
@@ -498,39 +525,8 @@ class TritonKernel:
         calls = []
         for ln in prep.launches:
             lp = launch_params(ln, work[ln.key], T, table.num_layers, few=interp and _INTERP_FEW)
-            kw = dict(
-                GATHER=gather,
-                UT=mod.UNIT_TYPES[lp.unit],
-                W=lp.unit,
-                ALIGN=lp.align,
-                BLOCK_T=lp.block_t,
-                NSEG=lp.nseg,
-                EA=lp.piece,
-                EB=lp.tail,
-                NFC=_NF,
-                SEGS=ln.n_segs > 1,
-                BS_POW2=lp.bs_pow2,
-                GROUPED=ln.grouped,
-            )
-            bs = table.block_size
             for pair0, n in lp.chunks:
-                args = (
-                    T,
-                    ln.bases,
-                    ln.desc,
-                    ln.segs,
-                    ln.num_planes,
-                    pair0,
-                    lp.addr,
-                    lp.s_index,
-                    lp.s_layer,
-                    lp.s_token,
-                    bs,
-                    bs.bit_length() - 1,
-                    ln.n_segs,
-                    lp.seg_vecs,
-                    lp.n_full,
-                )
+                args, kw = launch_args(ln, lp, T, pair0, gather, mod.UNIT_TYPES)
                 calls.append(((lp.n_tiles, n), args, kw))
         for host, tmp in bounce:
             tmp.copy_(host)  # scatter reads it; a gather leaves its skipped rows as they were
@@ -554,6 +550,45 @@ class TritonKernel:
             if len(prep.calls) >= _MAX_CACHED:
                 prep.calls.clear()
             prep.calls[_signature(plan.staging, slots, gather, interp if dev.type == "cpu" else False)] = tuple(ready)
+
+
+def launch_args(ln: _Launch, lp: LaunchParams, T: int, pair0: int, gather: bool, unit_types: dict) -> tuple[tuple, dict]:
+    """The program's arguments after ``slots`` for the launch of ``ln`` cut as ``lp``
+    from pair ``pair0``: ``(runtime arguments in order, compile-time ones and num_warps)``."""
+    bs = ln.block_size
+    args = (
+        T,
+        ln.bases,
+        ln.desc,
+        ln.segs,
+        ln.num_planes,
+        pair0,
+        lp.addr,
+        lp.s_index,
+        lp.s_layer,
+        lp.s_token,
+        bs,
+        bs.bit_length() - 1,
+        ln.n_segs,
+        lp.seg_vecs,
+        lp.n_full,
+    )
+    kw = dict(
+        GATHER=gather,
+        UT=unit_types[lp.unit],
+        W=lp.unit,
+        ALIGN=lp.align,
+        BLOCK_T=lp.block_t,
+        NSEG=lp.nseg,
+        EA=lp.piece,
+        EB=lp.tail,
+        NFC=_NF,
+        SEGS=ln.n_segs > 1,
+        BS_POW2=lp.bs_pow2,
+        GROUPED=ln.grouped,
+        num_warps=lp.warps,
+    )
+    return args, kw
 
 
 class _Bound:
@@ -613,6 +648,8 @@ class LaunchParams:
             programs.
         n_tiles: programs per (layer, plane) pair; chunks: ``(first pair, pairs)`` per launch.
         bs_pow2: the block size is a power of two (slot -> block, offset: shift and mask).
+        warps: warps per program: ``KVCORE_TRITON_WARPS``, fewer when a program's piece
+            step has under one vector per thread.
     """
 
     addr: int
@@ -630,6 +667,7 @@ class LaunchParams:
     n_tiles: int
     chunks: tuple[tuple[int, int], ...]
     bs_pow2: bool
+    warps: int
 
 
 def launch_params(ln: _Launch, buf: torch.Tensor, T: int, num_layers: int, few: bool = False) -> LaunchParams:
@@ -673,6 +711,8 @@ def launch_params(ln: _Launch, buf: torch.Tensor, T: int, num_layers: int, few: 
         )
     chunks = tuple((p0, min(_MAX_PAIRS, pairs - p0)) for p0 in range(0, pairs, _MAX_PAIRS))
     bs = ln.block_size
+    # a small tile's piece step still gives every thread a whole vector
+    warps = 1 if few else max(1, min(_NUM_WARPS, _pow2_floor(block_t * nseg * piece // (32 * vec))))
     return LaunchParams(
         addr,
         s_index,
@@ -689,6 +729,7 @@ def launch_params(ln: _Launch, buf: torch.Tensor, T: int, num_layers: int, few: 
         n_tiles,
         chunks,
         bs > 0 and bs & (bs - 1) == 0,
+        warps,
     )
 
 

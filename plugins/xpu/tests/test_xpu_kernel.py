@@ -548,6 +548,212 @@ def test_one_launch_moves_all_layers_and_planes(interp, monkeypatch):
     assert len(calls) == 4
 
 
+# -- what the device compiles, and how a repeated transfer launches ---------------------------
+#
+# No GPU here, but Triton compiles for one without it: the program is compiled for sm_90
+# (an H200) from the launches the kernel cuts, the PTX read for 16-byte vector accesses and
+# 64-bit divisions, and tiles of one element compiled at all (Triton folds them into
+# scalars; an alignment hint of the wrong rank then aborts the compiler).
+
+
+def _ptx(args, kw) -> str:
+    """The PTX of the program for the launch ``(args, kw)`` (``launch_args``), for sm_90."""
+    import triton
+    from kvcore_xpu import _triton_copy as tc
+    from triton.backends.compiler import GPUTarget
+
+    fn = tc.jitted(False)
+    kw = dict(kw)
+    warps = kw.pop("num_warps")
+    sig = {"slots_ptr": "*i64"}
+    for name, a in zip(fn.arg_names[1:], args):
+        sig[name] = "*i64" if isinstance(a, torch.Tensor) else "i32" if -(2**31) <= a < 2**31 else "i64"
+    sig.update({k: "constexpr" for k in kw})
+    names = fn.arg_names
+    src = triton.compiler.ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(names.index(k),): v for k, v in kw.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n] == "*i64"},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # no floating point here; silences 3.9's notice
+    from kvcore_xpu import _triton_copy as tc
+
+    return tc
+
+
+@pytest.mark.parametrize(
+    "name,shape,nl,tokens",
+    [
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 256),
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 16, 128), 32, 8192),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 8192),
+    ],
+    ids=["NHD", "HND", "MLA"],
+)
+def test_benchmark_geometries_compile_to_16_byte_vectors_without_divisions(compiled, name, shape, nl, tokens):
+    from kvcore_xpu.kernel import launch_args
+
+    caches = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(nl)]
+    lay = kvcore.build_layout(name, caches)
+    (ln,) = _launches(lay.stride_table())
+    lp = launch_params(ln, torch.empty(lay.staging_shape(tokens), dtype=torch.bfloat16, device="meta"), tokens, nl)
+    for gather in (True, False):
+        ptx = _ptx(*launch_args(ln, lp, tokens, 0, gather, compiled.UNIT_TYPES))
+        loads = [line for line in ptx.splitlines() if "ld.global" in line and "b64" in line]
+        stores = [line for line in ptx.splitlines() if "st.global" in line]
+        # every store, and every load but the descriptor and slot reads, is a 16-byte vector
+        assert stores and all(".v2.b64" in line for line in stores), stores[:3]
+        assert sum(".v2.b64" in line for line in loads) == len(stores)
+        assert "div.s64" not in ptx and "rem.s64" not in ptx and "div.u64" not in ptx
+
+
+def test_tiles_of_one_element_and_every_unit_width_compile(compiled):
+    """Small transfers cut into programs of one token, one segment, one unit (every
+    hand-made table above, an NHD cache staged at an odd address: 2-byte units, 5- and
+    1-byte rows: 1-byte units)."""
+    from kvcore_xpu.kernel import launch_args
+
+    launches = []
+    for make in CASES.values():
+        planes, buffers, _, _ = make()
+        table = _table(planes, buffers)
+        staging = _staging(buffers, 1, 0)
+        for ln in _launches(table):
+            launches.append((ln, launch_params(ln, staging[ln.key], 1, NL)))
+    caches = [torch.empty(2, 4, 16, 1, 4, dtype=torch.bfloat16) for _ in range(2)]
+    (ln,) = _launches(kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches).stride_table())
+    odd = torch.empty(2 * 2 * 1 * 4 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1, 4)
+    launches.append((ln, launch_params(ln, odd, 1, 2)))
+    for width in (5, 1):  # 5-byte rows (1-byte units, a tail piece), 1-byte rows: a [1, 1, 1] tile
+        caches = [torch.empty(4, 16, width, dtype=torch.uint8) for _ in range(2)]
+        (ln,) = _launches(kvcore.build_layout("NL_X_NB_BS_HS", caches).stride_table())
+        launches.append((ln, launch_params(ln, torch.empty(2, 1, width, dtype=torch.uint8), 1, 2)))
+    assert {lp.block_t for _, lp in launches} == {1} and {lp.unit for _, lp in launches} >= {1, 2, 4, 8}
+    assert any(lp.piece == 1 and lp.nseg == 1 for _, lp in launches)
+    for ln, lp in launches:
+        assert "st.global" in _ptx(*launch_args(ln, lp, 1, 0, False, compiled.UNIT_TYPES))
+
+
+@pytest.fixture
+def direct_launch(interp, monkeypatch):
+    """The compiled path on CPU tensors: the JIT returns Triton's own ``CompiledKernel``
+    whose launcher (``state["launcher"]``, by default: run the program in the interpreter
+    with the arguments it receives, by name) is what a repeated transfer calls."""
+    from types import SimpleNamespace
+
+    from kvcore_xpu import _triton_copy as tc
+    from kvcore_xpu import kernel as km
+    from triton.compiler import compiler as tcomp
+
+    program = tc.jitted(True)
+    names = program.arg_names
+    state = {"jit": 0, "runner": 0}
+
+    def run_by_name(g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        assert (g2, stream, function) == (1, "stream", "function") and len(args) == len(names)
+        state["runner"] += 1
+        program[(g0, g1, g2)](**dict(zip(names, args)))
+
+    state["launcher"] = run_by_name
+    ck = object.__new__(tcomp.CompiledKernel)
+    ck.module, ck._module_pid, ck.function, ck.packed_metadata = object(), None, "function", None
+    ck.name, ck.src, ck.metadata = "_copy_rows", None, None  # read when a launch hook is set
+    ck._run = lambda *a: state["launcher"](*a)
+    monkeypatch.setattr(
+        tcomp, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: "stream"))
+    )
+
+    class Jit:
+        arg_names = names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                state["jit"] += 1
+                kw.pop("num_warps")
+                program[grid](*args, **kw)
+                return ck
+
+            return launch
+
+    monkeypatch.setattr(km, "_program", lambda: (Jit(), tc))
+    monkeypatch.setattr(km, "interpreting", lambda: False)  # the compiled path ...
+    monkeypatch.setattr(km.TritonKernel, "_check", lambda self, plan, dev: plan.buffers)  # ... on CPU tensors
+    monkeypatch.setattr(km, "_MIN_PROGRAMS", 1)
+    monkeypatch.setattr(km, "_FAST_OFF", [])
+    return state
+
+
+def test_a_repeated_transfer_calls_the_compiled_kernels_runner_with_every_argument(direct_launch):
+    """A repeated transfer skips the JIT: it calls Triton's own ``CompiledKernel[grid]``
+    runner (grid padded to three dimensions) with every argument in the program's order.
+    Here that runner's launcher runs the program in the interpreter with the arguments it
+    receives, by name: the bytes it moves prove the order."""
+    seen = direct_launch
+    planes, buffers, _, tensors = case_chunked_heads()  # two launches: two run shapes
+    gen = torch.Generator().manual_seed(4)
+    for t in tensors:
+        _rand_(t, gen)
+    table = _table(planes, buffers)
+    want = _staging(buffers, len(SLOTS), 0)
+    REFERENCE.gather(_plan(table, SLOTS, want))
+    got = _staging(buffers, len(SLOTS), 0)
+    plan = _plan(table, SLOTS, got)
+    KERNEL.gather(plan)
+    assert (seen["jit"], seen["runner"]) == (2, 0) and torch.equal(_bytes(got["kv"]), _bytes(want["kv"]))
+    got["kv"].zero_()
+    KERNEL.gather(plan)
+    assert (seen["jit"], seen["runner"]) == (2, 2) and torch.equal(_bytes(got["kv"]), _bytes(want["kv"]))
+    # scatter: first call through the JIT, the repeat through the runner
+    src = _staging(buffers, len(SLOTS), 0)
+    src["kv"].view(torch.uint8).copy_(torch.randint(0, 256, src["kv"].view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+    before = [_bytes(t) for t in tensors]
+    REFERENCE.scatter(_plan(table, SLOTS, src))
+    ref = [_bytes(t) for t in tensors]
+    splan = _plan(table, SLOTS, src)
+    for _ in range(2):
+        for t, b in zip(tensors, before):
+            _bytes_set(t, b)
+        KERNEL.scatter(splan)
+        assert all(torch.equal(_bytes(t), r) for t, r in zip(tensors, ref))
+    assert (seen["jit"], seen["runner"]) == (4, 4)
+
+
+def test_a_refused_direct_launch_falls_back_to_the_jit_for_good(direct_launch):
+    """A Triton whose compiled-kernel runner refuses the call (as one reading a grid
+    dimension that is not there): the transfer still moves its bytes, through the JIT,
+    with one warning; later transfers go straight to the JIT."""
+    seen = direct_launch
+
+    def refuses(*args):
+        raise IndexError("tuple index out of range")
+
+    seen["launcher"] = refuses
+    caches = [_rand_(torch.empty(2, 6, 8, 2, 16, dtype=torch.float16), torch.Generator().manual_seed(9)) for _ in range(2)]
+    tb = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches).stride_table()
+    slots = torch.tensor([40, 3, -1, 17])
+    want = torch.zeros(2, 2, 4, 32, dtype=torch.float16)
+    REFERENCE.gather(TransferPlan(tb, slots, want, 3))
+    out = torch.zeros_like(want)
+    plan = TransferPlan(tb, slots, out, 3)
+    KERNEL.gather(plan)
+    out.zero_()
+    with pytest.warns(RuntimeWarning, match="launching through the JIT from now on"):
+        KERNEL.gather(plan)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)) and seen["jit"] == 2
+    out.zero_()
+    KERNEL.gather(plan)
+    KERNEL.gather(plan)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)) and seen["jit"] == 4 and seen["runner"] == 0
+
+
 # -- selection and refusals -------------------------------------------------------------------
 
 
