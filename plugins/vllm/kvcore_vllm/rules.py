@@ -721,23 +721,52 @@ def _t_kv_rows(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     return torch.as_strided(t, (b, nh, 2, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
 
 
-def _t_paged(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # 0.11 CPU: (2, B, N*H*D) -> V's view (2, B, H, D, N); needs block_size and heads or head_size
-    two, b, flat = t.shape
-    n = h.block_size
-    if n is None or flat % n or t.stride(2) != 1:
+def flat_geometry(flat: int, h: VllmHints) -> tuple[int, int, int] | None:
+    """``(block_size, num_kv_heads, head_size)`` of vLLM 0.11 TORCH_SDPA's flat row
+    (``cpu_attn.py::_PagedAttention.get_kv_cache_shape``: ``(2, NB, BS*NH*HS)``, ``flat``
+    elements per block and side) from the hints: any two of the three fix the third
+    (``flat`` divided by their product). None when fewer than two are given, when the third
+    is not a whole number, or when all three are given and their product is not ``flat``
+    (:func:`flat_misfit` says which)."""
+    n, nh, d = h.block_size, h.num_kv_heads, h.head_size
+    if sum(x is not None for x in (n, nh, d)) < 2:
         return None
-    per = flat // n
-    if h.num_kv_heads and h.head_size:
-        nh, d = h.num_kv_heads, h.head_size
-    elif h.num_kv_heads:
-        nh, d = h.num_kv_heads, per // h.num_kv_heads
-    elif h.head_size:
-        nh, d = per // h.head_size, h.head_size
+    if n is None:
+        n, rest = divmod(flat, nh * d)
+    elif nh is None:
+        nh, rest = divmod(flat, n * d)
+    elif d is None:
+        d, rest = divmod(flat, n * nh)
     else:
+        rest = flat - n * nh * d
+    if rest or not (n and nh and d):
         return None
-    if nh * d != per:
+    return n, nh, d
+
+
+def flat_misfit(flat: int, h: VllmHints) -> str | None:
+    """Why the hints cannot split 0.11 TORCH_SDPA's flat row of ``flat`` elements (two or
+    three of block_size, num_kv_heads, head_size given), or None."""
+    given = {k: v for k, v in (("block_size", h.block_size), ("num_kv_heads", h.num_kv_heads), ("head_size", h.head_size)) if v}
+    if len(given) < 2 or flat_geometry(flat, h) is not None:
         return None
+    said = " * ".join(f"{k}={v}" for k, v in given.items())
+    prod = 1
+    for v in given.values():
+        prod *= v
+    if len(given) == 3:
+        return f"{said} = {prod}, but each block holds {flat} elements per side (block_size*num_kv_heads*head_size); fix a hint"
+    other = next(k for k in ("block_size", "num_kv_heads", "head_size") if k not in given)
+    return f"{said} = {prod} does not divide the {flat} elements per block and side (block_size*num_kv_heads*head_size): no whole {other} fits; fix a hint"
+
+
+def _t_paged(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.11 CPU: (2, B, N*H*D) -> V's view (2, B, H, D, N); needs two of block_size, num_kv_heads, head_size
+    two, b, flat = t.shape
+    g = flat_geometry(flat, h)
+    if g is None or t.stride(2) != 1:
+        return None
+    n, nh, d = g
     return torch.as_strided(t, (two, b, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
 
 
@@ -771,20 +800,10 @@ def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
 def _t_paged_ipex(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     # 0.11 CPU with IPEX: (2, B, N*H*D) -> (2, B, H, N, D) (_IPEXPagedAttention.split_kv_cache)
     two, b, flat = t.shape
-    n = h.block_size
-    if n is None or flat % n or t.stride(2) != 1:
+    g = flat_geometry(flat, h)
+    if g is None or t.stride(2) != 1:
         return None
-    per = flat // n
-    if h.num_kv_heads and h.head_size:
-        nh, d = h.num_kv_heads, h.head_size
-    elif h.num_kv_heads:
-        nh, d = h.num_kv_heads, per // h.num_kv_heads
-    elif h.head_size:
-        nh, d = per // h.head_size, h.head_size
-    else:
-        return None
-    if nh * d != per:
-        return None
+    n, nh, d = g
     return torch.as_strided(t, (two, b, nh, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
 
 
@@ -1433,6 +1452,11 @@ def _candidates(
                 missing = _missing_hints(rule, t0, h)
                 if rule_needs is not None and missing:
                     rule_needs.append(f"{rule.label}: needs {' and '.join(missing)}")
+                misfit = flat_misfit(t0.shape[2], h) if rule.transform in ("paged", "paged_ipex") and t0.shape[0] == 2 else None
+                if misfit and rejected is not None and not all(a for _, a in keys.values()):
+                    why = f"{rule.label}: {misfit}"
+                    if why not in rejected:
+                        rejected.append(why)
                 continue
         else:
             views = src
@@ -1466,13 +1490,15 @@ def _candidates(
 
 def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
     """The hints a rule's transform needs and did not get (only the flat CPU layouts need any:
-    0.11 TORCH_SDPA's ``(2, NB, BS*NH*HS)``, with or without IPEX)."""
+    0.11 TORCH_SDPA's ``(2, NB, BS*NH*HS)``, with or without IPEX: two of block_size,
+    num_kv_heads and head_size, :func:`flat_geometry`)."""
     if rule.transform not in ("paged", "paged_ipex") or t.shape[0] != 2:
         return []
-    out = [] if h.block_size is not None else ["block_size"]
-    if h.head_size is None and h.num_kv_heads is None:
-        out.append("head_size (or num_kv_heads)")
-    return out
+    names = ("block_size", "num_kv_heads", "head_size")
+    missing = [k for k in names if getattr(h, k) is None]
+    if len(missing) <= 1:
+        return []
+    return [f"{' or '.join(missing)} (two of block_size, num_kv_heads, head_size split the flat BS*NH*HS row)"]
 
 
 #: The most layers a single tensor is read as (a whole cross-layer buffer, its layer axis one

@@ -225,6 +225,46 @@ def test_torch_sdpa_ipex_or_not_is_never_guessed(semantic):
     semantic(lay, fp8, kv_view)
 
 
+@pytest.mark.parametrize("ipex", [True, False])
+@pytest.mark.parametrize(
+    "given",
+    [
+        ("num_kv_heads", "head_size"),
+        ("block_size", "head_size"),
+        ("block_size", "num_kv_heads"),
+        ("block_size", "num_kv_heads", "head_size"),
+    ],
+    ids=lambda g: "+".join(g),
+)
+@pytest.mark.parametrize(("bs", "nh", "hs"), [(16, 4, 32), (1, 2, 64), (3, 1, 16)])
+def test_torch_sdpa_flat_row_any_two_of_three(ipex, given, bs, nh, hs, semantic):
+    """0.11 TORCH_SDPA's (2, NB, BS*NH*HS): any two of block_size, num_kv_heads, head_size fix the
+    third (cpu_attn.py::_PagedAttention.get_kv_cache_shape); the split is the one vLLM reads."""
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=ipex, num_layers=2, num_blocks=5, block_size=bs, num_kv_heads=nh, head_size=hs)
+    _random_fill(kv)
+    geo = {"block_size": bs, "num_kv_heads": nh, "head_size": hs}
+    hints = {"vllm_version": "0.11.0", "attention_backend": "TORCH_SDPA", "use_ipex": ipex, **{k: geo[k] for k in given}}
+    lay = kvcore.detect(kv, "vllm", hints)
+    assert lay.format.name == ("NL_X_TWO_NB_NH_BS_HS" if ipex else SPLIT_K)
+    assert (lay.block_size, lay.num_heads, lay.head_size) == (bs, nh, hs)
+    _slot_rows_match(lay, kv, [0, bs * 5 - 1, bs * 2 + bs // 2])
+    semantic(lay, kv, kv_view)
+
+
+def test_torch_sdpa_flat_row_refuses_what_does_not_divide():
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=True, num_layers=2, num_blocks=5, block_size=16, num_kv_heads=4, head_size=32)
+    base = {"vllm_version": "0.11.0", "attention_backend": "TORCH_SDPA", "use_ipex": True}
+    with pytest.raises(kvcore.DetectionError, match=r"num_kv_heads=3 \* head_size=32 = 96 does not divide the 2048") as ei:
+        kvcore.detect(kv, "vllm", {**base, "num_kv_heads": 3, "head_size": 32})
+    assert "block_size" in str(ei.value) and not isinstance(ei.value, kvcore.AmbiguousLayoutError)
+    with pytest.raises(kvcore.DetectionError, match="does not divide"):
+        kvcore.detect(kv, "vllm", {**base, "block_size": 24, "head_size": 32})
+    with pytest.raises(kvcore.DetectionError, match=r"block_size=16 \* num_kv_heads=4 \* head_size=16 = 1024, but each block holds 2048"):
+        kvcore.detect(kv, "vllm", {**base, "block_size": 16, "num_kv_heads": 4, "head_size": 16})
+    with pytest.raises(kvcore.DetectionError, match="needs block_size or num_kv_heads"):  # one of three: not enough
+        kvcore.detect(kv, "vllm", {**base, "head_size": 32})
+
+
 # -- real caches that were refused ------------------------------------------------------------
 
 
