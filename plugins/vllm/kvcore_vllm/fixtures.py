@@ -18,8 +18,11 @@ Allocation (:func:`allocate`)
   .permute(inverse order)``. From 0.13 the shape is built in kernel blocks (a manager block of
   ``block_size`` tokens split into ``block_size // kernel_block_size`` kernel blocks).
   fp8 cache dtypes are stored as ``uint8`` (``STR_DTYPE_TO_TORCH_DTYPE``).
-* **0.11, attention beside Mamba layers** (``::_update_hybrid_attention_mamba_layout``): a
-  ``(2, NB, ...)`` tensor is restrided in place to strides ``(hidden, 2*hidden, ...)``.
+* **attention beside Mamba layers** (``::_update_hybrid_attention_mamba_layout``, inherited by
+  ``cpu_model_runner.py::CPUModelRunner``): 0.11 / 0.13 restride every ``(2, NB, ...)`` tensor in
+  place to strides ``(hidden, 2*hidden, ...)`` (vLLM asserts ``shape[1] != 2``); 0.24 / 0.26 only
+  a backend whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``); 0.33 has no restride.
+
 * **0.13 - 0.26, cross-layer** (``vllm/v1/worker/kv_connector_model_runner_mixin.py::
   use_uniform_kv_cache`` / ``::allocate_uniform_kv_caches``): one ``int8`` buffer for all
   layers, logical shape ``(L,) + get_kv_cache_shape(...)`` viewed in the physical order
@@ -393,7 +396,10 @@ def allocate(
         dtype: the model dtype (``cache_dtype="auto"``).
         cache_dtype: vLLM's ``--kv-cache-dtype`` (``fp8*`` and ``*_ds_mla`` store uint8).
         cross_layer: 0.13-0.26 cross-layer buffer (``allocate_uniform_kv_caches``).
-        mamba_hybrid: 0.11 attention layers of a Mamba hybrid (restrided ``(2, NB, ...)``).
+        mamba_hybrid: attention layers of a Mamba hybrid (``_update_hybrid_attention_mamba_layout``):
+            0.11 / 0.13 restride a ``(2, NB, ...)`` tensor (``NB == 2`` trips vLLM's assert: a
+            GeometryError here), 0.24 / 0.26 a tensor whose block axis is dim 1 (``ROCM_ATTN``);
+            other tensors are left alone. Not in 0.33, nor with ``cross_layer``.
         byte_views: 0.33: keep the per-layer views int8 (C in bytes).
         block_padding: extra bytes per page (``page_size_padded``; MLA/indexer <= 0.26, 0.33).
         kernel_block_size: 0.13+: the attention kernel's block size when it is smaller than
@@ -430,6 +436,13 @@ def allocate(
     )  # fmt: skip
     if b == "TORCH_SDPA" and cache_dtype.startswith("fp8") and not use_ipex:
         raise GeometryError("vLLM 0.11 TORCH_SDPA: FP8 KV cache requires intel_extension_for_pytorch (TorchSDPABackendImpl.__init__)")
+    if mamba_hybrid and (era == "0.33" or cross_layer or b == "PALLAS"):
+        raise GeometryError(
+            "mamba_hybrid: vLLM restrides attention beside Mamba layers in gpu_model_runner.py::"
+            "_update_hybrid_attention_mamba_layout (0.11-0.26, per-layer tensors of the GPU/CPU/ROCm runners); "
+            "0.33 lays every spec out in create_kv_cache_views, a cross-layer buffer holds one attention-only group, "
+            "and the TPU runner has no such step"
+        )
     if era == "0.33":
         return _allocate_033(
             out, names, b, lay, num_blocks, block_size, num_kv_heads, head_size, storage, device, cache_dtype, byte_views,
@@ -478,14 +491,34 @@ def allocate(
         else:
             raw = torch.zeros(per_layer * esz, dtype=torch.int8, device=device)
             t = raw.view(storage).view(tuple(shape[i] for i in order)).permute(*_inverse(order))
-        if mamba_hybrid:
-            if era != "0.11":
-                raise GeometryError("mamba_hybrid: _update_hybrid_attention_mamba_layout is vLLM 0.11's")
-            if t.shape[0] == 2:
-                hidden = _prod(t.shape[2:])
-                t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
+        if mamba_hybrid and _hybrid_restrides(era, b, t.shape, kbs, num_kv_heads, head_size, cache_dtype):
+            hidden = _prod(t.shape[2:])
+            t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
+
         out[n] = t
     return out
+
+
+def _hybrid_restrides(era: str, b: str, shape: tuple[int, ...], kbs: int, nh: int, hs: int, cache_dtype: str) -> bool:
+    """Whether ``gpu_model_runner.py::_update_hybrid_attention_mamba_layout`` restrides this
+    attention tensor: 0.11 / 0.13 when ``shape[0] == 2`` (vLLM asserts ``shape[1] != 2``, "Fail to
+    determine whether the layout is (2, num_blocks, ...) or (num_blocks, 2, ...)"); 0.24 / 0.26 when
+    ``backend.get_kv_cache_block_dim`` (the index of ``num_blocks`` in ``get_kv_cache_shape``) is 1.
+
+    Raises:
+        GeometryError: vLLM's assert (0.11 / 0.13, ``shape[:2] == (2, 2)``).
+    """
+    if era in ("0.11", "0.13"):
+        if shape[0] != 2:
+            return False
+        if shape[1] == 2:
+            raise GeometryError(
+                f"vLLM {era} _update_hybrid_attention_mamba_layout asserts shape[1] != 2 for {tuple(shape)}: "
+                "num_blocks == 2 beside Mamba layers does not start"
+            )
+        return True
+    sentinel = 1234567  # v1/attention/backend.py::AttentionBackend.get_kv_cache_block_dim
+    return kv_cache_shape(era, b, sentinel, kbs, nh, hs, cache_dtype).index(sentinel) == 1
 
 
 def allocate_dsv32(
@@ -842,6 +875,7 @@ _PD = {"prefill_decode_attention": True}
 _IPEX = {"use_ipex": True}
 _NO_IPEX = {"use_ipex": False}
 _PD_OFF = {"prefill_decode_attention": False}
+_MAMBA = {"mamba_hybrid": True}
 
 #: ``PagedAttention.split_kv_cache``'s reading as a kvcore name: K ``(NB, NH, HS/x, BS, x)``
 #: and V ``(NB, NH, HS, BS)`` are two planes of their own orders. The same name serves every
@@ -917,6 +951,20 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
     ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
     ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS", {}),
+    # attention beside Mamba layers: (2, NB, ...) restrided so a block's K and V sides are adjacent
+    ("0.11.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
+    ("0.11.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {**_PD_OFF, **_MAMBA}),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {**_PD, **_MAMBA}),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, "NL_X_NB_TWO_NH_BS_HS", {**_IPEX, **_MAMBA}),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, SPLIT_K, {**_NO_IPEX, **_MAMBA}),
+    ("0.13.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.13.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
+    ("0.13.0", "ROCM_AITER_UNIFIED_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
+    ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.13.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
+    ("0.24.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
+    ("0.26.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
 )
 
 #: the formats of the rows whose parts live apart (multi-plane names: K and V differ).
@@ -932,6 +980,8 @@ def case_name(version: str, backend: str, layout: str, cross: bool, extra: dict 
         tag = "-prefill_decode" if extra["prefill_decode_attention"] else "-unified"
     if extra.get("kernel_block_size"):
         tag += f"-kernel{extra['kernel_block_size']}"
+    if extra.get("mamba_hybrid"):
+        tag += "-mamba"
     return f"vllm-{era_of(version)}-{backend}-{layout}" + ("-cross" if cross else "") + tag
 
 

@@ -7,7 +7,8 @@ A rule says what vLLM hands out and where its bytes live:
   optional zero-copy ``transform`` (e.g. 0.33 CPU's ``[B, H, N, C]`` -> ``[B, H, 2, N, D]``);
 * ``layouts``: per layout key, the **physical** axis order of the whole cache, ``NL``
   included. The key is ``NHD``/``HND`` (+ ``/cross`` for 0.13-0.2x cross-layer buffers,
-  ``/mamba`` for 0.11 attention restrided beside Mamba layers) for <= 0.26, a
+  ``/mamba`` for 0.11 / 0.13 ``(2, NB, ...)`` attention caches restrided beside Mamba layers:
+  :data:`HYBRID_SOURCE`; ``*`` for a backend with one physical order) for <= 0.26, a
   ``KVCacheLayout`` member for 0.33. The physical order *is* the kvcore
   format name: ``NL`` first gives a layer list ``NL_X_...``; ``NL`` inside gives the one
   cross-layer tensor (``NB_NL_TWO_BS_NH_HS``), rebuilt from the per-layer views that
@@ -151,6 +152,14 @@ _RIDX = (
     "(LAYOUT SHUFFLE when block_size > 1: [BS/16, 128/16, 16, 16] value tiles, then [BS] fp32 scales)"
 )
 _V4 = "vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py"
+#: vLLM 0.11 / 0.13 ``v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout``, called from
+#: ``_reshape_kv_cache_tensors`` when a model has attention and Mamba layers: every attention tensor whose
+#: ``shape[0] == 2`` is restrided in place to strides ``(hidden, 2*hidden, *strides[2:])`` (hidden =
+#: ``shape[2:].numel()``), so a block's K and V sides are adjacent. vLLM's CPU, ROCm and XPU runners
+#: inherit it (each platform's ``support_hybrid_kv_cache()`` is True). 0.24 / 0.26 restride only backends
+#: whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``'s ``(2, NB, ...)``, read by split_kv_cache from the
+#: planes' strides); 0.33 has no restride (``create_kv_cache_views``).
+HYBRID_SOURCE = "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (attention beside Mamba layers)"
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 
@@ -236,7 +245,8 @@ RULES: tuple[Rule, ...] = (
             _src("0.11.0", _FA + ", get_kv_cache_stride_order HND (0,1,3,2,4); forward kv_cache.unbind(0)"),
             _src("0.11.0", _FLEX + "; rocm_aiter_fa.py::AiterFlashAttentionBackend.get_kv_cache_shape (no stride order)"),
             _src("0.13.0", "vllm/v1/attention/backends/rocm_aiter_unified_attn.py::get_kv_cache_shape; forward unbind(0)"),
-            _src("0.11.0", "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (Mamba hybrids)"),
+            _src("0.11.0", HYBRID_SOURCE),
+            _src("0.13.0", HYBRID_SOURCE),
         ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "XPU"),
@@ -250,13 +260,16 @@ RULES: tuple[Rule, ...] = (
         families=("ROCM_ATTN",),
         rank=5,
         logical=_o("TWO NB BS NH HS"),
-        layouts={"*": _o("NL TWO NB BS NH HS")},
+        # beside Mamba layers (platforms/rocm.py support_hybrid_kv_cache() is True) the runner restrides the
+        # (2, NB, ...) tensor so a block's K and V are adjacent; unbind(0) reads it through the new strides
+        layouts={"*": _o("NL TWO NB BS NH HS"), "*/mamba": _o("NL NB TWO BS NH HS")},
         sources=(
             _src(
                 "0.11.0",
                 _ROCM + "::RocmAttentionImpl.forward: kv_cache.unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION "
                 "(also under AITER unified attention)",
             ),
+            _src("0.11.0", HYBRID_SOURCE),
         ),
         gate="rocm",
         requires=(("prefill_decode_attention", False),),
@@ -430,8 +443,13 @@ RULES: tuple[Rule, ...] = (
         families=("CPU",),
         rank=3,
         logical=_o("TWO NB NH BS HS"),
-        layouts={"*": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.11.0", _CPU + "::_IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)"),),
+        # beside Mamba layers: CPUModelRunner inherits GPUModelRunner's restride (platforms/cpu.py
+        # support_hybrid_kv_cache() is True): per block the K side's (NH, BS, HS), then the V side's
+        layouts={"*": _o("NL TWO NB NH BS HS"), "*/mamba": _o("NL NB TWO NH BS HS")},
+        sources=(
+            _src("0.11.0", _CPU + "::_IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)"),
+            _src("0.11.0", HYBRID_SOURCE + "; v1/worker/cpu_model_runner.py::CPUModelRunner(GPUModelRunner)"),
+        ),
         transform="paged_ipex",
         gate="cpu",
         requires=(("use_ipex", True),),
@@ -495,8 +513,13 @@ RULES: tuple[Rule, ...] = (
         families=("CPU",),
         rank=5,
         logical=_o("TWO NB NH BS HS"),
-        layouts={"HND": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape; forward unbind(0)"),),
+        # beside Mamba layers: CPUModelRunner inherits GPUModelRunner._update_hybrid_attention_mamba_layout
+        # (platforms/cpu.py support_hybrid_kv_cache() is True): strides (hidden, 2*hidden, BS*HS, HS, 1)
+        layouts={"HND": _o("NL TWO NB NH BS HS"), "HND/mamba": _o("NL NB TWO NH BS HS")},
+        sources=(
+            _src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape; forward unbind(0)"),
+            _src("0.13.0", HYBRID_SOURCE + "; v1/worker/cpu_model_runner.py::CPUModelRunner(GPUModelRunner)"),
+        ),
         gate="cpu",
         backends_label=("CPU_ATTN",),
     ),
@@ -1234,8 +1257,8 @@ def _reading(
     if kernel_split and "BS" in sz and sz["BS"] != h.block_size:
         note += f" (block_size {h.block_size} is the manager's: the kernel reads blocks of {sz['BS']} tokens)"
     decided = {"vllm_version": "/".join(rule.eras), "attention_backend": backends_label(rule, families)}
-    if key != "*":
-        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+    if key not in ("*", "*/mamba"):
+        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)").replace("/mamba", " (beside Mamba layers)")
     if rule.planes:
         kv = _planes(rule, order, views, tokens)
         if kv is None:

@@ -32,8 +32,22 @@ import kvcore
 GEOMS = [(nh, bs, nb) for nh in (1, 2, 8) for bs in (16, 64) for nb in (2, 3) if not (bs == 64 and nb == 3)]
 
 
+def _engine_refuses(row, bs: int, nb: int) -> str | None:
+    """Why vLLM never allocates ``row`` at this geometry (the fixture raises GeometryError), or None."""
+    version, backend, *_, extra = row
+    if extra.get("mamba_hybrid") and nb == 2 and version[:4] in ("0.11", "0.13"):
+        return "_update_hybrid_attention_mamba_layout asserts shape[1] != 2: NB == 2 beside Mamba layers does not start"
+    return None
+
+
 def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
     version, backend, layout, cross, fmt, extra = row
+    why = _engine_refuses(row, bs, nb)
+    if why:
+        with pytest.raises(kvcore.GeometryError):  # the fixture refuses it as vLLM does
+            allocate(version, backend, layout, num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=nh,
+                     head_size=16, dtype=dtype, **extra)  # fmt: skip
+        pytest.skip(why)
     kw = dict(extra)
     block = kw.pop("block_size", bs)
     if kw.get("kernel_block_size"):
@@ -376,9 +390,12 @@ def test_kernel_blocks_need_dense_pages():
 SPLIT_ROWS = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] in MULTI_PLANE]
 
 
-def test_the_seven_split_rows():
+def test_the_split_rows():
     """0.11 ROCM_ATTN with the variable on, ROCM_ATTN 0.13 / 0.24 / 0.26, 0.33 LBHNC and LHBNC,
-    0.11 TORCH_SDPA without IPEX: every allocation vLLM reads through split_kv_cache."""
+    0.11 TORCH_SDPA without IPEX: every allocation vLLM reads through split_kv_cache; and those of
+    them that sit beside Mamba layers restrided (0.11 / 0.13 every (2, NB, ...) tensor, 0.24 / 0.26
+    ROCM_ATTN, whose block dim is 1). 0.33 ROCM_SEGMENTED_ATTN shares ROCM_ATTN's head slots but
+    reads them token-major: not a split row."""
     ids = {case_name(*r[:4], r[5]) for r in MATRIX if r[4] in MULTI_PLANE}
     assert ids == {
         "vllm-0.11-ROCM_ATTN-NHD-prefill_decode",
@@ -388,6 +405,11 @@ def test_the_seven_split_rows():
         "vllm-0.33-ROCM_ATTN-LBHNC",
         "vllm-0.33-ROCM_ATTN-LHBNC",
         "vllm-0.11-TORCH_SDPA-NHD-noipex",
+        "vllm-0.11-ROCM_ATTN-NHD-prefill_decode-mamba",
+        "vllm-0.11-TORCH_SDPA-NHD-noipex-mamba",
+        "vllm-0.13-ROCM_ATTN-NHD-mamba",
+        "vllm-0.24-ROCM_ATTN-NHD-mamba",
+        "vllm-0.26-ROCM_ATTN-NHD-mamba",
     }
 
 
