@@ -18,6 +18,7 @@ from kvcore_vllm.fixtures import (
     MATRIX,
     MLA_BACKENDS,
     MULTI_PLANE,
+    SLOT_BACKEND_LIMITS,
     SPLIT_K,
     allocate,
     allocate_dsv32,
@@ -32,9 +33,16 @@ import kvcore
 GEOMS = [(nh, bs, nb) for nh in (1, 2, 8) for bs in (16, 64) for nb in (2, 3) if not (bs == 64 and nb == 3)]
 
 
+def _head_size(backend: str) -> int:
+    """576 for an MLA latent, the smallest head size B12X / ROCM_SEGMENTED_ATTN take (64), else 16."""
+    return 576 if backend in MLA_BACKENDS else 64 if backend in SLOT_BACKEND_LIMITS else 16
+
+
 def _engine_refuses(row, bs: int, nb: int) -> str | None:
     """Why vLLM never allocates ``row`` at this geometry (the fixture raises GeometryError), or None."""
     version, backend, *_, extra = row
+    if backend == "B12X" and bs not in SLOT_BACKEND_LIMITS["B12X"]["block_sizes"]:
+        return "B12X runs kernel blocks of 64 or 128 tokens (b12x.py _B12X_SUPPORTED_PAGE_SIZES)"
     if extra.get("mamba_hybrid") and nb == 2 and version[:4] in ("0.11", "0.13"):
         return "_update_hybrid_attention_mamba_layout asserts shape[1] != 2: NB == 2 beside Mamba layers does not start"
     return None
@@ -46,7 +54,7 @@ def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
     if why:
         with pytest.raises(kvcore.GeometryError):  # the fixture refuses it as vLLM does
             allocate(version, backend, layout, num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=nh,
-                     head_size=16, dtype=dtype, **extra)  # fmt: skip
+                     head_size=_head_size(backend), dtype=dtype, **extra)  # fmt: skip
         pytest.skip(why)
     kw = dict(extra)
     block = kw.pop("block_size", bs)
@@ -54,12 +62,13 @@ def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
         kw["kernel_block_size"] = bs
         block = bs * 4
     mla = backend in MLA_BACKENDS
+    hs = _head_size(backend)
     kv = allocate(
         version, backend, layout, num_layers=layers, num_blocks=nb, block_size=block, num_kv_heads=1 if mla else nh,
-        head_size=576 if mla else 16, dtype=dtype, cross_layer=cross, **kw,
+        head_size=hs, dtype=dtype, cross_layer=cross, **kw,
     )  # fmt: skip
     h = fixture_hints(version, backend, layout, "auto", dtype, extra)
-    h.update(block_size=block, num_kv_heads=1 if mla else nh, head_size=576 if mla else 16)
+    h.update(block_size=block, num_kv_heads=1 if mla else nh, head_size=hs)
     return kv, h
 
 

@@ -244,7 +244,10 @@ CROSS = [
 
 @pytest.mark.parametrize(("version", "backend", "layout", "fmt"), CROSS, ids=_ids(CROSS))
 def test_detection_is_idempotent_on_its_cross_layer_normal_form(version, backend, layout, fmt):
-    kv = allocate(version, backend, layout, cross_layer=version < "0.33", **{**G, "num_kv_heads": 3})
+    g = {**G, "num_kv_heads": 3}
+    if backend == "B12X":
+        g.update(block_size=64, head_size=64)  # the kernel blocks and head sizes B12X runs with
+    kv = allocate(version, backend, layout, cross_layer=version < "0.33", **g)
     hints = {**_facts(version, backend), "kv_cache_layout": layout}
     lay = kvcore.detect(kv, "vllm", hints)
     assert lay.format.name == fmt and isinstance(lay.kv_caches, torch.Tensor)
