@@ -64,7 +64,7 @@ from kvcore.dtypes import dtype_name, fp8_dtype, is_fp8, rocm_build
 from kvcore_vllm.hints import LAYOUT_FAMILY, VllmHints, parse_hints
 from kvcore_vllm.pairs import ASCEND_SOURCE as _ASCEND
 from kvcore_vllm.pairs import PAIRS_FORMAT, PAIRS_KV_PLANES, PAIRS_MLA_PLANES
-from kvcore_vllm.rules import Reading, bare_candidates, candidates
+from kvcore_vllm.rules import ROCM_ONLY_BACKENDS, Reading, bare_candidates, candidates
 
 __all__ = ["detect_vllm"]
 
@@ -203,7 +203,8 @@ def _fp8_variants(h: VllmHints, tensors: list[torch.Tensor]) -> tuple[list[tuple
         return [(h, "")], []
     if h.attention_backend in OCP_FP8_BACKENDS:
         return [(h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=False)}), "")], []
-    if h.device_type == "rocm":
+    if h.device_type == "rocm" or (h.device_type is None and h.attention_backend in ROCM_ONLY_BACKENDS):
+        # a ROCm-only backend ran on ROCm whatever process now holds the tensors (a copy, a description)
         platform: str | None = "rocm"
     elif h.device_type is not None:
         platform = "other"

@@ -216,7 +216,7 @@ def test_rocm_segmented_in_a_rocm_process_needs_the_backend(monkeypatch):
 
 def test_rocm_segmented_fp8_is_ocp():
     """ROCM_SEGMENTED_ATTN runs on RDNA and takes fp8 on gfx12 only, whose fp8 is OCP e4m3fn
-    (platforms/rocm.py fp8_dtype: FNUZ is gfx94x's): no OCP/FNUZ ambiguity on ROCm."""
+    (platforms/rocm.py fp8_dtype: FNUZ is gfx94x's): no OCP/FNUZ ambiguity on ROCm, unlike ROCM_ATTN."""
     g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64, cache_dtype="fp8")
     kv = allocate("0.33.0", "ROCM_SEGMENTED_ATTN", "LBHNC", **g)
     _random_fill(kv)
@@ -224,3 +224,7 @@ def test_rocm_segmented_fp8_is_ocp():
     lay = kvcore.detect(kv, "vllm", hints)
     assert (lay.format.name, lay.dtype) == ("NL_X_NB_TWO_BS_NH_HS", torch.float8_e4m3fn)
     _rows_match(lay, kv, [0, 17, 40])
+    split = allocate("0.33.0", "ROCM_ATTN", "LBHNC", **g)
+    with pytest.raises(kvcore.AmbiguousLayoutError) as ei:  # ROCM_ATTN also runs on gfx94x (FNUZ)
+        kvcore.detect(split, "vllm", {"attention_backend": "ROCM_ATTN", "cache_dtype": "fp8", "num_kv_heads": 2})
+    assert "dtype" in ei.value.hints
