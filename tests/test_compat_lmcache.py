@@ -615,21 +615,45 @@ def test_spec_classes_for_kvcore_formats_and_unknown_names():
         L.get_spec_class("NL_X_NB_BS_HS")([torch.zeros(2, 3, 4)], "NL_X_NBBS_ONE_HS")
 
 
-def test_attention_backends_put_the_registering_plugins_first(core_only):
-    name = "NL_X_NB_BS_NH_HS"
-    lmcache_label = L.get_spec_class(name).attention_backends
-    assert len(lmcache_label) == 1 and "SGLang" in lmcache_label[0]  # no plugin registers it here
-
+def _registers(name, engine, backends):
     class Registers:
         @kvcore.hookimpl
         def kvcore_register_formats(self, register):
-            register(kvcore.KVFormat(name=name, engines=["x"], attention_backends=["XBackend"]))
+            register(kvcore.KVFormat(name=name, engines=[engine], attention_backends=backends))
 
-    kvcore.register_plugin(Registers(), "registers-test")
-    assert L.get_spec_class(name).attention_backends == ("XBackend", *lmcache_label)
-    assert L.get_attention_backend(name) == "XBackend"
+    return Registers()
+
+
+def test_attention_backends_put_lmcaches_engine_first_whatever_else_is_installed(core_only):
+    """An LMCache member's first label is its LMCache engine's: that engine's plugin's
+    backend when installed, else LMCache's label; another engine's plugin (or a third
+    party) declaring the same name never changes it."""
+    name = "NL_X_NB_BS_NH_HS"  # LMCache: SGLang's per-component K or V views
+    lmcache_label = L.get_spec_class(name).attention_backends
+    assert len(lmcache_label) == 1 and "SGLang" in lmcache_label[0]  # no plugin registers it here
+    kvcore.register_plugin(_registers(name, "x", ["XBackend"]), "aaa-x")  # sorts first, another engine
+    assert L.get_spec_class(name).attention_backends == (*lmcache_label, "XBackend")
+    assert L.get_attention_backend(name) == lmcache_label[0]
+    kvcore.register_plugin(_registers(name, "sglang", ["SGLangBackend"]), "sglang")  # the engine's own plugin
+    assert L.get_spec_class(name).attention_backends == ("SGLangBackend", *lmcache_label, "XBackend")
+    kvcore.unregister_plugin("aaa-x")
+    assert L.get_attention_backend(name) == "SGLangBackend"
+    # a name no LMCache member has: the registry's owner's labels first
+    kvcore.register_plugin(_registers("TWO_X_NL_X_NB_NH_BS_HS", "y", ["YBackend"]), "y")
+    assert L.get_attention_backend("TWO_X_NL_X_NB_NH_BS_HS") == "YBackend"
     assert L.get_spec_class("NB_NH_NL_BS_CS").attention_backends == ()  # nobody: empty, "Unknown"
     assert L.get_attention_backend("NB_NH_NL_BS_CS") == "Unknown (NB_NH_NL_BS_CS)"
+
+
+def test_the_facade_gives_vllms_labels_for_vllm_layouts_shared_with_other_plugins():
+    """The in-tree plugins: transformers, LMDeploy and SGLang also declare some of vLLM's
+    LMCache members; the facade's label is vLLM's (LMCache's engine for the member)."""
+    if "vllm" not in {p.name for p in kvcore.plugins() if p.error is None}:
+        pytest.skip("the vLLM plugin is not installed")
+    got = {n: L.get_attention_backend(n) for n in ("NB_NL_TWO_BS_NH_HS", "NL_X_TWO_X_NB_BS_NH_HS", "NL_X_NB_BSV_BSS")}
+    vllm = {n: kvcore.registry.declarations(n)["vllm"].attention_backends[0] for n in got}
+    assert got == vllm
+    assert got["NB_NL_TWO_BS_NH_HS"] != "PagedAttentionCache" and got["NL_X_NB_BSV_BSS"] != "NSATokenToKVPool"
 
 
 @pytest.mark.parametrize(

@@ -62,10 +62,22 @@ detection                      a shape rule per engine, for any sizes:     the e
                                                                            describes (vLLM-RBLN, vLLM-Ascend tuples
                                                                            of unequal widths, SGLang ``"unified"``
                                                                            views) raise :class:`~kvcore.DetectionError`
-plane tuples                   accessors over the planes' summed byte      :class:`~kvcore.GeometryError`: one kvcore
-(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          layout holds one dtype and one width per
-                               elements)                                   plane; kvcore's multi-plane layouts (being
-                                                                           built in the core) will describe them
+plane tuples                   accessors over the planes' summed byte      :class:`~kvcore.GeometryError` for the
+(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          ``NP`` name: its planes differ in width, and
+                               elements)                                   a sum is no head size. kvcore describes
+                                                                           such caches with a multi-plane name, each
+                                                                           plane with its own width, dtype and
+                                                                           staging buffer:
+                                                                           ``kvcore.build_layout("NOPE=NL_X_NB_BS_NH_HS
+                                                                           +ROPE=NL_X_NB_BS_NH_HS", {"NOPE": [p[0] for
+                                                                           p in kv], "ROPE": [p[1] for p in kv]})``
+                                                                           (docs/plugins.md §2)
+``attention_backends``         the spec file's own labels                  LMCache's engine for the member first: the
+                                                                           backends of that engine's kvcore plugin
+                                                                           (else LMCache's label), then other plugins'
+                                                                           labels; the first entry
+                                                                           (:func:`get_attention_backend`) does not
+                                                                           change with what else is installed
 ``block_stride_elems``         ``stride(0)`` for an allow-list of six      for every format whose dim 0 is the block
                                formats, ``ValueError`` for dim-0 padding   axis (NB or NBBS): kvcore's kernels read
                                elsewhere                                   the stride table
@@ -240,6 +252,15 @@ _LMCACHE_ALLOCATORS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "NL_X_TWO_X_NB_BS_NH_HS": ("vLLM-Ascend per-layer (K, V) tuples",),
         "NL_X_NP_X_NB_BS_ONE_HS": ("vLLM-Ascend MLA / DSA plane tuples",),
         "NL_X_NB_BS_NH_HS": ("SGLang per-component K or V views (kv_list_layout='unified')",),
+    }
+)
+
+#: The engine LMCache's spec file of each member is about (its ``attention_backends``), as
+#: the kvcore engine name: that engine's plugin gives the member's first backend label.
+_LMCACHE_ENGINE: Mapping[str, str] = MappingProxyType(
+    {
+        name: ("sglang" if labels[0].startswith("SGLang") else "trtllm" if labels[0].startswith("TensorRT-LLM") else "vllm")
+        for name, labels in _LMCACHE_ALLOCATORS.items()
     }
 )
 
@@ -517,14 +538,36 @@ class _AttentionBackends:
 
 
 def _attention_backends(fmt: Any) -> tuple[str, ...]:
+    """The labels of ``fmt``, the representative first. For an LMCache member: the backends
+    the declaration of LMCache's engine for it lists (its own plugin's first), else
+    LMCache's label, then every other declaration's; so the first entry is the same
+    whatever else is installed (a third party declaring vLLM's name, another engine's
+    plugin sharing it). For another name: the registry's merged labels (its owner's first)."""
     from kvcore import registry
 
     name = str(fmt)
     try:
-        registered = tuple(registry.get_format(name).attention_backends)
+        registry.get_format(name)
+        decls = registry.declarations(name)
     except FormatError:
-        registered = ()
-    return registered + tuple(b for b in _LMCACHE_ALLOCATORS.get(name, ()) if b not in registered)
+        decls = {}
+    engine = _LMCACHE_ENGINE.get(name)
+    out: list[str] = []
+
+    def add(labels: Sequence[str]) -> None:
+        out.extend(b for b in labels if b not in out)
+
+    if engine is not None:
+        mine = sorted(
+            (p for p, d in decls.items() if engine in {e.lower() for e in d.engines}),
+            key=lambda p: p.lower() != engine,  # the engine's own plugin first, then others declaring it for the engine
+        )
+        for p in mine:
+            add(decls[p].attention_backends)
+        add(_LMCACHE_ALLOCATORS.get(name, ()))
+    for d in decls.values():
+        add(d.attention_backends)
+    return tuple(out)
 
 
 class KVFormatSpec:
