@@ -3,6 +3,8 @@ DetectionError message, ``kvcore.resolve`` and ``detect_per_layer``."""
 
 from __future__ import annotations
 
+import warnings
+
 import pydantic
 import pytest
 import torch
@@ -271,8 +273,134 @@ def test_a_detection_whose_tensors_do_not_fit_is_a_detection_error(core_only):
 
     kvcore.register_plugin(Liar(), name="liar")
     t = torch.zeros(NB, BS, HS)
-    for call in (lambda: kvcore.detect([t], "e"), lambda: kvcore.detect_per_layer([t], "e")):
-        with pytest.raises(DetectionError, match="do not fit it") as ei:
-            call()
+    for i, call in enumerate((lambda: kvcore.detect([t], "e"), lambda: kvcore.detect_per_layer([t], "e"))):
+        # the plugin's answer is unusable: it is named and skipped (a warning, once), and with
+        # no other answer the error names it, says why, and lists the tensors
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            with pytest.raises(DetectionError, match="liar: .*detected NL_X_TWO_NB_BS_NH_HS but the tensors do not fit it") as ei:
+                call()
+        assert [str(w.message)[:37] for w in rec] == (["kvcore plugin 'liar' misbehaved and w"] if i == 0 else [])
         assert "shape=[6, 4, 8]" in str(ei.value)
-        assert isinstance(ei.value.__cause__, kvcore.GeometryError)
+        assert isinstance(ei.value.__cause__.__cause__, kvcore.GeometryError)
+
+
+# -- review item 9: a {role: container} dict keeps its roles ----------------------------------
+
+KV_PLANES = "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS"
+
+
+class _PlanesEngine:
+    """Detects engine ``pl``: a multi-plane cache handed over as ``{role: per-layer list}``."""
+
+    def __init__(self):
+        self.got = []
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != "pl":
+            return None
+        self.got.append((type(kv_caches).__name__, list(kv_caches) if hasattr(kv_caches, "keys") else len(kv_caches)))
+        if not isinstance(kv_caches, kvcore.Planes):
+            raise DetectionError("pl: pass the planes as a dict {role: per-layer list}")
+        return Detection(format=KV_PLANES, kv_caches={"K": kv_caches["K"], "V": kv_caches["V"]})
+
+
+@pytest.mark.parametrize("wrap", ["dict", "dict-V-first", "Planes"])
+def test_a_dict_of_plane_roles_reaches_the_detector_as_roles_never_as_layer_names(core_only, wrap):
+    """Review item 9: ``{"V": V, "K": K}`` was turned into a list of two 'layers' named V and
+    K (a plugin could only guess K from position, and staged V as K). A dict whose keys are
+    plane roles reaches kvcore_detect as a kvcore.Planes mapping, roles intact; no layer
+    names; the staged K plane holds K's values."""
+    plugin = _PlanesEngine()
+    kvcore.register_plugin(plugin, name="planes-plugin")
+    k = [torch.full((NB, BS, NH, HS), 1.0 + i) for i in range(2)]
+    v = [torch.full((NB, BS, NH, HS), 10.0 + i) for i in range(2)]
+    cache = {"dict": {"K": k, "V": v}, "dict-V-first": {"V": v, "K": k}, "Planes": kvcore.Planes(V=v, K=k)}[wrap]
+    lay = kvcore.detect(cache, "pl")
+    assert plugin.got == [("Planes", list(cache))]
+    assert lay.layer_names is None and lay.num_layers == 2
+    staged = kvcore.gather(lay, torch.tensor([0, 5]))
+    assert staged[0, 1, 1, 0].item() == 2.0 and staged[1, 0, 0, 0].item() == 10.0  # K is K, V is V
+    assert kvcore.detect_per_layer(cache, "pl")[0].format.name == KV_PLANES
+
+
+def test_layer_name_dicts_stay_layers_and_roles_with_digits_need_planes(core_only):
+    plugin = _PlanesEngine()
+    kvcore.register_plugin(plugin, name="planes-plugin")
+    k = [torch.zeros(NB, BS, NH, HS) for _ in range(2)]
+    # layer names (they carry a number) are layers, never roles
+    with pytest.raises(DetectionError, match="pass the planes"):
+        kvcore.detect({"layers.0": k[0], "layers.1": k[1]}, "pl")
+    assert plugin.got[-1] == ("list", 2)
+    # a role with a digit reads as a layer name in a plain dict; kvcore.Planes says it is a role
+    with pytest.raises(DetectionError, match="pass the planes"):
+        kvcore.detect({"K": k, "K2": k}, "pl")
+    assert plugin.got[-1] == ("list", 2)
+    with pytest.warns(kvcore.KVCorePluginWarning, match="KeyError: 'V'"), pytest.raises(DetectionError):
+        kvcore.detect(kvcore.Planes(K=k, K2=k), "pl")  # the plugin gets the roles (and has no V plane to read)
+    assert plugin.got[-1] == ("Planes", ["K", "K2"])
+    with pytest.raises(DetectionError, match="'k' is not one"):
+        kvcore.detect(kvcore.Planes(k=k), "pl")
+
+
+# -- review item 10: the ambiguity error says truthfully what decides -------------------------
+
+
+class _FourWays:
+    """Four readings of one contiguous ``[4, 4, 4, HS]`` tensor: (backend A or B) x (layout
+    NHD or HND), each placing bytes differently; versions as alternatives ("1/2" selects
+    both backends' readings, "3" only B's)."""
+
+    NAMES = {
+        ("A", "NHD"): "NL_X_NB_BS_NH_HS",
+        ("A", "HND"): "NL_X_NB_NH_BS_HS",
+        ("B", "NHD"): "NL_X_BS_NB_NH_HS",
+        ("B", "HND"): "NL_X_NH_NB_BS_HS",
+    }
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != "four":
+            return None
+        cands = []
+        for (backend, layout), fmt in self.NAMES.items():
+            sel = {"version": "1/2" if backend == "A" else "1/2/3", "backend": backend, "layout": layout}
+            if all(hints.get(h) is None or str(hints[h]) in str(val).split("/") for h, val in sel.items()):
+                cands.append(Candidate(fmt, list(kv_caches), decided_by=sel, label=f"{backend} {layout}"))
+        return resolve(cands, engine="four", geometry_hints={})
+
+
+def test_the_ambiguity_error_names_only_hints_that_decide_and_says_when_they_must_go_together(core_only):
+    """Review item 10: with more than two candidates "pass one of these hints" was untrue:
+    after naming version, backend and layout, passing layout alone still left 2, backend
+    alone 4. The error now says which hints decide alone, else which decide together (and
+    the values that select each reading), never a hint the caller gave; following it
+    decides."""
+    kvcore.register_plugin(_FourWays(), name="four")
+    t = [torch.zeros(4, 4, 4, 8)]  # NB = BS = NH: every reading fits
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four")
+    msg = str(ei.value)
+    assert "No one hint decides between these 4 layouts; pass these hints together: backend, layout" in msg
+    assert "Pass one of these" not in msg and ei.value.decide == [["backend", "layout"]]
+    assert set(ei.value.hints) == {"version", "backend", "layout"}
+    # the advice is true: backend and layout together decide, whatever the pair
+    for backend in "AB":
+        for layout in ("NHD", "HND"):
+            lay = kvcore.detect(t, "four", {"backend": backend, "layout": layout})
+            assert lay.format.name == _FourWays.NAMES[backend, layout]
+    # with layout given, two readings are left and backend alone decides; version does not
+    # (version 1 selects both), so it is not offered
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four", {"layout": "NHD"})
+    assert str(ei.value).endswith("Pass one of these hints to decide: backend") and ei.value.decide == [["backend"]]
+    assert "layout" not in ei.value.hints
+    # with backend given, two readings are left; layout decides
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four", {"backend": "B"})
+    assert str(ei.value).endswith("Pass one of these hints to decide: layout")
+    # version 3 selects only B's readings: the error says layout then
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four", {"version": "3"})
+    assert str(ei.value).endswith("Pass one of these hints to decide: layout")
