@@ -135,3 +135,56 @@ def test_a_cache_storage_changed_after_detection_is_refused_before_any_write(lay
         fresh = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", layout.kv_caches)
         kvcore.scatter(fresh, [5, 9], staged + 1)
         assert torch.equal(kvcore.gather(fresh, [5, 9]), staged + 1)
+
+
+_PLANES = "K=NL_X_NB_BS_NH_HS+KS=NL_X_NB_BS_NH"
+
+
+def _plane_layout():
+    k = [torch.randint(-100, 100, (NB, BS, NH, HS), dtype=torch.int8) for _ in range(2)]
+    ks = [torch.randn(NB, BS, NH).to(torch.bfloat16) for _ in range(2)]
+    return kvcore.build_layout(_PLANES, {"K": k, "KS": ks})
+
+
+@pytest.mark.parametrize("kernel", ["native-cpu", "reference"])
+@pytest.mark.parametrize("how", ["freed", "reallocated", "grown"])
+@pytest.mark.parametrize("plane, layer", [("K", 0), ("K", 1), ("KS", 0), ("KS", 1)])
+@pytest.mark.parametrize("api", ["module", "plan-made-before", "blocks"])
+def test_every_plane_of_a_multi_plane_cache_is_checked_before_any_write(kernel, how, plane, layer, api, monkeypatch):
+    """Issue 17 / review: with the reference kernel a reallocated storage of a multi-plane
+    layout's second plane or second layer was not refused. Every (layer, plane) storage is
+    checked before any byte moves, on every kernel and every entry point (kvcore.gather /
+    scatter, a plan made before the change, the block calls); the cache and the staging
+    stay byte-identical."""
+    from kvcore.kernels import _build
+
+    if kernel == "native-cpu" and (_build.disabled() or not _build.load().loaded):
+        pytest.skip("no native op")
+    monkeypatch.setenv("KVCORE_KERNEL", kernel)
+    lay = _plane_layout()
+    plan = kvcore.plan(lay)
+    staged = kvcore.gather(lay, [5, 9, 13])
+    blocks = kvcore.gather_blocks(lay, [1, 3])
+    victim = lay.kv_caches[plane][layer]
+    alive = _changes(victim, how)  # noqa: F841
+
+    def storages():
+        return [torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone() for r in ("K", "KS") for t in lay.kv_caches[r]]
+
+    keep = storages()
+    if api == "module":
+        gather, scatter = (lambda out: kvcore.gather(lay, [5, 9, 13], out)), (lambda: kvcore.scatter(lay, [5, 9, 13], staged))
+        out = {k: torch.full_like(v, 7) for k, v in staged.items()}
+    elif api == "plan-made-before":
+        gather, scatter = (lambda out: plan.gather([5, 9, 13], out)), (lambda: plan.scatter([5, 9, 13], staged))
+        out = {k: torch.full_like(v, 7) for k, v in staged.items()}
+    else:
+        gather, scatter = (lambda out: kvcore.gather_blocks(lay, [1, 3], out)), (lambda: kvcore.scatter_blocks(lay, [1, 3], blocks))
+        out = {k: torch.full_like(v, 7) for k, v in blocks.items()}
+    want = rf"layer {layer} plane {plane} was {'freed' if how == 'freed' else 'reallocated or resized'}.*Detect the cache again"
+    with pytest.raises(kvcore.TransferError, match=want):
+        gather(out)
+    assert all(torch.all(v == 7) for v in out.values())
+    with pytest.raises(kvcore.TransferError, match=want):
+        scatter()
+    assert all(torch.equal(a, b) for a, b in zip(storages(), keep))
