@@ -168,8 +168,11 @@ def test_formats_json_and_filters(capsys):
     assert f["plugin"] == "clitest-plugin" and f["symbolic"] == "NL x [NB, BS, 1, 1, HS]"
     rc, out, _ = run(capsys, "formats", "--json", "--engine", ENGINE.upper())
     assert [x["name"] for x in json.loads(out)] == [FORMAT]
-    rc, out, err = run(capsys, "formats", "--json", "--engine", "nope")
-    assert rc == 0 and json.loads(out) == [] and "no registered format names engine 'nope'" in err and ENGINE in err
+    # an engine nothing declares is a usage error (exit 2, as `kvcore hints nope`), one line, nothing on stdout
+    for argv in (("formats", "--json", "--engine", "nope"), ("formats", "--engine", "nope")):
+        rc, out, err = run(capsys, *argv)
+        assert rc == 2 and out == "" and "no registered format names engine 'nope'" in err and ENGINE in err
+    assert run(capsys, "hints", "nope")[0] == 2
 
 
 def test_formats_of_an_engine_include_what_its_fixtures_detect_and_every_declaring_plugin(capsys):
