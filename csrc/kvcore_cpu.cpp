@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kvcore_ops.h"
+#include "kvcore_copy.h"
 
 #ifdef KVCORE_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -445,17 +446,80 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
 int64_t g_unroll = 4;       // loads in flight per thread, device staging
 int64_t g_unroll_host = 8;  // ... pinned host staging
 std::atomic<bool> g_pdl{true};
+#endif
 
-std::string describe_record(const DeviceErrorRecord& r) {
-  std::string what = r.kind == 1 ? cat("slot_mapping[", r.index, "] = ", r.value, " is out of range: this cache has ", r.num_slots,
-                                       " slots per layer (valid 0..", r.num_slots - 1, "; negative slots are padding and are skipped)")
-                                 : cat("slot ", r.value, " appears more than once in slot_mapping; a scatter would write it twice");
-  std::string s = cat("an earlier kvcore.", r.gather ? "gather" : "scatter", " (call #", r.call,
-                      ") was refused on the device and wrote nothing: ", what);
+}  // namespace
+
+namespace {
+std::string range_text(const char* what, int64_t index, int64_t value, int64_t num_slots, const char* whose) {
+  return cat(what, "[", index, "] = ", value, " is out of range: ", whose, " has ", num_slots, " slots per layer (valid 0..", num_slots - 1,
+             "; negative slots are padding and are skipped)");
+}
+}  // namespace
+
+std::string describe_record(const DeviceErrorRecord& r, bool now) {
+  const int64_t op = r.gather;
+  std::string what;
+  std::string opname;
+  if (op == kOpGather || op == kOpScatter) {
+    opname = op == kOpGather ? "kvcore.gather" : "kvcore.scatter";
+    what = r.kind == kSlotRange ? range_text("slot_mapping", r.index, r.value, r.num_slots, "this cache")
+                                : cat("slot ", r.value, " appears more than once in slot_mapping; a scatter would write it twice");
+  } else if (op == kOpCopy) {
+    opname = "kvcore.copy";
+    if (r.kind == kSlotRange)
+      what = range_text("src_slots", r.index, r.value, r.num_slots, "the source");
+    else if (r.kind == kDstRange)
+      what = range_text("dst_slots", r.index, r.value, r.num_slots, "the destination");
+    else if (r.kind == kSlotRepeat)
+      what = cat("destination slot ", r.value, " appears more than once in dst_slots; overlapping destination slots would be written twice");
+    else
+      what = cat("the source and destination share memory and slot ", r.value,
+                 " is both read and written; copy within one cache needs disjoint source and destination slots");
+  } else if (op == kOpSend) {
+    opname = cat("kvcore.send to rank ", r.peer);
+    if (r.kind == kSlotRange) {
+      what = range_text("slots", r.index, r.value, r.num_slots, "this cache") + "; the receiver wrote nothing and raises too";
+    } else if (r.kind == kPeerRefused) {
+      what = cat("the receiver (rank ", r.peer, ") refused and wrote nothing: ",
+                 r.detail == kSlotRepeat ? cat("destination slot ", r.value, " appears more than once in its slots")
+                                         : range_text("its slots", r.index, r.value, r.num_slots, "its cache"));
+    } else if (r.kind == kPeerUnexpected) {
+      what = cat("the receiver (rank ", r.peer, ") was called with ", r.tokens,
+                 " token rows or another geometry than this channel agreed on (", r.value,
+                 " rows), so it did not take this transfer; both sides raise, nothing was written");
+    } else {
+      what = cat("a control message from rank ", r.peer,
+                 " is not kvcore's: both sides must call kvcore.send / kvcore.recv in the same order; destroy and re-create the "
+                 "process group");
+    }
+  } else {
+    opname = cat("kvcore.recv from rank ", r.peer);
+    if (r.kind == kDstRange) {
+      what = range_text("slots", r.index, r.value, r.num_slots, "this cache") + "; the sender is told and raises too";
+    } else if (r.kind == kSlotRepeat) {
+      what = cat("destination slot ", r.value, " appears more than once in slots; it would be written twice (the sender is told and "
+                 "raises too)");
+    } else if (r.kind == kSenderSlots) {
+      what = cat("the sender refused and sent nothing: ", range_text("its slots", r.index, r.value, r.num_slots, "its cache"));
+    } else if (r.kind == kSenderChanged) {
+      what = r.detail ? cat("the sender refused its own arguments (its kvcore.send raised) and nothing was written")
+                      : cat("the sender sent ", r.tokens, " token rows or another geometry than this channel agreed on (", r.value,
+                            " rows): the two calls do not match (kvcore.send on rank ", r.peer,
+                            " names the difference); both sides raise, nothing was written");
+    } else {
+      what = cat("a control message from rank ", r.peer,
+                 " is not kvcore's: both sides must call kvcore.send / kvcore.recv in the same order; destroy and re-create the "
+                 "process group");
+    }
+  }
+  std::string s = now ? cat(opname, " was refused and wrote nothing: ", what)
+                      : cat("an earlier ", opname, " (call #", r.call, ") was refused on the device and wrote nothing: ", what);
   if (r.dropped) s += cat(" (", r.dropped, " later refused call(s) were not recorded)");
   return s;
 }
 
+#ifdef KVCORE_WITH_CUDA
 // The pending device-side refusal, once ("" when none).
 std::string take_device_error() {
   DeviceErrorRecord* r = cuda_error_record(-1, nullptr);
@@ -469,16 +533,33 @@ std::string take_device_error() {
   copy.call = r->call;
   copy.gather = r->gather;
   copy.dropped = r->dropped;
+  copy.peer = r->peer;
+  copy.detail = r->detail;
+  copy.tokens = r->tokens;
   r->dropped = 0;
   r->ack = seq;
   return describe_record(copy);
 }
+#else
+std::string take_device_error() { return std::string(); }
 #endif
+
+int64_t cpu_grain_bytes() { return g_cpu_grain.load(std::memory_order_relaxed); }
+
+bool pdl_enabled() {
+#ifdef KVCORE_WITH_CUDA
+  return g_pdl.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+namespace {
 
 int64_t to_cuda_transfer_and_run(bool gather, const std::vector<PlaneDesc>& pl, const at::Tensor& ptrs, const at::Tensor& slots,
                                  int64_t NL, int64_t block_size, int64_t num_slots, int64_t skip, int validate, int* flag,
                                  uint32_t* bitmap, int64_t call, DeviceErrorRecord* dev_rec, const std::vector<char>& host_plane,
-                                 const char* op) {
+                                 const char* op, int gated = 0) {
   bool any_host = false;
   for (char h : host_plane) any_host = any_host || h;
 #ifdef KVCORE_WITH_CUDA
@@ -509,6 +590,7 @@ int64_t to_cuda_transfer_and_run(bool gather, const std::vector<PlaneDesc>& pl, 
   a.device = slots.device().index();
   a.stream = c10::cuda::getCurrentCUDAStream(slots.device().index()).stream();
   a.validate = validate ? 1 : 0;
+  a.gated = (!validate && gated && flag != nullptr) ? 1 : 0;
   a.flag = flag;
   a.bitmap = bitmap;
   a.call = call;
@@ -522,7 +604,7 @@ int64_t to_cuda_transfer_and_run(bool gather, const std::vector<PlaneDesc>& pl, 
   return kOk;
 #else
   (void)gather, (void)pl, (void)ptrs, (void)slots, (void)NL, (void)block_size, (void)num_slots, (void)skip, (void)validate, (void)flag,
-      (void)bitmap, (void)call, (void)any_host, (void)dev_rec;
+      (void)bitmap, (void)call, (void)any_host, (void)dev_rec, (void)gated;
   return fail(cat("kvcore.", op, ": this build of the op library has no CUDA implementation"));
 #endif
 }
@@ -613,6 +695,23 @@ class NativePlan {
     }
   }
 
+  // A transfer gated by `gate` (int32, one element, on the plan's device): an earlier kernel
+  // on the current stream sets it, and nothing is stored unless it is 0 (CPU: read here); an
+  // empty gate: no gate. Slot values are not checked (the gate's kernel did); slots out of
+  // range are skipped. Part of a point-to-point transfer (kvcore/distributed.py): an earlier
+  // call's pending device refusal is left for the caller to report, not returned here.
+  int64_t run_gated(bool gather, const at::Tensor& slots, const std::vector<at::Tensor>& staging, const at::Tensor& gate) {
+    try {
+      const bool gated = gate.defined() && gate.numel() > 0;
+      if (gated && (gate.scalar_type() != at::kInt || gate.device() != device_))
+        return fail(cat("kvcore.", gather ? "gather" : "scatter", ": the gate must be an int32 tensor on ", device_));
+      if (gated && device_.is_cpu() && *gate.data_ptr<int>() != 0) return kOk;
+      return run_impl(gather, slots, staging, 0, 0, (gated && !device_.is_cpu()) ? gate.data_ptr<int>() : nullptr, false);
+    } catch (const std::exception& e) {
+      return fail(cat("kvcore.", gather ? "gather" : "scatter", ": ", e.what()));
+    }
+  }
+
  private:
   std::string init(const at::Tensor& host_ptrs, const at::Tensor& planes, const at::Tensor& buffers, const std::vector<at::Tensor>& dtypes,
                    const std::vector<at::Tensor>& storages, const std::vector<std::string>& labels, const at::Tensor& snapshot,
@@ -687,11 +786,12 @@ class NativePlan {
 #endif
   }
 
-  int64_t run_impl(bool gather, const at::Tensor& slots, at::TensorList staging, int64_t skip, int64_t validate) {
+  int64_t run_impl(bool gather, const at::Tensor& slots, at::TensorList staging, int64_t skip, int64_t validate,
+                   int* gate = nullptr, bool pending_check = true) {
     const char* op = gather ? "gather" : "scatter";
     if (!error_.empty()) return fail(error_);
 #ifdef KVCORE_WITH_CUDA
-    if (device_.is_cuda()) {
+    if (device_.is_cuda() && pending_check) {
       std::string pending = take_device_error();
       if (!pending.empty()) return fail(pending, kPending);
     }
@@ -741,8 +841,10 @@ class NativePlan {
       const int64_t idx = capturing ? 64 + (captures_++ % 64) : (call % 64);
       flag = flags_.data_ptr<int>() + idx;
     }
+    if (gate != nullptr && !validate) flag = gate;
     rc = to_cuda_transfer_and_run(gather, pl, ptrs_, slots, NL_, block_size_, num_slots_, skip, validate ? 1 : 0, flag,
-                                  gather ? nullptr : reinterpret_cast<uint32_t*>(bitmap_.data_ptr<int>()), call, dev_rec_, host_plane, op);
+                                  gather ? nullptr : reinterpret_cast<uint32_t*>(bitmap_.data_ptr<int>()), call, dev_rec_, host_plane, op,
+                                  gate != nullptr ? 1 : 0);
     if (rc != kOk) return rc;
     if (validate == 2) {
       const char* err = cuda_stream_sync(stream);
@@ -798,7 +900,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &kvcore::NativePlan::run, py::call_guard<py::gil_scoped_release>(),
            "run(gather, slots, staging: list, skip, validate) -> int (0 ok; 1 refused; 2 neg/conj staging; 3 stale storage; 4 an "
            "earlier device refusal)")
-      .def("run1", &kvcore::NativePlan::run1, py::call_guard<py::gil_scoped_release>(), "run with one staging tensor");
+      .def("run1", &kvcore::NativePlan::run1, py::call_guard<py::gil_scoped_release>(), "run with one staging tensor")
+      .def("run_gated", &kvcore::NativePlan::run_gated, py::call_guard<py::gil_scoped_release>(),
+           "run_gated(gather, slots, staging: list, gate) -> int: stores only when the int32 gate (set by an earlier kernel) is 0");
+  kvcore::copy::bind(m);
   m.def("last_error", []() { return kvcore::g_last_error; });
   m.def("take_device_error", []() {
 #ifdef KVCORE_WITH_CUDA

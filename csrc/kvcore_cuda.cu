@@ -419,7 +419,7 @@ const char* run_transfer(const CudaTransfer& a) {
     Params q{};
     q.ptrs = a.ptrs;
     q.slots = a.slots + t0;
-    q.flag = a.validate ? a.flag : nullptr;
+    q.flag = (a.validate || a.gated) ? a.flag : nullptr;  // gated: set by an earlier kernel on the stream
     q.num_slots = a.num_slots;
     q.T = static_cast<uint32_t>(tn);
     q.ncols = static_cast<uint32_t>(P);

@@ -80,8 +80,31 @@ struct DeviceErrorRecord {
   volatile int64_t value;   // its slot (kind 1), the smallest repeated slot (kind 2)
   volatile int64_t num_slots;
   volatile int64_t call;    // the host's call number
-  volatile int64_t gather;  // 1 gather, 0 scatter
+  volatile int64_t gather;  // the refused operation: RecordOp (0 scatter, 1 gather, 2 copy, 3 send, 4 recv)
   volatile int64_t dropped; // failures not recorded because one was pending
+  volatile int64_t peer;    // send / recv: the peer's rank
+  volatile int64_t detail;  // send: the receiver's own refusal kind; recv: 1 when the sender refused its own arguments
+  volatile int64_t tokens;  // send / recv: the peer's token count
+};
+
+// The operation a record describes (DeviceErrorRecord::gather).
+enum RecordOp : int64_t { kOpScatter = 0, kOpGather = 1, kOpCopy = 2, kOpSend = 3, kOpRecv = 4 };
+
+// Refusal kinds (DeviceErrorRecord::kind): 1 a (source) slot out of range, 2 a (destination)
+// slot repeats, 3 a destination slot out of range, 4 a copy reads a slot it writes (shared
+// memory), 5 the receiver refused (its kind in `detail`), 6 the receiver did not expect this
+// transfer, 7 the sender's slots were refused, 8 the sender sent a changed transfer (or
+// refused its own arguments), 9 a control message that is not kvcore's.
+enum RefusalKind : int64_t {
+  kSlotRange = 1,
+  kSlotRepeat = 2,
+  kDstRange = 3,
+  kOverlap = 4,
+  kPeerRefused = 5,
+  kPeerUnexpected = 6,
+  kSenderSlots = 7,
+  kSenderChanged = 8,
+  kGarbled = 9,
 };
 
 constexpr int kMaxPlanesPerLaunch = 8;
@@ -105,6 +128,7 @@ struct CudaTransfer {
   uint32_t* bitmap;          // device, num_slots bits, all zero between calls (scatter only)
   DeviceErrorRecord* record; // pinned host record, its mapped device address
   int64_t call;
+  int gated;                 // 1: no check kernel; `flag` (set by an earlier kernel on the stream) gates the stores
   bool pdl;                  // overlap the check with the transfer (programmatic dependent launch)
 };
 
@@ -163,6 +187,16 @@ static inline std::string cat(const A&... a) {
   (cat_one(s, a), ...);
   return s;
 }
+
+// The message of a refusal record (kvcore_cpu.cpp). `now`: the refusal of the call that is
+// returning (CPU, or validate="sync"), else an earlier call's (surfaced later).
+std::string describe_record(const DeviceErrorRecord& r, bool now = false);
+// The pending device-side refusal of an earlier CUDA call, once ("" when none, or without CUDA).
+std::string take_device_error();
+// Whether CUDA launches may use programmatic dependent launch (KVCORE_CUDA_PDL).
+bool pdl_enabled();
+// Bytes per thread of a CPU transfer (KVCORE_CPU_GRAIN_BYTES): below it, one thread.
+int64_t cpu_grain_bytes();
 
 }  // namespace kvcore
 #endif  // KVCORE_NO_TORCH

@@ -381,9 +381,12 @@ def bench_case(
     host: bool,
     host_reference: bool = True,
     seed: int = 0,
+    sample_bytes: float = 400e6,
 ) -> list[Row]:
     """Benchmark one layout/geometry; returns the rows (both directions, and the pinned
-    host rows when ``host``)."""
+    host rows when ``host``). On CPU one timed sample repeats the call until about
+    ``sample_bytes`` bytes moved (at most 20 calls): ~100 ms by default, less for
+    ``--quick``."""
     import kvcore
     from kvcore.kernels import TransferPlan
 
@@ -401,7 +404,7 @@ def bench_case(
     plans = [TransferPlan(table=table, slots=slot_sets[i], staging=staging[i], num_valid=tokens) for i in range(sets)]
     kernel = select_kernel(device.type, case.format, device.type, table)
     # CPU: enough calls that one sample lasts ~100 ms, so a preempted thread is a small error
-    calls = 20 if device.type == "cuda" else max(1, min(20, int(400e6 // (2 * payload))))
+    calls = 20 if device.type == "cuda" else max(1, min(20, int(sample_bytes // (2 * payload))))
     src = [torch.empty(payload, dtype=torch.uint8, device=device) for _ in range(sets)]
     for s in src:
         random_fill(s)
@@ -580,7 +583,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``kvcore bench``'s options to ``parser``."""
     parser.description = __doc__.split("\n\n")[0] if __doc__ else None
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="device of the cache (default: cuda when available)")
-    parser.add_argument("--quick", action="store_true", help="a small matrix: NHD, HND, MLA-bf16; block 16; T=256 and 2048")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small, fast matrix (seconds on an idle CPU): NHD, HND, MLA-bf16; block 16; T=256; 3 repeats of short samples; "
+        "the reference kernel timed on the first case only",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     parser.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default 16,64,256)")
@@ -729,16 +737,68 @@ def format_small(rows: list[SmallRow]) -> str:
     return "\n".join(lines)
 
 
+#: ``--quick``: a matrix that runs in seconds (on CPU, ~10x less work than the defaults:
+#: T=256 only, 3 repeats, ~20 ms samples; the reference kernel timed on the first case only)
+QUICK = {
+    "layouts": ("NHD", "HND", "MLA-bf16"),
+    "block_sizes": (16,),
+    "tokens": (256,),
+    "repeats": 3,
+    "sample_bytes": 40e6,
+    "small_calls": 10,
+}
+
+
+class _Progress:
+    """One line per finished case on stderr (CI logs, pipes), or a tqdm bar on a terminal."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="kvcore bench", unit="case", file=sys.stderr)
+            except ImportError:  # pragma: no cover - tqdm is a dependency
+                self.bar = None
+        if self.bar is None:
+            print(f"kvcore bench: {total} cases ({what})", file=sys.stderr, flush=True)
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label)
+
+    def finished(self, label: str, rows: int, seconds: float) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            print(f"kvcore bench: [{self.done}/{self.total}] {label}: {rows} rows in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def note(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"kvcore bench: {msg}", file=sys.stderr)
+        else:
+            print(f"kvcore bench: {msg}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        print(f"kvcore bench: done in {time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark matrix; exit code 0, or 2 for a usage error."""
+    """Run the benchmark matrix; exit code 0, or 2 for a usage error. Progress goes to
+    stderr (one line per case when stderr is not a terminal), the table / JSON to stdout."""
     dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev_name == "cuda" and not torch.cuda.is_available():
         print("kvcore bench: --device cuda, but torch sees no CUDA device", file=sys.stderr)
         return 2
     device = torch.device(dev_name)
     if args.quick:
-        layouts = ["NHD", "HND", "MLA-bf16"]
-        bss, toks = (16,), (256, 2048)
+        layouts = list(QUICK["layouts"])
+        bss, toks = QUICK["block_sizes"], QUICK["tokens"]
     else:
         layouts = list(CASES)
         bss, toks = BLOCK_SIZES, TOKENS
@@ -750,33 +810,40 @@ def run(args: argparse.Namespace) -> int:
             return 2
     bss = _ints(args.block_sizes, bss)
     toks = _ints(args.tokens, toks)
-    repeats = args.repeats or 5
+    repeats = args.repeats or (QUICK["repeats"] if args.quick else 5)
+    sample_bytes = QUICK["sample_bytes"] if args.quick else 400e6
     combos = [(CASES[lay], b, t) for lay in layouts for b in bss for t in toks]
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
-    it = tqdm(combos, desc="kvcore bench", unit="case", file=sys.stderr, disable=None) if tqdm else combos
     rows: list[Row] = []
     meta = _meta(device)
+    if args.quick:
+        meta["quick"] = f"--quick: {repeats} repeats of ~{sample_bytes / 1e6:.0f} MB samples" + (
+            "" if args.no_reference else "; the reference kernel timed on the first case only"
+        )
+    progress = _Progress(len(combos), f"{device.type}{', --quick' if args.quick else ''}, {repeats} repeats")
+    if args.quick and not args.no_reference:
+        progress.note("--quick: the reference kernel is timed on the first case only (other rows show '-')")
     t_start = time.monotonic()
-    for case, b, t in it:
+    for i, (case, b, t) in enumerate(combos):
         if args.max_seconds and time.monotonic() - t_start > args.max_seconds:
             meta["truncated"] = f"stopped after {args.max_seconds} s (--max-seconds): {len(rows)} rows"
-            print(f"kvcore bench: {meta['truncated']}", file=sys.stderr)
+            progress.note(meta["truncated"])
             break
-        if tqdm:
-            it.set_postfix_str(f"{case.label} BS={b} T={t}")
-        rows += bench_case(
+        label = f"{case.label} BS={b} T={t}"
+        progress.start(label)
+        t_case = time.monotonic()
+        new = bench_case(
             case,
             b,
             t,
             device,
             repeats=repeats,
-            with_reference=not args.no_reference,
+            with_reference=not args.no_reference and (i == 0 or not args.quick),
             host=not args.no_host,
             host_reference=(b == bss[0]),
+            sample_bytes=sample_bytes,
         )
+        rows += new
+        progress.finished(label, len(new), time.monotonic() - t_case)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if args.output:  # keep what is measured so far
@@ -784,7 +851,11 @@ def run(args: argparse.Namespace) -> int:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     small: list[SmallRow] = []
     for t in _ints(args.small, ()) if args.small else ():
-        small += bench_small(device, tokens=t, repeats=repeats)
+        t_case = time.monotonic()
+        got = bench_small(device, tokens=t, repeats=repeats, calls=QUICK["small_calls"] if args.quick else None)
+        small += got
+        progress.note(f"small transfers T={t}: {len(got)} rows in {time.monotonic() - t_case:.1f} s")
+    progress.close()
     data = [asdict(r) for r in rows]
     sdata = [asdict(r) for r in small]
     if args.output:
@@ -794,6 +865,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"meta": meta, "rows": data, "small": sdata}, indent=1))
     else:
         print(f"# {meta['device_name']} | torch {meta['torch']} | {meta['threads']} threads")
+        if "quick" in meta:
+            print(f"# {meta['quick']}")
         print(format_table(rows))
         if small:
             print()

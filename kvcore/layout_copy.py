@@ -25,6 +25,7 @@ Everything is validated before the first byte moves: a bad call raises
 from __future__ import annotations
 
 import operator
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from kvcore.layout import KVLayout
 from kvcore.spec import StrideTable
 from kvcore.transfer import _index_tensor, _layers
 
-__all__ = ["copy", "plan_copy", "CopyPlan", "head_range", "pair_tables"]
+__all__ = ["copy", "plan_copy", "CopyPlan", "CopyLayoutPlan", "head_range", "pair_tables"]
 
 
 def _dt(d: torch.dtype) -> str:
@@ -291,6 +292,149 @@ def plan_copy(
     return CopyPlan(src=st, dst=dt, src_slots=ss.to(dev), dst_slots=ds.to(dev), num_valid=nv)
 
 
+_Tensor = torch.Tensor
+_INT64 = torch.int64
+_VALIDATE = {"device": 1, "sync": 2, "none": 0}
+_MAX_PLANS_PER_LAYOUT = 64
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def _forced() -> tuple:
+    if _ENV_DATA is not None:
+        return (_ENV_DATA.get(b"KVCORE_COPY_KERNEL"), _ENV_DATA.get(b"KVCORE_KERNEL"))
+    return (os.environ.get("KVCORE_COPY_KERNEL"), os.environ.get("KVCORE_KERNEL"))
+
+
+class CopyLayoutPlan:
+    """The per-call work of :func:`copy` done once per (source, destination, heads, layers):
+    the layouts checked, the layer selections and head ranges applied, the planes paired,
+    the kernel chosen and (native kernels) the op's prepared plan built, which re-checks
+    the caches' storages and validates the slots on every call. :func:`copy` keeps one per
+    (source layout, destination layout, arguments).
+
+    Raises:
+        TransferError: as :func:`copy`, for everything but the slot mappings.
+    """
+
+    def __init__(self, src_layout, dst_layout, heads=None, dst_heads=None, layers=None, dst_layers=None):
+        for lay, what in ((src_layout, "source"), (dst_layout, "destination")):
+            if not isinstance(lay, KVLayout):
+                raise TransferError(f"the {what} must be a KVLayout (from kvcore.detect), got {type(lay).__name__}")
+            _check_device(lay, what)
+        self.device = _exec_device(src_layout, dst_layout)
+        self._cuda = self.device.type == "cuda"
+        self.heads = head_range(heads, "heads", src_layout)
+        self.dst_heads = head_range(dst_heads, "dst_heads", dst_layout)
+        self.layers, self.dst_layers = layers, dst_layers
+        ssel, dsel = _layer_lists(src_layout, dst_layout, layers, dst_layers)
+        self.src, self.dst, self.shared = _tables(src_layout, dst_layout, ssel, dsel, self.heads, self.dst_heads)
+        self.src_layout = src_layout
+        self._dst_ref = weakref.ref(dst_layout)
+        empty = torch.empty(0, dtype=torch.int64)
+        self.kernel = select_copy_kernel(CopyPlan(src=self.src, dst=self.dst, src_slots=empty, dst_slots=empty, num_valid=0))
+        self._native = None
+        from kvcore.kernels.copy_kernels import NATIVE_CPU_COPY, NATIVE_CUDA_COPY, prepare_native
+
+        if self.kernel is NATIVE_CPU_COPY or self.kernel is NATIVE_CUDA_COPY:
+            self._native = prepare_native(self.src, self.dst, self.shared)
+
+    def run(self, src_slots, dst_slots, validate: str | None = None) -> None:
+        """Copy the rows (see :func:`copy`); ``validate`` as :func:`kvcore.gather`."""
+        nat = self._native
+        if nat is None:
+            if validate is not None:
+                _validate(validate)
+            self._generic(src_slots, dst_slots)
+            return
+        ss, ds = src_slots, dst_slots
+        cuda = self._cuda
+        if ss.__class__ is not _Tensor or ss.dtype is not _INT64 or ss.is_cuda is not cuda or not ss.is_contiguous():
+            ss = self._slots_in(ss, "src_slots")
+        if ds.__class__ is not _Tensor or ds.dtype is not _INT64 or ds.is_cuda is not cuda or not ds.is_contiguous():
+            ds = self._slots_in(ds, "dst_slots")
+        v = 1 if validate is None else _validate(validate)
+        rc = nat.run(ss, ds, v)
+        if rc:
+            self._failed(rc, src_slots, dst_slots)
+
+    def _slots_in(self, slots, what: str) -> torch.Tensor:
+        s = _index_tensor(slots, what)
+        if s.dim() != 1:
+            raise TransferError(f"{what} must be 1-D [T], got shape {tuple(s.shape)}")
+        return s.to(device=self.device, dtype=torch.int64).contiguous()
+
+    def _generic(self, src_slots, dst_slots) -> None:
+        plan = self._plan(src_slots, dst_slots)
+        if plan.num_valid:
+            self.kernel.copy(plan)
+
+    def _plan(self, src_slots, dst_slots) -> CopyPlan:
+        dst = self._dst_ref()
+        return plan_copy(
+            self.src_layout,
+            src_slots,
+            dst,
+            dst_slots,
+            heads=self.heads,
+            dst_heads=self.dst_heads,
+            layers=self.layers,
+            dst_layers=self.dst_layers,
+        )
+
+    def _failed(self, rc: int, src_slots, dst_slots) -> None:
+        """The op refused before moving a byte: raise the Python layer's message for the
+        same input (host checks, worded as every kvcore error) or the op's own."""
+        from kvcore.kernels import _build
+        from kvcore.kernels.native import RC_REFUSED
+
+        msg = _build.MODULE.copy_last_error()
+        if rc == RC_REFUSED:
+            self._plan(src_slots, dst_slots)  # raises the canonical message for a host-visible refusal
+        raise TransferError(msg)
+
+
+def _validate(validate) -> int:
+    v = _VALIDATE.get(validate) if isinstance(validate, str) else None
+    if v is None:
+        raise TransferError(f"validate must be one of 'device', 'sync', 'none' (or None for the default), got {validate!r}")
+    return v
+
+
+def _layers_key(layers):
+    if layers is None or layers.__class__ is int:
+        return layers
+    if isinstance(layers, (list, tuple, range)):
+        return ("L", *layers)
+    return _UNCACHED
+
+
+_UNCACHED = object()
+
+
+def _copy_plan(src_layout, dst_layout, heads, dst_heads, layers, dst_layers) -> CopyLayoutPlan:
+    """The cached plan of :func:`copy` for these arguments (built on first use)."""
+    try:
+        cache = src_layout._kvcore_copy_plans
+    except AttributeError:
+        if not isinstance(src_layout, KVLayout):
+            return CopyLayoutPlan(src_layout, dst_layout, heads, dst_heads, layers, dst_layers)
+        cache = src_layout._kvcore_copy_plans = {}
+    lk, dk = _layers_key(layers), _layers_key(dst_layers)
+    if lk is _UNCACHED or dk is _UNCACHED:
+        return CopyLayoutPlan(src_layout, dst_layout, heads, dst_heads, layers, dst_layers)
+    try:
+        key = (id(dst_layout), heads, dst_heads, lk, dk, _forced())
+        p = cache.get(key)
+    except TypeError:  # unhashable head ranges: validated (and refused or used) uncached
+        return CopyLayoutPlan(src_layout, dst_layout, heads, dst_heads, layers, dst_layers)
+    if p is None or p._dst_ref() is not dst_layout:
+        p = CopyLayoutPlan(src_layout, dst_layout, heads, dst_heads, layers, dst_layers)
+        if len(cache) >= _MAX_PLANS_PER_LAYOUT:
+            cache.clear()
+        cache[key] = p
+    return p
+
+
 def copy(
     src_layout: KVLayout,
     src_slots,
@@ -301,13 +445,16 @@ def copy(
     dst_heads=None,
     layers: Sequence[int] | int | None = None,
     dst_layers: Sequence[int] | int | None = None,
+    validate: str | None = None,
 ) -> None:
     """Copy token rows from one detected cache into another, converting the layout on the way.
 
     Row ``i`` moves every selected layer's K and V (MLA: the latent; multi-plane records:
     every plane, paired by role) of source slot ``src_slots[i]`` into destination slot
     ``dst_slots[i]``. One pass, no staging buffer; on a GPU one kernel launch for all
-    layers and planes.
+    layers and planes. The layouts, head ranges and layer selections are checked once per
+    (source, destination, arguments) and the prepared plan is kept (:class:`CopyLayoutPlan`);
+    each call then checks its slot mappings and launches.
 
     Args:
         src_layout, dst_layout: from :func:`kvcore.detect`; any two layouts whose token rows
@@ -316,8 +463,9 @@ def copy(
             GPU and host memory (pinned host memory is read or written in place by the GPU;
             pageable host memory goes through a temporary of the moved rows).
         src_slots, dst_slots: int64 ``[T]`` slot mappings (``block * block_size + offset``)
-            of equal length. A negative slot on either side is padding: that row is skipped
-            and the destination row left as it was.
+            of equal length, on the device that runs the copy (the GPU when either cache is
+            on one; others are moved there). A negative slot on either side is padding: that
+            row is skipped and the destination row left as it was.
         heads: ``(start, stop)``: copy only source KV heads ``start..stop-1`` (TP split).
         dst_heads: ``(start, stop)``: land the rows in destination heads ``start..stop-1``
             (TP merge). Without either, both sides must have the same head count.
@@ -325,6 +473,16 @@ def copy(
             destination's layers.
         dst_layers: destination layer indices (default: the same indices as ``layers``, or
             all layers when ``layers`` is None); as many as the source layers.
+        validate: ``"device"`` (default), ``"sync"`` or ``"none"``, as for
+            :func:`kvcore.gather` (:mod:`kvcore.plan`): on a GPU with ``"device"`` the slot
+            values are checked on the device, in a one-block kernel before the copy on the
+            same stream; the host never waits. A refused copy writes nothing, and its
+            :class:`~kvcore.TransferError` is raised by the next kvcore CUDA call or
+            :func:`kvcore.synchronize`. ``"sync"`` waits and raises before returning;
+            ``"none"`` skips the value checks (slots out of range are still skipped, a
+            repeated destination slot is written twice in an unspecified order). On the
+            CPU, and for the reference and plugin kernels, slots are checked before the
+            copy whatever ``validate`` says.
 
     Raises:
         TransferError: before any byte moves, for: a slot out of range on either side; a
@@ -333,8 +491,9 @@ def copy(
             a side's heads (an MLA latent has one head: it is copied whole); planes of
             different roles, head widths or dtypes (naming both sides); different layer
             counts; two different GPUs (use :func:`kvcore.send`); a meta-device layout;
-            source and destination slots that overlap within one cache.
+            source and destination slots that overlap within one cache; a cache storage
+            freed, reallocated or replaced since detection. On a GPU with
+            ``validate="device"`` a bad slot value is found on the device: nothing is
+            written and the error is raised later (above).
     """
-    plan = plan_copy(src_layout, src_slots, dst_layout, dst_slots, heads=heads, dst_heads=dst_heads, layers=layers, dst_layers=dst_layers)
-    if plan.num_valid:
-        select_copy_kernel(plan).copy(plan)
+    _copy_plan(src_layout, dst_layout, heads, dst_heads, layers, dst_layers).run(src_slots, dst_slots, validate)

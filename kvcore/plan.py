@@ -340,12 +340,20 @@ def synchronize(device=None) -> None:
     device since the last report.
 
     Raises:
-        TransferError: naming the refused call (gather or scatter, its number), the first
-            bad slot index and value or the repeated slot; that call wrote nothing.
+        TransferError: naming the refused call (gather, scatter, copy, send or recv, its
+            number), the first bad slot index and value or the repeated slot, or the peer's
+            refusal; that call wrote nothing. A :func:`kvcore.send` / :func:`kvcore.recv`
+            still in flight past its deadline (its peer is gone): naming the unfinished
+            chunk's destination slots or the token rows not delivered.
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         dev = torch.device(device) if device is not None else None
         if dev is None or dev.type == "cuda":
+            import sys
+
+            p2p = sys.modules.get("kvcore.distributed")
+            if p2p is not None:  # transfers in flight: wait with their deadlines, raise what they left
+                p2p._drain(dev)
             torch.cuda.synchronize(dev)
     from kvcore.kernels.native import take_device_error
 

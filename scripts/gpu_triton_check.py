@@ -16,13 +16,21 @@ GPUs, so this script forces it on ``cuda`` (``KVCORE_KERNEL=triton-xpu``) and:
 4. **benchmark**: NHD, HND, MLA (bf16), BS 16 and 64, 256 and 8192 tokens, both
    directions: the Triton kernel beside the CUDA kernel (``native-cuda``, built here when
    nvcc is found) and a same-run ``copy_`` of the same bytes; eager (CUDA events around 20
-   back-to-back calls, host launch cost included) and replayed from a CUDA graph. Targets:
-   >= 85 % of ``copy_`` at 8192 tokens, >= 70 % at 256.
+   back-to-back calls, host launch cost included) and replayed from a CUDA graph, with the
+   host time per call (100 calls queued without synchronising) and how many timed calls
+   missed the kernel's launch cache. Targets: >= 85 % of ``copy_`` at 8192 tokens,
+   >= 70 % at 256.
 
 Usage, from the repository root on the GPU machine (kvcore importable, e.g.
 ``PYTHONPATH=$PWD`` with pydantic installed)::
 
     python3 scripts/gpu_triton_check.py --out "$OUT" [--quick] [--skip-conformance] [--skip-bench]
+        [--tune 8192x4,16384x4] [--conformance-last] [--conformance-triton-only] [--deadline S]
+
+Order: conformance (unless ``--conformance-last``), agreement on the benchmark
+geometries, tuning and benchmark, agreement on the multi-plane record and the partial
+chunk, then conformance when ``--conformance-last`` (no check starts after
+``--deadline`` seconds: a time-boxed run keeps what it finished).
 
 Writes ``triton_summary.json`` (versions, every stage's result, the targets met or missed)
 and ``triton_bench.json`` (the rows) into ``--out``; prints a log. Exit 0 when every
@@ -111,15 +119,27 @@ def register_repo_plugins() -> dict[str, str]:
 # -- 1. conformance -------------------------------------------------------------------------
 
 
-def conformance(examples: int) -> dict:
+def conformance(examples: int, deadline: float | None = None, only_triton: bool = False) -> dict:
+    """The conformance suite with the Triton kernel forced on the device, task by task
+    (``only_triton``: the Triton kernel's checks and those that move no data), stopping
+    at ``deadline`` (``time.time()``) with what ran so far."""
     from kvcore.testing import suite
+    from kvcore.testing.runner import plan, select
 
     if not SMOKE:
         os.environ.pop("TRITON_INTERPRET", None)
     t = time.time()
     dt = device().type
     filters = {"fixtures": ["vllm-0.11-FLASH_ATTN-HND", "xpu-sglang-0.5.23-dsa-indexer-page128"]} if SMOKE else {}
-    results = suite.run_checks(["xpu"], suite.Options(examples=examples, devices=(dt,)), **filters)
+    if only_triton:
+        filters["kernels"] = [f"{NAME}@{dt}"]
+    tasks = select(plan(["xpu"], suite.Options(examples=examples, devices=(dt,))), **filters)
+    results, left = [], 0
+    for i, task in enumerate(tasks):
+        if deadline is not None and time.time() > deadline:
+            left = len(tasks) - i
+            break
+        results.append(task.run())
     mine = [r for r in results if r.kernel == f"{NAME}@{dt}"]
     fails = [r for r in results if r.status == "FAIL"]
     by = {}
@@ -128,6 +148,7 @@ def conformance(examples: int) -> dict:
     out = {
         "seconds": round(time.time() - t, 1),
         "checks": len(results),
+        "not_run_deadline": left,
         "triton_checks": len(mine),
         "passed": sum(r.status == "PASS" for r in results),
         "failed": len(fails),
@@ -137,7 +158,8 @@ def conformance(examples: int) -> dict:
         "failures": [r.line() for r in fails[:40]],
     }
     log(
-        f"conformance: {out['passed']} passed, {out['failed']} failed, {out['skipped']} skipped; {out['triton_checks']} with {NAME}@{dt} over {out['fixtures']} fixtures in {out['seconds']} s"
+        f"conformance: {out['passed']} passed, {out['failed']} failed, {out['skipped']} skipped; {out['triton_checks']} with {NAME}@{dt} over "
+        f"{out['fixtures']} fixtures in {out['seconds']} s" + (f"; {left} checks not run (deadline)" if left else "")
     )
     for line in out["failures"][:10]:
         log("  " + line.replace("\n", "\n    "))
@@ -163,7 +185,9 @@ def _storage_bytes(tensors):
     return out
 
 
-def agreement() -> dict:
+def agreement(main: bool = True, extras: bool = True) -> dict:
+    """``main``: the benchmark geometries at full size; ``extras``: the multi-plane record
+    and the partial last chunk."""
     import torch
     from kvcore_xpu import KERNEL
 
@@ -182,7 +206,7 @@ def agreement() -> dict:
             res["failures"].append(tag)
         log(f"agreement {tag}: {'ok' if ok else 'MISMATCH'} {detail}")
 
-    for label in ("NHD", "HND", "MLA-bf16"):
+    for label in ("NHD", "HND", "MLA-bf16") if main else ():
         case = CASES[label]
         for bs in (16, 64):
             T = BIG
@@ -235,7 +259,10 @@ def agreement() -> dict:
             if not SMOKE:
                 torch.cuda.empty_cache()
 
+    if not extras:
+        return res
     # a multi-plane record: four planes of four widths and dtypes, one buffer each
+    # (its table's device is torch.device("cuda"), no index: the current device)
     try:
         from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable
 
@@ -367,6 +394,7 @@ def bench_one(label: str, bs: int, tokens: int, native, repeats: int, graphs: bo
     calls = 2 if SMOKE else 20
     tm = _median_times(fns, dev, repeats, calls)
     gt = _graph_times(fns, dev, repeats, calls) if graphs and not SMOKE else {}
+    host, slow = host_times(fns, sets, 2 if SMOKE else 100)
     rows = []
     for d in ("gather", "scatter"):
         row = {
@@ -381,6 +409,11 @@ def bench_one(label: str, bs: int, tokens: int, native, repeats: int, graphs: bo
             "triton_us": round(tm[f"triton-{d}"] * 1e6, 2),
             "triton_gbps": round(2 * payload / tm[f"triton-{d}"] / 1e9, 1),
             "triton_vs_copy": round(tm["copy"] / tm[f"triton-{d}"], 4),
+            # host time per call (launches queued, no synchronisation): what an eager call
+            # costs the CPU; above the device time, the eager figure is the host's
+            "triton_host_us": round(host[f"triton-{d}"] * 1e6, 2),
+            "copy_host_us": round(host["copy"] * 1e6, 2),
+            "triton_slow_path_calls": slow[f"triton-{d}"],
         }
         if native is not None:
             row["native_us"] = round(tm[f"native-{d}"] * 1e6, 2)
@@ -400,14 +433,46 @@ def bench_one(label: str, bs: int, tokens: int, native, repeats: int, graphs: bo
     return rows
 
 
-def tune(native, repeats: int) -> dict:
+def host_times(fns: dict, sets: int, n: int) -> tuple[dict, dict]:
+    """Seconds of host time per call of each function (``n`` calls, launches queued, one
+    synchronisation after), and how many of the Triton kernel's calls took its checked
+    (first-call) path instead of the launch cache."""
+    from kvcore_xpu import KERNEL
+
+    slow = {"n": 0}
+    real = type(KERNEL)._run_checked
+
+    def counting(plan, gather):
+        slow["n"] += 1
+        return real(KERNEL, plan, gather)
+
+    host, slow_calls = {}, {}
+    for k, fn in fns.items():
+        for i in range(sets):  # every plan once: first calls are not timed
+            fn(i)
+        sync()
+        KERNEL._run_checked = counting
+        slow["n"] = 0
+        try:
+            t = time.perf_counter()
+            for i in range(n):
+                fn(i)
+            host[k] = (time.perf_counter() - t) / n
+        finally:
+            del KERNEL._run_checked
+        slow_calls[k] = slow["n"]
+        sync()
+    return host, slow_calls
+
+
+def tune(native, repeats: int, combos=None) -> dict:
     from kvcore_xpu import kernel as km
 
     res = {}
     geoms = (("NHD", 16, BIG), ("HND", 16, BIG), ("MLA-bf16", 64, BIG), ("NHD", 16, SMALL), ("HND", 64, SMALL))
     best, best_score = (km._TILE_BYTES, km._NUM_WARPS), -1.0
-    for tile in (8192, 16384, 32768):
-        for warps in (4, 8):
+    for tile, warps in combos or [(t, w) for t in (8192, 16384, 32768) for w in (4, 8)]:
+        if True:
             km._TILE_BYTES, km._NUM_WARPS = tile, warps
             ratios = []
             for label, bs, t in geoms:
@@ -433,6 +498,10 @@ def main() -> int:
     ap.add_argument("--no-native", action="store_true", help="do not build the CUDA kernel for the comparison")
     ap.add_argument("--examples", type=int, default=None, help="hypothesis examples per agreement check (default 6, quick 3)")
     ap.add_argument("--smoke", action="store_true", help="check this script on CPU in Triton's interpreter, tiny sizes")
+    ap.add_argument("--tune", default=None, help="tile sweep as TILExWARPS,... (default: the full sweep unless --quick)")
+    ap.add_argument("--conformance-last", action="store_true", help="run the conformance suite after the benchmark")
+    ap.add_argument("--conformance-triton-only", action="store_true", help="only the Triton kernel's conformance checks")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds from start after which no further conformance check starts")
     args = ap.parse_args()
     global SMOKE, BIG, SMALL
     if args.smoke:
@@ -487,28 +556,42 @@ def main() -> int:
     save()
     ok = True
     examples = args.examples or (3 if args.quick else 6)
-    if not args.skip_conformance:
+
+    def run_agreement(tag: str, **which) -> None:
+        nonlocal ok
         try:
-            summary["conformance"] = conformance(examples)
+            res = agreement(**which)
+            ok = ok and not res["failures"]
+        except Exception:  # noqa: BLE001
+            ok = False
+            res = {"error": traceback.format_exc()[-3000:], "failures": [tag]}
+            log(f"agreement ({tag}) raised:\n" + traceback.format_exc())
+        summary.setdefault("agreement", {})[tag] = res
+        save()
+
+    def run_conformance() -> None:
+        nonlocal ok
+        deadline = T0 + args.deadline if args.deadline else None
+        try:
+            summary["conformance"] = conformance(examples, deadline, args.conformance_triton_only)
             ok = ok and summary["conformance"]["failed"] == 0 and summary["conformance"]["triton_checks"] > 0
         except Exception:  # noqa: BLE001
             ok = False
             summary["conformance"] = {"error": traceback.format_exc()[-3000:]}
             log("conformance raised:\n" + traceback.format_exc())
         save()
-    try:
-        summary["agreement"] = agreement()
-        ok = ok and not summary["agreement"]["failures"]
-    except Exception:  # noqa: BLE001
-        ok = False
-        summary["agreement"] = {"error": traceback.format_exc()[-3000:]}
-        log("agreement raised:\n" + traceback.format_exc())
-    save()
+
+    # the order keeps the benchmark's figures safe: the geometries it moves are checked
+    # first, then timed; the other checks follow (a device fault there cannot lose them)
+    if not args.skip_conformance and not args.conformance_last:
+        run_conformance()
+    run_agreement("benchmark geometries", main=True, extras=False)
     if not args.skip_bench:
         repeats = 1 if SMOKE else 3 if args.quick else 7
         try:
-            if not args.quick and not SMOKE:
-                summary["tuning"] = tune(native, 3)
+            combos = [tuple(int(x) for x in c.split("x")) for c in args.tune.split(",")] if args.tune else None
+            if (combos or not args.quick) and not SMOKE:
+                summary["tuning"] = tune(native, 3, combos)
                 save()
             rows = []
             for label in ("NHD", "HND", "MLA-bf16"):
@@ -523,6 +606,7 @@ def main() -> int:
                                 f"{100 * r['triton_vs_copy']:.1f}% of copy_ ({r['copy_gbps']} GB/s)"
                                 + (f", native {100 * r['native_vs_copy']:.1f}%" if "native_vs_copy" in r else "")
                                 + (f"; graph {100 * r['graph_triton_vs_copy']:.1f}%" if r.get("graph_triton_vs_copy") else "")
+                                + f"; host {r['triton_host_us']} us/call (copy_ {r['copy_host_us']}), slow path {r['triton_slow_path_calls']}"
                             )
                         (out / "triton_bench.json").write_text(json.dumps({"versions": summary["versions"], "rows": rows}, indent=1))
             met = [r for r in rows if r.get("target_met")]
@@ -536,6 +620,10 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             summary["bench"] = {"error": traceback.format_exc()[-3000:]}
             log("bench raised:\n" + traceback.format_exc())
+        save()
+    run_agreement("multi-plane and partial chunk", main=False, extras=True)
+    if not args.skip_conformance and args.conformance_last:
+        run_conformance()
     summary["ok"] = ok
     summary["seconds"] = round(time.time() - T0, 1)
     save()

@@ -449,3 +449,60 @@ def test_copy_cuda_tp_split_bit_exact():
     for r, d in enumerate(ranks):
         got = kvcore.gather(d, ds).view(2, 4, 777, 4, 128)
         assert torch.equal(got.view(torch.int16), full[:, :, :, 4 * r : 4 * r + 4].view(torch.int16))
+
+
+@cuda
+def test_copy_cuda_validates_on_the_device():
+    """validate='device' (default): a refused copy writes nothing and raises at kvcore.synchronize
+    (or the next kvcore CUDA call); 'sync' raises in the call; every refusal of the host checks
+    has its device twin (source and destination range, a destination slot twice, a slot read
+    and written within one cache)."""
+    dev = torch.device("cuda")
+    src = _to(Cache("NL_X_TWO_NB_BS_NH_HS", 2, 4, 4, 2), dev)
+    dst = _to(Cache("NL_X_TWO_NB_NH_BS_HS", 2, 2, 8, 2, seed_offset=5), dev)
+    before = [t.clone() for t in dst.tensors()]
+    cases = [
+        ([0, 1, 2], [3, 5, 3], r"destination slot 3 appears more than once in dst_slots"),
+        ([0, 16], [1, 2], r"src_slots\[1\] = 16 is out of range: the source has 16 slots"),
+        ([0, 1], [1, 16], r"dst_slots\[1\] = 16 is out of range: the destination has 16 slots"),
+    ]
+    for ss, ds, match in cases:
+        s, d = torch.tensor(ss, device=dev), torch.tensor(ds, device=dev)
+        kvcore.copy(src.layout, s, dst.layout, d)  # enqueued; refused on the device
+        with pytest.raises(
+            TransferError, match=r"an earlier kvcore.copy \(call #\d+\) was refused on the device and wrote nothing: " + match
+        ):
+            kvcore.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(dst.tensors(), before))
+        with pytest.raises(TransferError, match=match.split(":")[0]):
+            kvcore.copy(src.layout, s, dst.layout, d, validate="sync")
+        assert all(torch.equal(a, b) for a, b in zip(dst.tensors(), before))
+    kvcore.synchronize()  # nothing pending
+    one = _to(Cache("NL_X_TWO_NB_NH_BS_HS", 1, 4, 4, 2), dev)
+    keep = [t.clone() for t in one.tensors()]
+    kvcore.copy(one.layout, torch.tensor([0, 5], device=dev), one.layout, torch.tensor([5, 6], device=dev))
+    with pytest.raises(TransferError, match=r"share memory and slot 5 is both read and written"):
+        kvcore.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(one.tensors(), keep))
+    # a good copy after the refusals lands
+    ss, ds = torch.tensor([0, 5, 9], device=dev), torch.tensor([2, 7, 11], device=dev)
+    kvcore.copy(src.layout, ss, dst.layout, ds)
+    kvcore.synchronize()
+    got = kvcore.gather(dst.layout, ds).cpu()
+    want = kvcore.gather(src.layout, ss).cpu()
+    assert torch.equal(got, want)
+
+
+@cuda
+def test_copy_cuda_public_call_matches_the_kernel_entry():
+    dev = torch.device("cuda")
+    src = _to(Cache("NL_X_TWO_NB_BS_NH_HS", 3, 6, 4, 2), dev)
+    dst = _to(Cache("NL_X_TWO_NB_NH_BS_HS", 3, 5, 8, 2, seed_offset=7), dev)
+    ss, ds = _slots(24, 40, 13, seed=3)
+    for validate in (None, "none", "sync"):
+        d2 = _to(Cache("NL_X_TWO_NB_NH_BS_HS", 3, 5, 8, 2, seed_offset=7), dev)
+        kvcore.copy(src.layout, ss.to(dev), d2.layout, ds.to(dev), validate=validate)
+        plan = plan_copy(src.layout, ss, dst.layout, ds)
+        select_copy_kernel(plan).copy(plan)
+        kvcore.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(d2.tensors(), dst.tensors()))

@@ -216,13 +216,14 @@ def _scenarios(rank: int, world: int, out_dir: str):
             return w
 
         distributed._isend = dying
-        kvcore.send(src.layout, SS, 1, chunk_bytes=2 * 2 * 2 * 2 * HS * 4)  # two rows per chunk
+        # a channel of its own (tag 5): its handshake agrees on two rows per chunk
+        kvcore.send(src.layout, SS, 1, chunk_bytes=2 * 2 * 2 * 2 * HS * 4, tag=5)
         res["died"] = "the sender survived"
         save()
     else:
         dst = Cache("NL_X_TWO_NB_NH_BS_HS", 2, 8, 8, 2, seed=40)
         before = dst.snapshot()
-        res["died"] = _err(lambda: kvcore.recv(dst.layout, DS, 0, timeout=20))
+        res["died"] = _err(lambda: kvcore.recv(dst.layout, DS, 0, timeout=20, tag=5))
         # header, mask, chunks 0 and 1 (rows 0..3) arrived; rows 4.. must be untouched
         res["died_check"] = _verify(dst, before, None, SS, DS, heads=(0, 2), rows_landed=4)
     save()
@@ -323,8 +324,9 @@ def test_chunk_sizes():
     from kvcore.distributed import _chunk_tokens
 
     tb = 64 << 10  # one TP half of a Llama-3-8B token
-    assert _chunk_tokens(tb, 256, None, "cuda") == 128  # 16.8 MB: two chunks of 8 MiB
-    assert _chunk_tokens(tb, 8192, None, "cuda") == 1024  # 537 MB: chunks of 64 MiB
+    assert _chunk_tokens(tb, 256, None, "cuda") == 256  # 16.8 MB: one chunk (at least 16 MiB)
+    assert _chunk_tokens(tb, 8192, None, "cuda") == 4096  # 537 MB: two chunks of 256 MiB
+    assert _chunk_tokens(2 * tb, 8192, None, "cuda") == 2048  # 1.07 GB: four chunks of 256 MiB
     assert _chunk_tokens(tb, 256, None, "cpu") == 64  # a quarter, at least 2 MiB
     assert _chunk_tokens(tb, 256, 1, "cuda") == 1  # explicit: exact, at least one token
     assert _chunk_tokens(tb, 3, 64 << 20, "cuda") == 3

@@ -72,6 +72,8 @@ def test_two_processes_building_at_once_share_one_build(tmp_path):
     assert sorted(r["compiled"] for r, _ in results) == [False, True]  # one compiled, the other waited and loaded it
     said = [err for _, err in results]
     assert sum("kvcore: compiling the test extension" in e for e in said) == 1
+    done = [line for e in said for line in e.splitlines() if line.startswith("kvcore: compiled the test extension: done in ")]
+    assert len(done) == 1 and done[0].endswith(" s") and float(done[0].split("done in ")[1][:-2]) >= 0
     assert sum("kvcore: waiting for another process" in e for e in said) <= 1
     entries = sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))
     assert entries == [Path(results[0][0]["path"]).name]  # no temporary or half-built folder left

@@ -11,7 +11,8 @@ A build happens in a temporary folder next to the cache entry and is renamed int
 in one step (``os.rename``), under a file lock per key: a second process that asks while
 the first compiles waits for it and loads its library; a crash mid-build leaves no
 half-built entry. A process that finds the entry imports the library directly (no ninja
-run, no lock, no message); "compiling ..." is printed on stderr only when compiling.
+run, no lock, no message); "compiling ..." and, when it succeeded, "... done in N s" are
+printed on stderr only when compiling.
 Nothing is downloaded and no isolated build environment is made: the installed torch's
 headers are used.
 
@@ -32,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,6 +280,7 @@ def cached_extension(
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=root))
         try:
             _announce(f"compiling {what} into {final} (first use only; about a minute)...")
+            started = time.monotonic()
             module = cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in sources],
@@ -290,6 +293,7 @@ def cached_extension(
                 verbose=os.environ.get("KVCORE_BUILD_VERBOSE", "") not in ("", "0"),
             )
             _publish(tmp, final)
+            _announce(f"compiled {what}: done in {time.monotonic() - started:.0f} s")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
         return module, final, True

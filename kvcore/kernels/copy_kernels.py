@@ -218,6 +218,84 @@ def _prepare(plan: CopyPlan, device: torch.device) -> _Prepared:
     return prep
 
 
+def _storage_args(tables) -> tuple[list[torch.Tensor], list[str], torch.Tensor]:
+    """Every storage the tables address, with a label and its (data_ptr, nbytes) at detection."""
+    storages, labels, snap, seen = [], [], [], set()
+    for side, table in zip(("source", "destination"), tables):
+        by_cdata = {}
+        for p in table.planes:
+            for li, (t, _) in enumerate(p.bases):
+                by_cdata.setdefault(t.untyped_storage()._cdata, (t, f"{side} layer {li} plane {p.role}"))
+        for cdata, ptr, nbytes in table.snapshot:
+            if cdata in by_cdata and cdata not in seen:
+                seen.add(cdata)
+                t, label = by_cdata[cdata]
+                storages.append(t)
+                labels.append(label)
+                snap.append((ptr, nbytes))
+    return storages, labels, torch.tensor(snap, dtype=torch.int64).reshape(len(snap), 2)
+
+
+def prepare_native(src: StrideTable, dst: StrideTable, shared: bool):
+    """The native op library's prepared copy plan (``CopyPlan`` in ``csrc/kvcore_copy.cpp``)
+    for two paired tables, or None when the library (or its copy plan) is not available.
+
+    Raises:
+        TransferError: a cache storage changed since the tables were built, or the op refuses
+            the tables.
+    """
+    from kvcore.kernels import _build, check_storages
+
+    if _op() is None or not hasattr(_build.MODULE, "CopyPlan"):
+        return None
+    for t in (src, dst):
+        check_storages(t)
+    dev = src.device if src.device.type != "cpu" else dst.device
+
+    def geom(table: StrideTable) -> torch.Tensor:
+        return torch.tensor(
+            [
+                [p.block, p.token, p.head, p.chunk, p.chunk_bytes, p.n_chunks, p.strides.token_group, p.strides.token_group_stride]
+                for p in table.planes
+            ],
+            dtype=torch.int64,
+        ).reshape(len(table.planes), 8)
+
+    sp, dp = src.ptrs(), dst.ptrs()
+    g = 16
+    for a in sp.flatten().tolist() + dp.flatten().tolist():
+        g = math.gcd(g, int(a))
+    align = g if g in (1, 2, 4, 8, 16) else 1
+
+    def probe(table: StrideTable, ptrs: torch.Tensor) -> int:
+        return int(ptrs.flatten()[0]) if (dev.type == "cuda" and table.device.type == "cpu") else 0
+
+    rows = torch.tensor([[p.num_heads, p.head_bytes] for p in src.planes], dtype=torch.int64).reshape(-1, 2)
+    storages, labels, snap = _storage_args((src, dst))
+    plan = _build.MODULE.CopyPlan(
+        sp,
+        geom(src),
+        dp,
+        geom(dst),
+        rows,
+        int(src.block_size),
+        int(src.num_slots),
+        int(dst.block_size),
+        int(dst.num_slots),
+        align,
+        probe(src, sp),
+        probe(dst, dp),
+        bool(shared),
+        storages,
+        labels,
+        snap,
+        torch.empty(0, device=dev),
+    )
+    if not plan.ok():
+        raise TransferError(plan.error())
+    return plan
+
+
 def _op():
     """``torch.ops.kvcore.copy_rows`` once the op library is built and loaded, else None."""
     from kvcore.kernels import _build

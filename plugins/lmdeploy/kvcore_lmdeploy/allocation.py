@@ -128,6 +128,11 @@ def _check(cfg: CacheConfig, version: str) -> None:
     kb = cfg.kernel_block
     if cfg.kernel_block_size is not None and (kb < 16 or kb & (kb - 1)):
         raise GeometryError(f"kernel_block_size {kb} must be >= 16 and a power of 2 (0.14.0 PytorchEngineConfig.__post_init__)")
+    if cfg.device_type == "camb" and cfg.kernel_block != cfg.block_size:
+        raise GeometryError(
+            f"camb: block_size {cfg.block_size} with kernel_block_size {cfg.kernel_block}: 0.14.0 "
+            "PytorchEngineConfig.__post_init__ sets both to 16 on camb"
+        )
     if cfg.block_size % cfg.kernel_block:
         raise GeometryError(f"block_size {cfg.block_size} must be divisible by kernel_block_size {cfg.kernel_block} (0.14.0)")
     if cfg.dtype not in (torch.bfloat16, torch.float16, torch.float32):

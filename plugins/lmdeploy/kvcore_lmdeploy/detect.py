@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvcore import Candidate, DetectionError, memory_ordered, resolve
+from kvcore import Candidate, DetectionError, GeometryError, memory_ordered, resolve
 from kvcore_lmdeploy import formats as F
 from kvcore_lmdeploy.hints import DEVICE_OF_TORCH, LMDeployHints, parse_hints
 
@@ -349,11 +349,14 @@ def _quant(planes: dict[str, list], refs: list[torch.Tensor], h: LMDeployHints, 
         policy = 42
     if policy is not None:
         _head_check(h, int(k.shape[-1]), int(v.shape[-1]), policy)
-    elif h.k_dim() is not None:  # int4 or int8: the bytes are the same, the hint only has to fit one of them
+    elif h.k_dim() is not None:
+        # int4 or int8: the tensors move the same bytes either way; head_dim (HS vs 2 * stored bytes) names which
         try:
             _head_check(h, int(k.shape[-1]), int(v.shape[-1]), 8)
+            policy = 8
         except DetectionError:
             _head_check(h, int(k.shape[-1]), int(v.shape[-1]), 4)
+            policy = 4
     if not turbo and int(k.shape[-1]) != int(v.shape[-1]):
         raise DetectionError(f"lmdeploy: int4/int8 K holds {k.shape[-1]} bytes per head but V {v.shape[-1]}; they pack alike")
     if turbo and int(k.shape[-1]) != 2 * int(v.shape[-1]):
@@ -406,12 +409,13 @@ def _esize(dt: torch.dtype) -> int:
     return torch.empty(0, dtype=dt).element_size()
 
 
-def _plan(h: LMDeployHints, policy: int, order: str) -> list[tuple[str, tuple[int, ...], torch.dtype, int, int]]:
+def _plan(h: LMDeployHints, policy: int, order: str, block: int | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype, int, int]]:
     """``(role, block shape, dtype, byte offset, bytes)`` of each slice of one (layer, block)
-    of the pool, for ``policy`` and ``order``: K, V, then the side planes, each starting at
-    the previous one's size rounded up to 256 bytes (``CacheDesc.aligned_size``)."""
+    of the pool, for ``policy``, ``order`` and ``block`` tokens per allocated (kernel) block
+    (default: ``kernel_block_size``, else ``block_size``): K, V, then the side planes, each
+    starting at the previous one's size rounded up to 256 bytes (``CacheDesc.aligned_size``)."""
     kd, vd, nh = h.k_dim(), h.v_dim(), h.num_kv_heads
-    bs = h.kernel_block_size if h.kernel_block_size is not None else h.block_size
+    bs = block if block is not None else h.kernel_block_size if h.kernel_block_size is not None else h.block_size
     if policy in (4, 42):
         kd //= 2
     vd = vd // 2 if policy == 4 else vd // 4 if policy == 42 else vd
@@ -432,17 +436,59 @@ def _plan(h: LMDeployHints, policy: int, order: str) -> list[tuple[str, tuple[in
     return out
 
 
-def carve_pool(pool: torch.Tensor, h: LMDeployHints, policy: int, order: str) -> dict[str, torch.Tensor] | None:
+def _plan_bytes(plan: list[tuple[str, tuple[int, ...], torch.dtype, int, int]]) -> int:
+    return sum(-(-p[4] // 256) * 256 for p in plan)
+
+
+def carve_pool(pool: torch.Tensor, h: LMDeployHints, policy: int, order: str, block: int | None = None) -> dict[str, torch.Tensor] | None:
     """The pool's planes as cross-layer views ``{role: [NL, NB, *block_shape]}`` for
-    ``policy`` and ``order``, or None when the pool's bytes per block are not that plan's."""
-    plan = _plan(h, policy, order)
-    total = sum(-(-p[4] // 256) * 256 for p in plan)
-    if int(pool.shape[2]) != total:
+    ``policy``, ``order`` and ``block`` tokens per allocated block (default: the hints'
+    ``kernel_block_size``, else ``block_size``), or None when the pool's bytes per block
+    are not that plan's."""
+    plan = _plan(h, policy, order, block)
+    if int(pool.shape[2]) != _plan_bytes(plan):
         return None
     out = {}
     for role, shape, dt, off, size in plan:
         out[role] = pool[:, :, off : off + size].view(dt).unflatten(2, shape)
     return out
+
+
+def _version(h: LMDeployHints) -> tuple[int, ...] | None:
+    """``lmdeploy_version`` as a tuple (None when not given); an unreadable one is a DetectionError."""
+    if h.lmdeploy_version is None:
+        return None
+    from kvcore_lmdeploy.allocation import version_tuple
+
+    try:
+        return version_tuple(h.lmdeploy_version)
+    except GeometryError as e:
+        raise DetectionError(f"lmdeploy: hint lmdeploy_version: {e}") from None
+
+
+def _kernel_blocks(h: LMDeployHints, order: str) -> list[int]:
+    """Tokens per allocated block the pool may hold under the hints, for ``order``.
+
+    0.14.0 ``CacheEngine.allocate_caches`` allocates ``kernel_block_size`` blocks;
+    ``PytorchEngineConfig.__post_init__`` defaults it to ``block_size`` and requires a power
+    of 2, at least 16, dividing ``block_size``; camb (HND) forces both to 16. Before 0.14
+    the allocated block is ``block_size``. With ``kernel_block_size`` given that is the
+    one reading; with only ``block_size`` (the manager's block) every kernel block it
+    allows is a reading (the pool's bytes per block may fit several: the caller's
+    ``kernel_block_size`` decides)."""
+    if h.kernel_block_size is not None:
+        kb = h.kernel_block_size
+        if h.block_size is not None and h.block_size != kb and (h.block_size % kb or kb < 16 or kb & (kb - 1)):
+            raise DetectionError(
+                f"lmdeploy: hints block_size={h.block_size} and kernel_block_size={kb} disagree: LMDeploy 0.14's kernel block "
+                "is a power of 2, at least 16, dividing block_size (PytorchEngineConfig.__post_init__)"
+            )
+        return [kb]
+    bs = int(h.block_size)
+    v = _version(h)
+    if order == "HND" or (v is not None and v < (0, 14, 0)):
+        return [bs]
+    return [bs] + [p for p in (1 << k for k in range(4, bs.bit_length())) if p < bs and bs % p == 0][::-1]
 
 
 def _pool(pool: torch.Tensor, h: LMDeployHints) -> Any:
@@ -472,8 +518,19 @@ def _pool(pool: torch.Tensor, h: LMDeployHints) -> Any:
         raise DetectionError("lmdeploy: an MLA pool (v_head_dim 0) is described per layer: pass CacheEngine.gpu_cache")
     if h.k_dim() != h.v_dim():
         raise DetectionError(f"lmdeploy: k_head_dim {h.k_dim()} != v_head_dim {h.v_dim()}: not described by kvcore-lmdeploy")
-    policies = [h.quant_policy] if h.quant_policy is not None else [0, 4, 8, 16, 17, 42]
+    v = _version(h)
+    if v is not None and v < (0, 11, 0):
+        raise DetectionError(
+            f"lmdeploy: hint lmdeploy_version={h.lmdeploy_version!r}, but one uint8 tensor [NL, NB, bytes] is the memory pool "
+            "of 0.11+; before 0.11 CacheEngine.full_gpu_cache is the tuple of cross-layer tensors"
+        )
+    # QuantPolicy (lmdeploy/messages.py): 4 / 8 from 0.6.2, fp8 (16, 17) and TurboQuant (42) from 0.14.0
+    known = [0, 4, 8, 16, 17, 42] if v is None or v >= (0, 14, 0) else [0, 4, 8]
+    if h.quant_policy is not None and h.quant_policy not in known:
+        raise DetectionError(f"lmdeploy: quant_policy={h.quant_policy} is 0.14+, but the hint lmdeploy_version={h.lmdeploy_version!r}")
+    policies = [h.quant_policy] if h.quant_policy is not None else known
     orders = _orders(pool, h)
+    several = h.kernel_block_size is None and any(len(_kernel_blocks(h, o)) > 1 for o in orders)
     cands, tried = [], []
     for policy in policies:
         for order in orders:
@@ -482,29 +539,32 @@ def _pool(pool: torch.Tensor, h: LMDeployHints) -> Any:
             if policy == 4 and h.k_dim() % 2 or policy == 42 and h.k_dim() % 4:
                 tried.append(f"quant_policy {policy}: head_dim {h.k_dim()} cannot be packed")
                 continue
-            planes = carve_pool(pool, h, policy, order)
-            plan = _plan(h, policy, order)
-            need = sum(-(-p[4] // 256) * 256 for p in plan)
-            if planes is None:
-                tried.append(f"quant_policy {policy} {order}: {need} bytes per block, the pool has {pool.shape[2]}")
-                continue
-            turbo, quant = policy == 42, policy in (4, 8)
-            if turbo:
-                name = F.X_TURBO
-            elif quant:
-                name = F.X_QUANT
-            else:
-                name = F.X_NHD if order == "NHD" else F.X_HND
-            dev = "camb" if order == "HND" else "cuda"
-            cands.append(
-                Candidate(
-                    name,
-                    planes,
-                    note=f"LMDeploy 0.11+ memory pool, quant_policy {policy}, {order} blocks, cut at 256-byte-aligned slices",
-                    decided_by={"quant_policy": policy, "device_type": dev},
-                    label=f"quant_policy={policy} {order}",
+            for block in _kernel_blocks(h, order):
+                planes = carve_pool(pool, h, policy, order, block)
+                need = _plan_bytes(_plan(h, policy, order, block))
+                what = f"quant_policy {policy} {order}, {block}-token blocks"
+                if planes is None:
+                    tried.append(f"{what}: {need} bytes per block, the pool has {pool.shape[2]}")
+                    continue
+                if policy == 42:
+                    name = F.X_TURBO
+                elif policy in (4, 8):
+                    name = F.X_QUANT
+                else:
+                    name = F.X_NHD if order == "NHD" else F.X_HND
+                dev = "camb" if order == "HND" else "cuda"
+                decided: dict[str, Any] = {"quant_policy": policy, "device_type": dev}
+                if several:
+                    decided["kernel_block_size"] = block
+                cands.append(
+                    Candidate(
+                        name,
+                        planes,
+                        note=f"LMDeploy 0.11+ memory pool, {what}, cut at 256-byte-aligned slices",
+                        decided_by=decided,
+                        label=what,
+                    )
                 )
-            )
     if not cands:
         raise DetectionError(
             "lmdeploy: the memory pool's bytes per block fit no reading of the hints (extra ModelConfig.cache_shapes slices "

@@ -23,8 +23,12 @@ Fields (all optional; aliases in brackets):
 * ``block_size`` [``cache_block_seq_len``]: ``CacheConfig.block_size`` (tokens per block;
   TurboMind calls it ``cache_block_seq_len``). From 0.14 the manager's block may be split
   into kernel blocks: the tensors hold ``kernel_block_size`` tokens per block (a power of
-  2, at least 16, dividing ``block_size``), so a ``block_size`` that is such a multiple of
-  theirs is read as the manager's.
+  2, at least 16, dividing ``block_size``; camb: both 16), so a ``block_size`` that is such
+  a multiple of theirs is read as the manager's. The 0.11+ pool's bytes do not show its
+  block: with ``block_size`` alone every kernel block it allows is a reading, and when two
+  of them (with the policies) fill the pool's bytes per block alike -- int8 in 16-token
+  blocks and int4 in 32-token blocks, say -- detection raises ``AmbiguousLayoutError``
+  naming ``quant_policy`` / ``kernel_block_size``.
 * ``kernel_block_size``: ``CacheConfig.kernel_block_size`` (0.14+): tokens per allocated block.
 * ``num_kv_heads``: KV heads per rank (``ModelConfig.num_key_value_heads // world_size``,
   what ``CacheEngine._get_key_block_shape_impl`` allocates).
@@ -36,7 +40,9 @@ Fields (all optional; aliases in brackets):
   scales and zeros.
 * ``tensor_order``: kvcore's generic hint (``allocated`` / ``physical``). LMDeploy
   allocates every tensor contiguous, so both readings are the same here.
-* ``lmdeploy_version``: informational; layouts are read from the tensors.
+* ``lmdeploy_version``: layouts are read from the tensors; for the 0.11+ pool the version
+  narrows the readings (before 0.14: no kernel blocks, no fp8 / TurboQuant policies; before
+  0.11 there is no pool).
 
 Precedence: ``quant_policy`` and ``device_type`` select readings outright; size hints drop
 readings whose axes disagree; then the tensors' shapes, dtypes and devices. Readings still
@@ -194,7 +200,8 @@ def declared_hints() -> list[Any]:
             meaning="PytorchEngineConfig.quant_policy: 0 none, 4 int4 (K/V uint8 of head_dim/2 bytes), 8 int8, 16 fp8 e4m3, "
             "17 fp8 e5m2, 42 TurboQuant; int4/int8/TurboQuant add per-token-head scale/zero (norm) tensors",
             values=[str(k) for k in QUANT_POLICIES],
-            default="read from the tensors (sibling scale/zero tensors, dtypes); a pool whose size fits several names this hint",
+            default="read from the tensors (sibling scale/zero tensors, dtypes); the 0.11+ pool: the one policy whose bytes per "
+            "block fit, several fitting raise AmbiguousLayoutError naming this hint",
             source="lmdeploy/messages.py::QuantPolicy (0.14.0); PytorchEngineConfig.quant_policy",
         ),
         Hint(
@@ -219,9 +226,10 @@ def declared_hints() -> list[Any]:
         Hint(
             engine="lmdeploy",
             name="kernel_block_size",
-            meaning="CacheConfig.kernel_block_size (0.14+): tokens per allocated block",
+            meaning="CacheConfig.kernel_block_size (0.14+): tokens per allocated block (a power of 2 >= 16 dividing block_size; camb: 16)",
             type="int > 0",
-            default="block_size",
+            default="the tensors' block; the 0.11+ pool: every kernel block block_size allows, several fitting the pool's "
+            "bytes raise AmbiguousLayoutError naming this hint",
             source=f"{ce}.allocate_caches (0.14.0)",
         ),
         Hint(
@@ -269,7 +277,8 @@ def declared_hints() -> list[Any]:
         Hint(
             engine="lmdeploy",
             name="lmdeploy_version",
-            meaning="informational: layouts are read from the tensors' shapes, dtypes and strides",
+            meaning="layouts are read from the tensors' shapes, dtypes and strides; for the 0.11+ pool a version before "
+            "0.14 rules out kernel blocks and the fp8 / TurboQuant policies",
             type="version string",
         ),
     ]

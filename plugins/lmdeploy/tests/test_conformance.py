@@ -1,6 +1,12 @@
-"""``kvcore check lmdeploy`` under pytest: every fixture (each generation, NHD/HND, fp8, MLA,
-int8, int4, TurboQuant, per layer and cross-layer) passes every check, and the multi-plane
-ones run the per-plane data and bad-input checks."""
+"""``kvcore check lmdeploy`` under pytest, the checks this plugin's claims are about: every
+fixture (each generation, NHD/HND, fp8, MLA, int8, int4, TurboQuant, per layer and
+cross-layer) passes the detection checks and, with the reference kernel, the semantic,
+padding and bad-input checks; the multi-plane ones run the per-plane data and bad-input
+checks.
+
+The whole suite over every kernel (native agreement, hypothesis geometries, ...) runs once
+per pytest session in ``tests/test_conformance_meta.py`` (every in-tree plugin) and in
+CI's ``kvcore check``; repeating it here cost ~20 s for nothing."""
 
 from __future__ import annotations
 
@@ -8,9 +14,23 @@ from kvcore_lmdeploy import formats as F
 
 from kvcore.testing import suite
 
+CHECKS = [
+    "semantic_gather",
+    "semantic_scatter",
+    "negative_slots",
+    "invalid",
+    "roundtrip",
+    "staging_views",
+    "engine_scoped",
+    "hints_declared",
+    "physical_order",
+    "detect",
+    "geometry",
+]
+
 
 def test_the_conformance_suite_passes():
-    results = suite.run_checks(["lmdeploy"], suite.Options(examples=3))
+    results = suite.run_checks(["lmdeploy"], suite.Options(examples=3), kernels=["reference"], checks=CHECKS)
     failed = [r.line() for r in results if r.status == "FAIL"]
     assert not failed, "\n".join(failed)
     passed = {(r.fixture, r.check) for r in results if r.status == "PASS" and (r.kernel or "").startswith("reference")}
@@ -25,4 +45,4 @@ def test_the_conformance_suite_passes():
         for check in ("invalid[missing_plane]", "invalid[extra_plane]", "roundtrip[uint8]", "staging_views"):
             assert (fx, check) in passed, (fx, check)
     checked = {r.check for r in results if r.status == "PASS"}
-    assert {"engine_scoped", "hints_declared", "physical_order", "detect", "geometry", "agrees_with_reference"} <= checked
+    assert {"engine_scoped", "hints_declared", "physical_order", "detect", "geometry"} <= checked

@@ -32,18 +32,29 @@ Fields (all optional; aliases in brackets):
   ...) or a ``torch.dtype``. SGLang stores fp8 as ``torch.uint8`` (``store_dtype``, 0.5.3
   ``memory_pool.py::KVCache.__init__``) because ``index_put`` lacks fp8; with an fp8
   hint the layout's element dtype is the fp8 type over the same bytes. ``fp8_e4m3`` /
-  ``fp8_e5m2`` are FNUZ on ROCm (``ModelRunner.init_memory_pool``: ``is_hip()`` picks
-  ``float8_e4m3fnuz`` / ``float8_e5m2fnuz``): the platform is ``device_type``, else the
-  torch build of the process that holds the tensors (SGLang's own ``is_hip()`` test);
-  for tensors on the meta device (a description) the two readings are an ambiguity.
+  ``fp8_e5m2`` name the OCP types off ROCm. On ROCm (``is_hip()``) SGLang up to
+  0.5.6.post1 picks ``float8_e4m3fnuz`` / ``float8_e5m2fnuz`` (0.5.3
+  ``model_executor/model_runner.py::ModelRunner.init_memory_pool``); from 0.5.6.post2 both
+  names are ``fp8_kernel.fp8_dtype`` -- ``float8_e4m3fnuz`` on gfx94x (``is_fp8_fnuz``:
+  ``"gfx94" in gcnArchName``), ``float8_e4m3fn`` otherwise (gfx950), e5m2 included (0.5.23
+  ``mem_cache/kv_cache_dtype.py::configure_kv_cache_dtype``). The platform is
+  ``device_type``, else the torch build of the process that holds the tensors (SGLang's own
+  ``is_hip()`` test); the release is ``sglang_version``; the GPU is ``gcn_arch``, else the
+  ``gcnArchName`` of the ROCm GPU holding the tensors. Where these leave two dtypes (tensors
+  on the meta device, or no version / GPU to go by) detection raises
+  :class:`kvcore.AmbiguousLayoutError` naming the missing ones and ``dtype``.
 * ``device_type`` [``device``]: ``cuda``, ``rocm`` (``hip``), ``cpu``, ``npu``, ``xpu``,
-  ``musa``, ``hpu``: where SGLang runs (decides ``fp8_e4m3`` / ``fp8_e5m2``).
+  ``musa``, ``hpu``: where SGLang runs (with ``sglang_version`` and ``gcn_arch``, decides
+  ``fp8_e4m3`` / ``fp8_e5m2``).
+* ``gcn_arch`` [``gfx``]: the ROCm GPU's ``gcnArchName`` (``gfx942``, ``gfx950``;
+  ``gfx942:sramecc+:xnack-`` is read as ``gfx942``): decides the fp8 names from 0.5.6.post2.
 * ``tensor_order``: kvcore's generic hint (``allocated`` / ``physical``, see
   :mod:`kvcore.detection`). SGLang allocates its pools contiguous; a 4-D page view whose
   strides are permuted is read through them, named by its memory order.
 * ``is_mla``: the model uses MLA (``MLATokenToKVPool``).
-* ``sglang_version``: informational (``"0.5.3"``, ``"0.5.23"``); layouts are read
-  from the tensors' own shapes and strides, so no version switch is needed.
+* ``sglang_version``: ``"0.5.3"``, ``"0.5.23"``, ``"0.5.6.post2"``...; layouts are read
+  from the tensors' own shapes and strides; the version decides what ``fp8_e4m3`` /
+  ``fp8_e5m2`` mean on ROCm (above).
 
 Precedence: a structural hint (``is_mla``, ``kv_list_layout``, ``layout``,
 ``mem_layout``) selects the reading outright; size hints (``page_size``,
@@ -56,6 +67,7 @@ that decides — the plugin never guesses.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -73,6 +85,8 @@ __all__ = ["SGLangHints", "parse_hints", "element_dtype"]
 #: ``torch.float8_e4m3fnuz`` / ``torch.float8_e5m2fnuz`` when ``is_hip()``). Kept as the string until
 #: detection knows the platform (:func:`kvcore_sglang.detect.detect_sglang`).
 PLATFORM_FP8 = ("fp8_e4m3", "fp8_e5m2")
+#: an SGLang release string: major.minor[.patch][.postN] (a pre-release suffix is read as its release)
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?post(\d+))?(?:[.-]?(?:rc|a|b|dev)\d*)?$")
 DEVICE_TYPES = ("cuda", "rocm", "cpu", "npu", "xpu", "musa", "hpu")
 
 
@@ -97,7 +111,41 @@ class SGLangHints(BaseModel):
     device_type: Literal["cuda", "rocm", "cpu", "npu", "xpu", "musa", "hpu"] | None = Field(
         None, validation_alias=AliasChoices("device_type", "device")
     )
+    gcn_arch: str | None = Field(None, validation_alias=AliasChoices("gcn_arch", "gfx"))
     tensor_order: str | None = None
+
+    @field_validator("gcn_arch", mode="before")
+    @classmethod
+    def _arch(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        s = str(v).strip().lower().split(":")[0]
+        if not re.fullmatch(r"gfx[0-9a-f]+", s):
+            raise ValueError(f"gcn_arch {v!r} is not a ROCm gcnArchName (e.g. 'gfx942', 'gfx950', 'gfx942:sramecc+:xnack-')")
+        return s
+
+    @field_validator("sglang_version", mode="before")
+    @classmethod
+    def _sglang_version(cls, v: Any) -> Any:
+        return None if v is None else str(v).strip()
+
+    def version(self) -> tuple[int, int, int, int] | None:
+        """``sglang_version`` as ``(major, minor, patch, post)`` (``0.5.6.post2`` -> ``(0, 5, 6, 2)``;
+        a pre-release counts as its release), None when not given.
+
+        Raises:
+            kvcore.DetectionError: a version string that is not an SGLang release (asked only
+                where the version decides something: an fp8 name on ROCm).
+        """
+        if self.sglang_version is None:
+            return None
+        m = _VERSION.match(self.sglang_version)
+        if m is None:
+            raise DetectionError(
+                f"sglang: hint sglang_version={self.sglang_version!r} is not an SGLang release (e.g. '0.5.3', '0.5.6.post2', "
+                "'0.5.23'); on ROCm it decides what an fp8 kv_cache_dtype name means"
+            )
+        return (int(m[1]), int(m[2]), int(m[3] or 0), int(m[4] or 0))
 
     @field_validator("device_type", mode="before")
     @classmethod
@@ -279,16 +327,30 @@ def declared_hints() -> list[Any]:
             engine="sglang",
             name="device_type",
             aliases=["device"],
-            meaning="where SGLang runs: rocm (hip) makes fp8_e4m3 / fp8_e5m2 FNUZ (ModelRunner.init_memory_pool picks by is_hip())",
+            meaning="where SGLang runs: off rocm (hip) fp8_e4m3 / fp8_e5m2 are the OCP types; on rocm they follow "
+            "sglang_version and gcn_arch",
             values=list(DEVICE_TYPES),
             default="the torch build of the process holding the tensors; for meta tensors an fp8 name is ambiguous",
-            source="python/sglang/srt/model_executor/model_runner.py::ModelRunner.init_memory_pool",
+            source="python/sglang/srt/model_executor/model_runner.py::ModelRunner.init_memory_pool (0.5.3); "
+            "python/sglang/srt/mem_cache/kv_cache_dtype.py::configure_kv_cache_dtype (0.5.23)",
+        ),
+        Hint(
+            engine="sglang",
+            name="gcn_arch",
+            aliases=["gfx"],
+            meaning="the ROCm GPU's gcnArchName: from SGLang 0.5.6.post2 fp8_e4m3 and fp8_e5m2 are float8_e4m3fnuz on gfx94x "
+            "(is_fp8_fnuz) and float8_e4m3fn otherwise",
+            type="gfx name (gfx942, gfx950)",
+            default="the gcnArchName of the ROCm GPU holding the tensors; else an fp8 name that depends on it is ambiguous",
+            source="python/sglang/kernels/ops/quantization/fp8_kernel.py::is_fp8_fnuz (0.5.23)",
         ),
         tensor_order_hint("sglang"),
         Hint(
             engine="sglang",
             name="sglang_version",
-            meaning="informational: layouts are read from the tensors' shapes and strides",
+            meaning="layouts are read from the tensors' shapes and strides; on ROCm the version decides fp8_e4m3 / fp8_e5m2 "
+            "(up to 0.5.6.post1 FNUZ of the named kind, from 0.5.6.post2 fp8_kernel.fp8_dtype)",
             type="version string",
+            default="for an fp8 name on ROCm: ambiguous where the releases differ",
         ),
     ]

@@ -10,10 +10,15 @@ may also be a whole cross-layer buffer (what a cross-layer connector is handed).
 Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
 
 1. entries that are lists of tensors are per-layer ``(K, V)`` pairs when they can be
-   (two tensors ``[NB, BS, NH, HS]`` of one shape: vllm-ascend
-   ``NPUModelRunner._reshape_kv_cache_tensors``), else vLLM's Mamba state (a list of state
-   tensors of different shapes, 0.11 ``gpu_model_runner.py::_reshape_kv_cache_tensors``);
-   the ``kv_cache_spec`` hint (``attention`` / ``mamba``) says which outright. 4-D
+   (two tensors ``[NB, BS, NH, *]`` of one leading shape: vllm-ascend
+   ``NPUModelRunner._reshape_kv_cache_tensors``; NHD only, so an HND or block-outermost
+   ``kv_cache_layout`` contradicts them; of unequal widths they are K/V with ``head_size_v``
+   or an MLA layer's (nope, rope) caches, multi-plane names that ``kv_cache_spec`` or
+   ``head_size`` pick), one-element lists ``[kv_cache]`` as vLLM 0.11 / 0.13
+   ``bind_kv_cache`` keeps them (read as the tensor; at ranks a one-state Mamba layer shares
+   ``kv_cache_spec`` decides), else vLLM's Mamba state (a list of state tensors of different
+   shapes, 0.11 ``gpu_model_runner.py::_reshape_kv_cache_tensors``); the ``kv_cache_spec``
+   hint (``attention`` / ``mla`` / ``mamba``) says which outright. 4-D
    ``[NB, 1, 1, C]`` pages no rule reads (0.33 ``MambaSpec``: one state per block) are not
    KV either. Not-KV entries come back as ``Detection(format=None, excluded=...)``;
 2. entries that are the same memory (KV sharing: one cache under several layer names)
@@ -28,7 +33,10 @@ Decision (see :mod:`kvcore_vllm.hints` for the hint precedence):
    across versions, OCP vs FNUZ fp8 on ROCm);
 4. a layout hint the strides contradict raises :class:`kvcore.DetectionError` naming both
    (``tensor_order="physical"`` says the tensor was permuted into memory order);
-   hints that rule out every reading the tensors allow, likewise.
+   hints that rule out every reading the tensors allow, likewise; readings whose shapes fit
+   but whose memory cannot be a vLLM cache (per-layer views that overlap; a single tensor
+   whose layer axis would exceed :data:`kvcore_vllm.rules.MAX_BARE_LAYERS`) are named with
+   the reason when nothing else fits.
 
 Layouts whose parts live apart come back as multi-plane names with ``kv_caches={role:
 container}``: vLLM's paged-attention reading (``split_kv_cache``: K ``(NB, NH, HS/x, BS, x)``,
@@ -46,7 +54,6 @@ right bytes, K before V; pass ``dtype`` for element geometry.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -56,7 +63,7 @@ from kvcore.detection import describe_input, memory_ordered
 from kvcore.dtypes import dtype_name, fp8_dtype, is_fp8, rocm_build
 from kvcore_vllm.hints import LAYOUT_FAMILY, VllmHints, parse_hints
 from kvcore_vllm.pairs import ASCEND_SOURCE as _ASCEND
-from kvcore_vllm.pairs import PAIRS_FORMAT
+from kvcore_vllm.pairs import PAIRS_FORMAT, PAIRS_KV_PLANES, PAIRS_MLA_PLANES
 from kvcore_vllm.rules import Reading, bare_candidates, candidates
 
 __all__ = ["detect_vllm"]
@@ -98,7 +105,7 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys += ["cache_dtype", "head_size"]
     if differs(lambda r: r.rule.eras):
         keys.append("vllm_version")
-    if differs(lambda r: r.rule.families):
+    if differs(lambda r: r.families):
         keys.append("attention_backend")
     if differs(_layout_class) and all(_layout_class(r) is not None for g in gs for r in g):
         keys.append("kv_cache_layout")
@@ -106,6 +113,8 @@ def _deciding(readings: list[Reading]) -> list[str]:
         keys.append("kv_cache_layout")
     if differs(lambda r: r.rule.gate in ("cpu", "tpu", "rocm", "rocm?")):
         keys.append("device_type")
+    if differs(lambda r: r.rule.gate == "cpu"):
+        keys.append("attention_backend")  # CPU_ATTN / TORCH_SDPA against a GPU backend
     # settings vLLM reads at run time that no tensor shows (IPEX importable, an env var)
     for field, name in (("use_ipex", "use_ipex"), ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")):
         if differs(lambda r, f=field: dict(r.rule.requires).get(f)):
@@ -144,18 +153,11 @@ def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict, 
 
 
 def _layout_source(h: VllmHints, hints: Any) -> str:
-    """Where the layout hint came from, for messages."""
+    """Where the explicit layout hint came from, for messages (the environment's
+    ``VLLM_KV_CACHE_LAYOUT`` is a field of its own, :attr:`VllmHints.env_kv_cache_layout`)."""
     raw = hints if isinstance(hints, dict) else {}
     if raw.get("kv_cache_layout") is not None or h.kv_cache_layout is None:
         return "kv_cache_layout"
-    env = os.environ.get("VLLM_KV_CACHE_LAYOUT")
-    from_obj = any(
-        getattr(o, "kv_cache_layout", None) is not None
-        for o in (raw.get("cache_config"), getattr(raw.get("vllm_config"), "cache_config", None))
-        if o is not None
-    )
-    if env and not from_obj:
-        return "VLLM_KV_CACHE_LAYOUT"
     return "cache_config.kv_cache_layout"
 
 
@@ -225,8 +227,16 @@ def _pair_shape(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return tuple(k.shape), tuple(v.shape)
 
 
+def _shapes(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    if isinstance(x, (list, tuple)):
+        return [_shapes(y) for y in x]
+    return type(x).__name__
+
+
 def _mamba(items: list[Any]) -> Detection:
-    shapes = [[tuple(t.shape) for t in x] if isinstance(x, (list, tuple)) else tuple(x.shape) for x in items]
+    shapes = [_shapes(x) for x in items]
     return Detection(
         format=None,
         excluded=f"Mamba state (a list of state tensors per layer, shapes {shapes[:3]}): not KV "
@@ -234,59 +244,154 @@ def _mamba(items: list[Any]) -> Detection:
     )
 
 
-def _lists(items: list[Any], h: VllmHints) -> Detection | None:
+#: ranks of the one state tensor of vLLM 0.11 / 0.13's single-state Mamba-style layers
+#: (``mamba_utils.py::MambaStateShapeCalculator``: ``linear_attention_state_shape`` (H, D, D) and
+#: ``short_conv_state_shape`` (one conv state), each behind the block axis): ``[t]`` of such a rank
+#: is a bound KV cache or such a state, and only ``kv_cache_spec`` tells.
+_ONE_STATE_RANKS = (3, 4)
+
+
+def _bound(items: list[Any]) -> bool:
+    """Every entry a one-element list or tuple: vLLM 0.11 / 0.13 ``bind_kv_cache``
+    (``v1/worker/utils.py``) sets ``forward_context[name].kv_cache = [kv_cache]`` ("use list
+    because of v0 PP virtual engine")."""
+    return all(isinstance(x, (list, tuple)) and len(x) == 1 for x in items)
+
+
+def _one_element_lists(items: list[Any], h: VllmHints, hints: Any) -> Detection | None:
+    """Entries ``[x]``: a layer's cache as ``Attention.kv_cache`` holds it in vLLM 0.11 / 0.13
+    (``x`` the KV tensor, or a Mamba layer's list of state tensors), or, in any version, a
+    Mamba-style layer whose state list has one tensor (linear attention, short conv). A KV
+    tensor is read as itself; where its rank is also a one-state layer's, ``kv_cache_spec``
+    decides."""
+    inner = [x[0] for x in items]
+    if h.kv_cache_spec == "mamba" or all(isinstance(x, (list, tuple)) for x in inner):
+        return _mamba(items)
+    if not all(isinstance(x, torch.Tensor) for x in inner):
+        return None
+    if h.kv_cache_spec is None:
+        if h.era not in (None, "0.11", "0.13"):
+            # 0.24+ binds the tensor itself (v1/worker/utils.py::bind_kv_cache): a list is a Mamba state list
+            return _mamba(items)
+        ranks = sorted({t.dim() for t in inner})
+        if any(r in _ONE_STATE_RANKS for r in ranks):
+            raise AmbiguousLayoutError(
+                f"vLLM: every entry is a one-element list of a rank-{'/'.join(map(str, ranks))} tensor: either the layer's KV cache "
+                "as vLLM 0.11 / 0.13 binds it (v1/worker/utils.py::bind_kv_cache: forward_context[name].kv_cache = [kv_cache]) "
+                "or a Mamba-style layer with one state tensor (linear attention, short conv: "
+                f"mamba_utils.py::MambaStateShapeCalculator).\ntensors:\n{describe_input(items)}\n"
+                "Pass kv_cache_spec='attention' (or 'mla') for the KV cache, kv_cache_spec='mamba' for state",
+                candidates=["KV cache (bound list)", "Mamba state"],
+                hints=["kv_cache_spec"],
+            )
+    det = detect_vllm(inner, hints)
+    if det is not None and det.format is None and h.kv_cache_spec is not None:
+        raise DetectionError(f"vLLM: kv_cache_spec={h.kv_cache_spec!r} but the listed tensors are {det.excluded}")
+    return det
+
+
+def _lists(items: list[Any], h: VllmHints, hints: Any = None) -> Detection | None:
     if h.kv_cache_spec == "mamba":
         return _mamba(items)
+    if _bound(items):
+        return _one_element_lists(items, h, hints)
     shapes = [_pair_shape(x) for x in items]
     if any(s is None for s in shapes):
-        if h.kv_cache_spec == "attention":
+        if h.kv_cache_spec in ("attention", "mla"):
             raise DetectionError(
-                "vLLM: kv_cache_spec='attention' but these per-layer lists are not (K, V) pairs of two [NB, BS, NH, HS] "
-                f"tensors of one shape:\n{describe_input(items)}"
+                f"vLLM: kv_cache_spec={h.kv_cache_spec!r} but these per-layer lists are neither (K, V) pairs of two "
+                f"[NB, BS, NH, HS] tensors nor one-element lists of a KV tensor:\n{describe_input(items)}"
             )
         if all(isinstance(x, (list, tuple)) for x in items):
             return _mamba(items)
         return None  # tensors and lists mixed: the core groups entries by kind (detect_per_layer)
     if len(set(shapes)) != 1:
         return None  # layers of different shapes: detect_per_layer
+    _pairs_layout_hint(h)
     k_shape, v_shape = shapes[0]
-    if k_shape != v_shape:
-        raise DetectionError(
-            f"vLLM: per-layer (K, V) pairs whose K {list(k_shape)} and V {list(v_shape)} differ in width (vllm-ascend MLA keeps "
-            "(nope, rope) caches of kv_lora_rank and qk_rope_head_dim): kvcore's staging layout [2, NL, T, NH*HS] needs one "
-            "width for K and V; describe each as a key-only layout, e.g. kvcore.build_layout('NL_X_NB_BS_NH_HS', [p[0] for p in kv])"
-        )
     distinct, aliases = split_aliases(items)
     pairs = [tuple(p) for p in distinct]
     k0 = pairs[0][0]
+    if not all(memory_ordered(t) for p in pairs for t in p):
+        raise DetectionError(
+            "vLLM: per-layer (K, V) pairs are [NB, BS, NH, HS] tensors in memory order as vllm-ascend allocates them "
+            f"({_ASCEND}); these strides are permuted:\n{describe_input(items)}"
+        )
+    nb, bs, nh, hs = k0.shape
+    hv = v_shape[-1]
+    fmt, roles, what = _pairs_format(h, hs, hv, items)
+    if h.block_size not in (None, bs) or h.num_kv_heads not in (None, nh) or (h.head_size is not None and hs == hv and h.head_size != hs):
+        raise DetectionError(
+            f"vLLM: per-layer (K, V) pairs [NB={nb}, BS={bs}, NH={nh}, HS={hs}] but the hints say block_size="
+            f"{h.block_size}, num_kv_heads={h.num_kv_heads}, head_size={h.head_size}; fix the hints"
+        )
     variants, extra = _fp8_variants(h, [t for p in pairs for t in p])
     cands: list[Candidate] = []
-    for hv, suffix in variants:
-        dtype = _pair_dtype(k0, hv)
-        if not all(memory_ordered(t) for p in pairs for t in p):
-            raise DetectionError(
-                "vLLM: per-layer (K, V) pairs are [NB, BS, NH, HS] tensors in memory order as vllm-ascend allocates them "
-                f"({_ASCEND}); these strides are permuted:\n{describe_input(items)}"
-            )
-        nb, bs, nh, hs = k0.shape
-        if h.block_size not in (None, bs) or h.num_kv_heads not in (None, nh) or h.head_size not in (None, hs):
-            raise DetectionError(
-                f"vLLM: per-layer (K, V) pairs [NB={nb}, BS={bs}, NH={nh}, HS={hs}] but the hints say block_size="
-                f"{h.block_size}, num_kv_heads={h.num_kv_heads}, head_size={h.head_size}; fix the hints"
-            )
+    for hv_hints, suffix in variants:
+        dtype = _pair_dtype(k0, hv_hints)
+        kv: Any = pairs if roles is None else {roles[0]: [p[0] for p in pairs], roles[1]: [p[1] for p in pairs]}
         cands.append(
             Candidate(
-                PAIRS_FORMAT,
-                pairs,
+                fmt,
+                kv,
                 dtype,
-                note=f"vLLM per-layer (K, V) pairs ({_ASCEND}){suffix}",
+                note=f"vLLM per-layer {what} ({_ASCEND}){suffix}",
                 decided_by={"dtype": dtype_name(dtype)} if suffix and dtype is not None else {},
-                label=f"(K, V) pairs{suffix}",
+                label=f"{what}{suffix}",
             )
         )
     det = resolve(cands, engine="vllm", deciding_hints=extra, hints=_given(h), geometry_hints=_GEOMETRY, required=True)
     det.aliases = aliases or None
     return det
+
+
+def _pairs_layout_hint(h: VllmHints) -> None:
+    """vllm-ascend allocates (K, V) pairs in one order only: ``AscendAttentionBackend.
+    get_kv_cache_shape`` is ``(2, NB, BS, NH, HS)`` and no ``get_kv_cache_stride_order`` exists
+    (``vllm_ascend/attention/attention_v1.py``, vllm-ascend 0.23), the runner drops the 2 and
+    views each raw buffer ``[NB, BS, NH, HS]``: an explicit layout hint other than NHD /
+    LBNHC contradicts the pairs (``VLLM_KV_CACHE_LAYOUT`` from the environment is not read
+    by vllm-ascend and is ignored)."""
+    lay = h.kv_cache_layout
+    if lay is not None and lay not in ("NHD", "LBNHC"):
+        raise DetectionError(
+            f"vLLM: kv_cache_layout={lay!r}, but per-layer (K, V) pairs are vllm-ascend's [NB, BS, NH, HS] tensors (tokens "
+            f"outside heads, NHD; {_ASCEND} views get_kv_cache_shape (2, NB, BS, NH, HS) without a stride order): no "
+            "HND or block-outermost pairs exist. Drop or fix the hint"
+        )
+
+
+def _pairs_format(h: VllmHints, hk: int, hv: int, items: list[Any]) -> tuple[str, tuple[str, str] | None, str]:
+    """(format, plane roles or None, description) of pairs whose K width is ``hk`` and V
+    width ``hv``. Equal widths: the classic ``NL_X_TWO_X_NB_BS_NH_HS``. Different widths
+    (vllm-ascend ``_reshape_kv_cache_tensors``): K and V of an attention spec with
+    ``head_size_v`` -> ``K=...+V=...``; an ``AscendMLAAttentionSpec`` layer's (nope, rope)
+    caches (``kv_lora_rank``, ``qk_rope_head_dim`` wide: one latent split in two, not K and
+    V) -> ``KV=...+KPE=...``, vLLM's MLA names: ``KV`` the compressed latent ``kv_c`` (K's and
+    V's source), ``KPE`` the decoupled RoPE key ``k_pe``. Each plane stages at its own width
+    (per-plane staging)."""
+    if hk == hv:
+        return PAIRS_FORMAT, None, "(K, V) pairs"
+    mla = h.is_mla is True or (h.head_size is not None and h.head_size == hk + hv != hk)
+    gqa = h.is_mla is False or h.kv_cache_spec == "attention" or (h.head_size is not None and h.head_size == hk)
+    if h.head_size is not None and h.head_size not in (hk, hk + hv):
+        raise DetectionError(
+            f"vLLM: per-layer pairs of widths {hk} and {hv} but head_size={h.head_size}: K/V pairs with head_size_v have "
+            f"head_size {hk}, MLA (nope, rope) pairs {hk + hv} (kv_lora_rank + qk_rope_head_dim); fix the hint"
+        )
+    if mla == gqa:
+        raise AmbiguousLayoutError(
+            f"vLLM: per-layer pairs whose first tensor is {hk} and second {hv} wide: vllm-ascend keeps both K and V of an "
+            f"attention spec with head_size_v ({_ASCEND}: v_shape (..., head_size_v)) and an MLA layer's (nope, rope) "
+            "caches (kv_lora_rank, qk_rope_head_dim) this way; the bytes are the same, what they hold is not.\n"
+            f"tensors:\n{describe_input(items)}\nPass kv_cache_spec ('attention' for K/V, 'mla' for nope/rope) or "
+            f"head_size ({hk} for K/V, {hk + hv} for MLA)",
+            candidates=[PAIRS_KV_PLANES, PAIRS_MLA_PLANES],
+            hints=["kv_cache_spec", "head_size"],
+        )
+    if mla:
+        return PAIRS_MLA_PLANES, ("KV", "KPE"), f"MLA (nope, rope) pairs of widths {hk} and {hv}"
+    return PAIRS_KV_PLANES, ("K", "V"), f"(K, V) pairs of head sizes {hk} and {hv} (head_size_v)"
 
 
 def _pair_dtype(k: torch.Tensor, h: VllmHints) -> torch.dtype | None:
@@ -325,7 +430,7 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     bare = isinstance(kv_caches, torch.Tensor)
     items = [kv_caches] if bare else list(kv_caches)
     if any(isinstance(x, (list, tuple)) for x in items):
-        return _lists(items, h)
+        return _lists(items, h, hints)
     if not all(isinstance(x, torch.Tensor) for x in items):
         return None
     if h.kv_cache_spec == "mamba":
@@ -335,17 +440,18 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         return None  # the core groups by signature; a mixed list is not one layout
     items, aliases = split_aliases(items)
     source = _layout_source(h, hints)
-    layout_given = h.kv_cache_layout is not None or h.device_type == "xpu"
+    layout_given = h.kv_cache_layout is not None or h.env_kv_cache_layout is not None or h.device_type == "xpu"
     variants, extra = _fp8_variants(h, items)
     readings: list[Reading] = []
     needs: list[str] = []
     unclaimed: list[str] = []
+    rejected: list[str] = []
     for hv, suffix in variants:
-        rs = candidates(items, hv, evidence=layout_given, layout_source=source, needs=needs, unclaimed=unclaimed)
+        rs = candidates(items, hv, evidence=layout_given, layout_source=source, needs=needs, unclaimed=unclaimed, rejected=rejected)
         # one tensor given on its own may be a whole cross-layer buffer (as a cross-layer connector is handed it);
         # in a list it is one layer, unless its rank is no per-layer tensor's
         if bare or (len(items) == 1 and not any(r.rule.rank == t0.dim() for r in rs) and t0.dim() >= 5):
-            rs += bare_candidates(items[0], hv, evidence=layout_given, layout_source=source)
+            rs += bare_candidates(items[0], hv, evidence=layout_given, layout_source=source, rejected=rejected)
         for r in rs:
             if suffix:
                 r.candidate.label += suffix
@@ -396,6 +502,12 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         raise DetectionError(
             f"vLLM: these tensors are {'; '.join(unclaimed)}.\ntensors:\n{describe_input(items)}\n"
             "Only the platform's own kernels know that order; kvcore reads the CUDA layout of this record (device_type cuda)"
+        )
+    if rejected:
+        raise DetectionError(
+            "vLLM: these tensors have the shape of vLLM layouts that cannot hold them:\n"
+            + "\n".join(f"  - {r}" for r in rejected)
+            + f"\ntensors:\n{describe_input(items)}"
         )
     _explain_misfit(items, h, raw, needs)
     return None

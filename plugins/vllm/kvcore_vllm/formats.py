@@ -35,9 +35,9 @@ def vllm_formats() -> tuple[KVFormat, ...]:
             for s in rule.sources:
                 if s not in d["sources"]:
                     d["sources"].append(s)
-    from kvcore_vllm.pairs import pairs_format  # per-layer (K, V) pairs: no per-layer-tensor rule describes them
+    from kvcore_vllm.pairs import pairs_formats  # per-layer (K, V) pairs: no per-layer-tensor rule describes them
 
-    out = [pairs_format()]
+    out = list(pairs_formats())
     for name, d in acc.items():
         out.append(
             KVFormat(

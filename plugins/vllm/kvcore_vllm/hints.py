@@ -11,9 +11,18 @@ Precedence (highest first)
    (anything with ``.cache_dtype``, ``.block_size``, ``.kv_cache_layout`` -- vLLM's
    ``CacheConfig``) and ``vllm_config`` (its ``.cache_config``, ``.model_config.dtype`` and
    ``.model_config.get_head_size()``); duck-typed, vLLM is not imported;
-3. **the environment**: ``VLLM_KV_CACHE_LAYOUT`` is read only when neither of the above
-   gave a layout (vLLM 0.11 ``vllm/v1/attention/backends/utils.py::get_kv_cache_layout``
-   reads the same variable);
+3. **the environment**: ``VLLM_KV_CACHE_LAYOUT`` (from the hints under that name, the
+   engine's own value, else this process's) is read only when neither of the above gave a
+   layout, parsed as vLLM's ``envs.py`` does (``env_with_choices``: case-sensitive ``NHD`` /
+   ``HND``, from 0.33 also the ``KVCacheLayout`` names; anything else is a
+   :class:`kvcore.DetectionError`: vLLM refuses to start with it). It is kept apart from an
+   explicit layout (:attr:`VllmHints.env_kv_cache_layout`) because up to 0.26 it steers
+   only the backends whose allocation reads ``get_kv_cache_layout()``
+   (:data:`kvcore_vllm.rules.LAYOUT_READERS`: FlashAttention, FlashInfer, Triton from 0.24),
+   and not where vLLM overrides it (``set_kv_cache_layout``: FlashInfer on SM 10.x is HND,
+   CPU_ATTN 0.24+ is HND, XPU 0.11-0.24 is NHD); from 0.33 ``resolve_kv_cache_layout``
+   applies it to every backend. ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION`` likewise, parsed as
+   0.11 / 0.13 ``envs.py`` does: ``value.lower() in ("true", "1")``, everything else False;
 4. **strides**: where the tensors' strides show the physical order (a permuted
    allocation, e.g. FlashAttention HND in <= 0.23) they decide NHD vs HND and layer- vs
    block-outermost by themselves; a hint that contradicts them raises
@@ -26,8 +35,16 @@ Precedence (highest first)
    ``num_kv_heads``, ``block_size`` and ``tensor_order`` (``"allocated"``: as vLLM
    allocated it; ``"physical"``: already in memory order). vLLM's default layout is not
    assumed: detection never guesses;
-6. **version defaults**: device ``xpu`` forces NHD (``vllm/platforms/xpu.py``) and
-   defaults block_size to 64.
+6. **version defaults**: device ``xpu`` forces NHD in vLLM 0.11-0.24 (``vllm/platforms/xpu.py``
+   ``set_kv_cache_layout("NHD")``; 0.26 and 0.33 no longer call it) and defaults block_size
+   to 64.
+
+Platform: ``device_type``, else a backend of one platform, else ``use_ipex`` (a TORCH_SDPA
+setting: CPU), else the tensors. Tensors on an accelerator are no CPU engine's; CPU (or
+meta) tensors of a non-ROCm torch build may be vLLM CPU's as well as a GPU cache copied or
+described, so the CPU backend's readings stand beside the GPU ones and, where they place
+bytes differently, detection names ``attention_backend`` / ``device_type``
+(:func:`kvcore_vllm.rules.platform_cpu`).
 
 fp8: an fp8 ``cache_dtype`` is stored as uint8; its element dtype is ``float8_e4m3fn`` /
 ``float8_e5m2`` on CUDA and on ROCm ``current_platform.fp8_dtype()``: FNUZ
@@ -48,7 +65,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from kvcore import DetectionError
 from kvcore.detection import tensor_order
@@ -64,6 +81,8 @@ __all__ = [
     "CACHE_DTYPES",
     "ERAS",
     "era_of",
+    "env_flag",
+    "ENV_LAYOUTS",
     "parse_hints",
 ]
 
@@ -133,8 +152,10 @@ CACHE_DTYPES: dict[str, torch.dtype | None] = {
 MLA_CACHE_DTYPES = ("fp8_ds_mla", "nvfp4_ds_mla")
 #: fp8 cache dtypes -> their fp8 kind; the exact dtype (OCP or FNUZ) depends on the platform.
 FP8_KINDS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_inc": "e4m3", "fp8_e5m2": "e5m2"}
-#: ``kv_cache_spec`` hint values: what vLLM's ``KVCacheSpec`` says a layer is.
-KV_CACHE_SPECS = ("attention", "mamba")
+#: ``kv_cache_spec`` hint values: what vLLM's ``KVCacheSpec`` says a layer is (``attention``:
+#: ``FullAttentionSpec`` / ``SlidingWindowSpec``...; ``mla``: ``MLAAttentionSpec``; ``mamba``:
+#: ``MambaSpec``).
+KV_CACHE_SPECS = ("attention", "mla", "mamba")
 
 #: Layout eras (first release of each): every vLLM version maps to the latest era at or
 #: below it. 0.11 also covers 0.12; 0.13 covers 0.14-0.23 (engine_layouts.md §1.1: the
@@ -142,6 +163,20 @@ KV_CACHE_SPECS = ("attention", "mamba")
 ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
 
 DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
+
+#: the values vLLM accepts in ``VLLM_KV_CACHE_LAYOUT`` (``vllm/envs.py``: ``env_with_choices``,
+#: case-sensitive): ``["NHD", "HND"]`` in 0.11-0.26, the 0.33 list in 0.33.
+ENV_LAYOUTS = {"0.26": ("NHD", "HND"), "0.33": ("LBNHC", "LBHNC", "LHBNC", "NHD", "HND", "BLHNC", "BLNHC", "BHLNC")}
+
+
+def env_flag(value: Any) -> bool:
+    """A boolean environment variable as vLLM 0.11 / 0.13 ``vllm/envs.py`` reads
+    ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION``: ``value.lower() in ("true", "1")``; every
+    other string (``"yes"``, ``"on"``, ``"2"``, ``" 1"``) is False. A bool is itself, an int
+    its decimal string (``1`` -> True, ``2`` -> False)."""
+    if isinstance(value, bool):
+        return value
+    return str(value).lower() in ("true", "1")
 
 
 def era_of(version: str) -> str:
@@ -185,22 +220,30 @@ class VllmHints(BaseModel):
         dtype: the model dtype (torch dtype or its name); the element dtype of byte views.
         vllm_version: ``"0.11.0"``, ``"0.24"``...; selects that era's rules only.
         device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``/``hpu``/``npu``; ``cpu``
-            selects vLLM's CPU backend rules, ``tpu`` the Pallas rules, ``xpu`` forces
-            NHD, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x),
+            selects vLLM's CPU backend rules (any other value rules them out; without it
+            they are considered for CPU tensors), ``tpu`` the Pallas rules, ``xpu`` forces
+            NHD in 0.11-0.24, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x),
             allows ``ROCM_ATTN``'s reading and ROCm's tiled DSA indexer pages
             (:func:`kvcore_vllm.rules.platform_rocm`).
-        kv_cache_spec: ``attention`` or ``mamba``: what vLLM's ``KVCacheSpec`` says the
-            layers are, for per-layer lists of tensors (K/V pairs or Mamba state).
+        kv_cache_spec: ``attention``, ``mla`` or ``mamba``: what vLLM's ``KVCacheSpec`` says
+            the layers are, for per-layer lists (K/V pairs, MLA (nope, rope) pairs, a
+            one-element list ``[kv_cache]`` as 0.11 / 0.13 bind it, or Mamba state);
+            ``mla`` also selects the MLA rules.
         tensor_order: the core's generic hint (:data:`kvcore.TENSOR_ORDER`): ``allocated``
             (the tensors as vLLM allocated them) or ``physical`` (already permuted into
             memory order).
         use_ipex: vLLM 0.11 ``TORCH_SDPA``: whether ``intel_extension_for_pytorch`` was
             importable in the engine (``cpu_attn.py::_use_ipex``): with it K and V are
             ``(NB, NH, BS, HS)``, without it K is stored in 16-byte chunks. An fp8 cache
-            implies it (vLLM refuses fp8 without IPEX).
+            implies it (vLLM refuses fp8 without IPEX). Given, it selects TORCH_SDPA (no
+            other backend has the setting).
         prefill_decode_attention: vLLM 0.11 ``ROCM_ATTN``: the engine's
             ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION`` (pass it under that name, or set the
             variable): on, K/V are read by ``split_kv_cache``; off, by ``unbind(0)``.
+            Strings are read as vLLM reads the variable (:func:`env_flag`).
+        env_kv_cache_layout: the ``VLLM_KV_CACHE_LAYOUT`` the engine ran with (hint
+            ``VLLM_KV_CACHE_LAYOUT``, else this process's variable), when no explicit
+            layout was given; exactly one of vLLM's accepted values.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
@@ -228,8 +271,9 @@ class VllmHints(BaseModel):
     tensor_order: str | None = None
     use_ipex: bool | None = None
     prefill_decode_attention: bool | None = None
+    env_kv_cache_layout: str | None = None
 
-    @field_validator("use_ipex", "prefill_decode_attention", mode="before")
+    @field_validator("use_ipex", mode="before")
     @classmethod
     def _flag(cls, v, info):
         if v is None or isinstance(v, bool):
@@ -239,8 +283,45 @@ class VllmHints(BaseModel):
             return True
         if s in ("0", "false", "no", "off", ""):
             return False
-        name = "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" if info.field_name == "prefill_decode_attention" else info.field_name
-        raise DetectionError(f"vLLM hint {name}={v!r} must be a bool (True/False, 1/0)")
+        raise DetectionError(f"vLLM hint {info.field_name}={v!r} must be a bool (True/False, 1/0)")
+
+    @field_validator("prefill_decode_attention", mode="before")
+    @classmethod
+    def _env_flag(cls, v):
+        # exactly as vLLM reads the variable (0.11 / 0.13 vllm/envs.py, environment_variables
+        # ["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"]): os.getenv(..., "False").lower() in ("true", "1"),
+        # every other value is False ("yes", "on", "2", " 1" included); a bool is itself
+        if v is None or isinstance(v, bool):
+            return v
+        return env_flag(v)
+
+    @field_validator("env_kv_cache_layout", mode="before")
+    @classmethod
+    def _env_layout(cls, v):
+        # vLLM's envs.py env_with_choices("VLLM_KV_CACHE_LAYOUT", None, choices): case-sensitive, anything
+        # else makes vLLM raise ValueError when it reads the variable (the engine never starts)
+        if v is None:
+            return None
+        s = str(v)
+        if s not in ENV_LAYOUTS["0.33"]:
+            raise DetectionError(
+                f"VLLM_KV_CACHE_LAYOUT={s!r} is not a value vLLM accepts (vllm/envs.py env_with_choices, case-sensitive): "
+                f"{', '.join(ENV_LAYOUTS['0.26'])} up to 0.26, {', '.join(ENV_LAYOUTS['0.33'])} from 0.33; vLLM refuses to "
+                "start with it, so it describes no cache. Fix or unset the variable"
+            )
+        return s
+
+    @model_validator(mode="after")
+    def _env_layout_era(self):
+        era = self.era
+        if self.env_kv_cache_layout is not None and era is not None:
+            ok = ENV_LAYOUTS["0.33" if era == "0.33" else "0.26"]
+            if self.env_kv_cache_layout not in ok:
+                raise DetectionError(
+                    f"VLLM_KV_CACHE_LAYOUT={self.env_kv_cache_layout!r} is not a value vLLM {self.vllm_version} accepts "
+                    f"(vllm/envs.py env_with_choices: {', '.join(ok)}); vLLM refuses to start with it. Fix or unset the variable"
+                )
+        return self
 
     @field_validator("kv_cache_layout", mode="before")
     @classmethod
@@ -287,7 +368,14 @@ class VllmHints(BaseModel):
         if v is None:
             return None
         s = str(v).strip().lower().removesuffix("spec").removesuffix("_")
-        s = {"fullattention": "attention", "full_attention": "attention", "slidingwindow": "attention"}.get(s, s)
+        s = {
+            "fullattention": "attention",
+            "full_attention": "attention",
+            "slidingwindow": "attention",
+            "sliding_window": "attention",
+            "mlaattention": "mla",
+            "mla_attention": "mla",
+        }.get(s, s)
         if s not in KV_CACHE_SPECS:
             raise _bad("kv_cache_spec", v, KV_CACHE_SPECS)
         return s
@@ -352,7 +440,7 @@ class VllmHints(BaseModel):
     @property
     def is_mla(self) -> bool | None:
         """True for MLA backends or MLA-only cache dtypes, False for other backends, else None."""
-        if self.cache_dtype in MLA_CACHE_DTYPES:
+        if self.cache_dtype in MLA_CACHE_DTYPES or self.kv_cache_spec == "mla":
             return True
         if self.family is None:
             return None
@@ -421,18 +509,29 @@ def parse_hints(hints: Any) -> VllmHints:
             val = getattr(obj, attr, None)
             if field not in d and val is not None:
                 d[field] = val
+    # the engine's environment variables: given as hints (the engine's values), else this process's,
+    # parsed exactly as vLLM's envs.py parses them (VllmHints validators)
     if "VLLM_V1_USE_PREFILL_DECODE_ATTENTION" in d:
         d["prefill_decode_attention"] = d.pop("VLLM_V1_USE_PREFILL_DECODE_ATTENTION")
     elif "prefill_decode_attention" not in d and os.environ.get("VLLM_V1_USE_PREFILL_DECODE_ATTENTION") is not None:
         d["prefill_decode_attention"] = os.environ["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"]
-    if "kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT"):
-        d["kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
+    if "VLLM_KV_CACHE_LAYOUT" in d:
+        d["env_kv_cache_layout"] = d.pop("VLLM_KV_CACHE_LAYOUT")
+    if "kv_cache_layout" in d:
+        d.pop("env_kv_cache_layout", None)  # a layout from the hints or vLLM's config wins over the variable
+    elif "env_kv_cache_layout" not in d and os.environ.get("VLLM_KV_CACHE_LAYOUT") is not None:
+        d["env_kv_cache_layout"] = os.environ["VLLM_KV_CACHE_LAYOUT"]
     # the core passes hints meant for every plugin; keep ours, refuse misspellings of ours
     known = set(VllmHints.model_fields)
     generic = {"engine", "page_size", "tokens_per_block", "layer_groups"}  # tensor_order is a field
     unknown = set(d) - known - generic
     if unknown:
-        accepted = (known - {"prefill_decode_attention"}) | {"cache_config", "vllm_config", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"}
+        accepted = (known - {"prefill_decode_attention", "env_kv_cache_layout"}) | {
+            "cache_config",
+            "vllm_config",
+            "VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
+            "VLLM_KV_CACHE_LAYOUT",
+        }
         raise DetectionError(f"unknown vLLM hint(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
     if "page_size" in d and "block_size" not in d:
         d["block_size"] = d["page_size"]
@@ -455,8 +554,20 @@ def declared_hints() -> list[Any]:
             "KVCacheLayout member (L=layer, B=block, N=token, H=head, C=channel, outermost first) from 0.33. A layout the "
             "strides contradict is an error",
             values=[*LAYOUT_ALIASES, *KV_CACHE_LAYOUTS],
-            default="read from the strides; VLLM_KV_CACHE_LAYOUT, then NHD (0.11) / LBNHC (0.33) when they cannot tell",
+            default="read from the strides; ambiguous shapes name this hint (VLLM_KV_CACHE_LAYOUT steers the backends that read it)",
             source="vllm/v1/attention/backends/utils.py::get_kv_cache_layout; 0.33 vllm/v1/kv_cache_layout.py::KVCacheLayout",
+        ),
+        Hint(
+            engine="vllm",
+            name="VLLM_KV_CACHE_LAYOUT",
+            meaning="the engine's environment variable, used when no kv_cache_layout is given: up to 0.26 it fixes the "
+            "layout of the backends whose allocation reads get_kv_cache_layout() (FLASH_ATTN, FLASHINFER; TRITON_ATTN from "
+            "0.24) except where vLLM overrides it (FlashInfer on SM 10.x: HND; CPU_ATTN 0.24+: HND; XPU 0.11-0.24: NHD); "
+            "from 0.33 every backend's. Case-sensitive, as vLLM's envs.py reads it; other values are refused",
+            values=list(ENV_LAYOUTS["0.33"]),
+            default="the variable in this process's environment",
+            source="vllm/envs.py (env_with_choices); vllm/v1/attention/backends/utils.py::get_kv_cache_layout / "
+            "0.33 ::resolve_kv_cache_layout",
         ),
         Hint(
             engine="vllm",
@@ -507,20 +618,23 @@ def declared_hints() -> list[Any]:
         Hint(
             engine="vllm",
             name="device_type",
-            meaning="the platform: cpu selects the CPU backend's rules, tpu the Pallas rules, xpu forces NHD, rocm makes an fp8 "
+            meaning="the platform: cpu selects the CPU backend's rules (another value rules them out), tpu the Pallas rules, "
+            "xpu forces NHD in 0.11-0.24 (platforms/xpu.py set_kv_cache_layout; not from 0.26), rocm makes an fp8 "
             "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype), allows ROCM_ATTN's split_kv_cache reading and reads a DSA "
             "indexer page (132 B records, block_size > 1, 0.24+) as ROCm's 16x16-byte key tiles (0.33 MXFP4 indexer pages "
             "on ROCm are aiter's and refused)",
             values=list(DEVICE_TYPES),
-            default="a backend of one platform only (ROCM_*, FLASHMLA*, CUTLASS_MLA, FLASHINFER*, CPU, PALLAS), else the torch "
-            "build of the process holding the tensors; tensors that say nothing (meta, a description) name this hint where "
-            "it decides",
+            default="a backend of one platform only (ROCM_*, FLASHMLA*, CUTLASS_MLA, FLASHINFER*, CPU, PALLAS), use_ipex (CPU), "
+            "else the tensors' device and the torch build of the process holding them: accelerator tensors are not the CPU "
+            "backend's, CPU tensors may be (its readings are then considered beside the GPU ones); tensors that say nothing "
+            "(meta, a description) name this hint where it decides",
         ),
         Hint(
             engine="vllm",
             name="use_ipex",
             meaning="vLLM 0.11 TORCH_SDPA: whether intel_extension_for_pytorch was importable in the engine; with it K and V "
-            "are (NB, NH, BS, HS), without it K is stored in 16-byte chunks (an fp8 cache implies it)",
+            "are (NB, NH, BS, HS), without it K is stored in 16-byte chunks (an fp8 cache implies it). Given, it selects "
+            "TORCH_SDPA",
             type="bool",
             default="from the cache dtype where it decides; else the shapes name this hint",
             source="vllm/v1/attention/backends/cpu_attn.py::_use_ipex",
@@ -529,18 +643,20 @@ def declared_hints() -> list[Any]:
             engine="vllm",
             name="VLLM_V1_USE_PREFILL_DECODE_ATTENTION",
             aliases=["prefill_decode_attention"],
-            meaning="vLLM 0.11 ROCM_ATTN: the engine's environment variable; on, K/V are read by split_kv_cache, off, by unbind(0)",
-            type="bool",
+            meaning="vLLM 0.11 ROCM_ATTN: the engine's environment variable; on, K/V are read by split_kv_cache, off, by "
+            "unbind(0). Read as vLLM's envs.py reads it: value.lower() in ('true', '1'), anything else is off",
+            type="bool or the variable's string",
             default="the variable in this process's environment",
             source="vllm/v1/attention/backends/rocm_attn.py",
         ),
         Hint(
             engine="vllm",
             name="kv_cache_spec",
-            meaning="what vLLM's KVCacheSpec says per-layer lists are: attention ((K, V) pairs, vllm-ascend) or mamba "
-            "(state tensors, not KV)",
+            meaning="what vLLM's KVCacheSpec says the layers are: attention ((K, V) pairs, vllm-ascend; [kv_cache] as 0.11/0.13 "
+            "bind_kv_cache keeps it), mla (MLA rules only; vllm-ascend (nope, rope) pairs) or mamba (state tensors, not KV)",
             values=list(KV_CACHE_SPECS),
-            default="(K, V) pairs when two [NB, BS, NH, HS] tensors of one shape; any other list is Mamba state",
+            default="(K, V) pairs when two [NB, BS, NH, *] tensors of one shape; [t] of a rank no one-state Mamba layer has is "
+            "the KV tensor t, of rank 3 or 4 an ambiguity naming this hint; any other list is Mamba state",
             source="vllm/v1/kv_cache_interface.py::KVCacheSpec",
         ),
         tensor_order_hint("vllm"),

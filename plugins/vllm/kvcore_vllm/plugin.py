@@ -42,11 +42,12 @@ def kvcore_register_hints(register):
 @hookimpl
 def kvcore_register_fixtures(register):
     from kvcore_vllm.fixtures import fixture_cases
-    from kvcore_vllm.pairs import pairs_fixture
+    from kvcore_vllm.pairs import pairs_fixtures
 
     for case in fixture_cases():
         register(case)
-    register(pairs_fixture())
+    for case in pairs_fixtures():
+        register(case)
 
 
 @hookimpl

@@ -36,13 +36,29 @@ from typing import Any
 
 import torch
 
-from kvcore import Candidate, DetectionError, Source, memory_ordered
+from kvcore import Candidate, DetectionError, GeometryError, Source, build_layout, memory_ordered
 from kvcore.dtypes import is_fp8, rocm_build
 from kvcore.grammar import parse
-from kvcore_vllm.hints import KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, MLA_CACHE_DTYPES, VllmHints
+from kvcore_vllm.hints import BACKEND_FAMILY, KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, MLA_CACHE_DTYPES, VllmHints
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS, RECORDS, ROCM_TILE_BYTES, ROCM_TILE_TOKENS
 
-__all__ = ["Rule", "RULES", "candidates", "stack_layers", "MLA_WIDTHS", "physical_name", "platform_rocm", "SPLIT_KV"]
+__all__ = [
+    "Rule",
+    "RULES",
+    "candidates",
+    "bare_candidates",
+    "layout_families",
+    "stack_layers",
+    "MLA_WIDTHS",
+    "MAX_BARE_LAYERS",
+    "LAYOUT_READERS",
+    "LAYOUT_OVERRIDES",
+    "XPU_FORCES_NHD",
+    "physical_name",
+    "platform_rocm",
+    "platform_cpu",
+    "SPLIT_KV",
+]
 
 #: MLA latent widths vLLM's MLA backends accept: ``get_supported_head_sizes() == [576]``
 #: (0.11 ``mla/common.py``). A rank-3 ``[NB, BS, W]`` cache of any other width is a latent
@@ -93,6 +109,29 @@ def platform_rocm(h: VllmHints, tensors: Sequence[torch.Tensor]) -> bool | None:
     if h.attention_backend in NOT_ROCM_BACKENDS:
         return False
     return rocm_build(list(tensors))
+
+
+def platform_cpu(h: VllmHints, tensors: Sequence[torch.Tensor]) -> bool | None:
+    """Whether the engine that wrote ``tensors`` may be vLLM's CPU platform: the
+    ``device_type`` hint; else a backend hint (a CPU backend says yes, any other no); else
+    ``use_ipex`` (a ``TORCH_SDPA``-only setting) says yes; else the tensors: memory on an
+    accelerator (``cuda``, ``xpu``, ...) is no CPU engine's cache, nor is memory of a ROCm
+    build of torch (:func:`kvcore.dtypes.rocm_build`); CPU (or meta) tensors of any other
+    build may be -- None: the CPU backend's readings are considered beside the GPU ones,
+    and where they place bytes differently detection names ``attention_backend`` /
+    ``device_type`` (a CPU tensor may also be a GPU cache copied or described, so its
+    device does not rule the GPU readings out)."""
+    if h.device_type is not None:
+        return h.device_type == "cpu"
+    if h.family is not None:
+        return h.family == "CPU"
+    if h.use_ipex is not None:
+        return True
+    if any(t.device.type not in ("cpu", "meta") for t in tensors):
+        return False
+    if rocm_build(list(tensors)):
+        return False
+    return None
 
 
 _FA = "vllm/v1/attention/backends/flash_attn.py::FlashAttentionBackend.get_kv_cache_shape"
@@ -150,6 +189,10 @@ class Rule:
             tensors cannot show (``use_ipex``, ``prefill_decode_attention``); the rule is
             out when the hint says otherwise, and two rules that differ only here make
             detection raise AmbiguousLayoutError naming that hint.
+        only: family -> the layout keys that family allocates, where it allocates fewer
+            than the rule lists (a backend without ``get_kv_cache_stride_order`` has one
+            physical order whatever ``get_kv_cache_layout()`` says: 0.26 FlexAttention is
+            NHD only, 0.26 ROCm AITER HND only).
     """
 
     label: str
@@ -167,6 +210,7 @@ class Rule:
     backends_label: tuple[str, ...] = field(default=())
     requires: tuple[tuple[str, bool], ...] = ()
     planes: str = ""
+    only: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _src(version: str, file: str) -> Source:
@@ -196,6 +240,9 @@ RULES: tuple[Rule, ...] = (
         ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "XPU"),
+        # no get_kv_cache_stride_order in flex_attention.py / rocm_aiter_fa.py / rocm_aiter_unified_attn.py (0.11, 0.13):
+        # the runner keeps get_kv_cache_shape's order, NHD
+        only={f: ("NHD", "NHD/mamba") for f in ("FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED")},
     ),
     Rule(
         label="ROCm 0.11 unified attention (2, NB, BS, NH, HS) read by unbind(0)",
@@ -271,6 +318,8 @@ RULES: tuple[Rule, ...] = (
         ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
+        # 0.24 rocm_aiter_fa.py / rocm_aiter_unified_attn.py define no get_kv_cache_stride_order: NHD only
+        only={"ROCM_AITER_FA": ("NHD",), "ROCM_AITER_UNIFIED": ("NHD",)},
     ),
     Rule(
         label="0.24 FlexAttention (NB, 2, BS, NH, HS), stride order (0,2,1,3,4)",
@@ -315,6 +364,10 @@ RULES: tuple[Rule, ...] = (
         ),
         physical_ok=True,
         backends_label=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
+        # 0.26 flex_attention.py::get_kv_cache_stride_order is (0, 2, 1, 3) / layered (1, 0, 3, 2, 4) whatever
+        # get_kv_cache_layout() says: NHD only; rocm_aiter_fa.py / rocm_aiter_unified_attn.py define none: the
+        # shape's own order (NB, NH, BS, 2*HS), HND, and no cross-layer buffer (use_uniform_kv_cache needs one)
+        only={"FLEX_ATTENTION": ("NHD", "NHD/cross"), "ROCM_AITER_FA": ("HND",), "ROCM_AITER_UNIFIED": ("HND",)},
     ),
     Rule(
         label="0.33 FlexAttention view [NB, NH, BS, C], LBNHC only",
@@ -559,6 +612,26 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASHMLA_SPARSE", "indexer"),
     ),
     Rule(
+        label="0.33 blocked-scale bound view (NB, BS, W) of a block-outermost layout",
+        eras=("0.33",),
+        families=("MLA",),
+        rank=3,
+        logical=_o("NB BS HS"),
+        # the 4-D [NB, 1, BS, W] view squeezed by the layer's bind_kv_cache (what attn.kv_cache holds): under
+        # BLHNC / BLNHC / BHLNC the layers' pages interleave per block, one cross-layer buffer
+        layouts={"*/cross": _o("NB NL BSV BSS")},
+        sources=(
+            _src(
+                "0.33.0",
+                "vllm/model_executor/models/deepseek_v2.py::DeepseekV32IndexerCache.bind_kv_cache (kv_cache.squeeze(1)); " + _V33,
+            ),
+        ),
+        gate="",
+        mla=True,
+        blocked=True,
+        backends_label=("FLASHMLA_SPARSE", "indexer"),
+    ),
+    Rule(
         label="ROCm DSA indexer page (NB, BS, 132) uint8: 16x16-byte key tiles, then the scales",
         eras=("0.24", "0.26", "0.33"),
         families=("MLA",),
@@ -591,6 +664,26 @@ RULES: tuple[Rule, ...] = (
         },
         sources=(_src("0.33.0", _V33 + "; " + _RIDX),),
         transform="squeeze_head",
+        gate="rocm?",
+        mla=True,
+        blocked=True,
+        backends_label=("ROCM_AITER_MLA_SPARSE", "indexer"),
+        planes="rocm_tiles",
+    ),
+    Rule(
+        label="ROCm 0.33 DSA indexer bound view (NB, BS, 132) of a block-outermost layout: key tiles, then the scales",
+        eras=("0.33",),
+        families=("MLA",),
+        rank=3,
+        logical=_o("NB BS HS"),
+        layouts={"*/cross": ROCM_INDEXER_CROSS},
+        sources=(
+            _src(
+                "0.33.0",
+                "vllm/models/deepseek_v32/amd/rocm.py::DeepseekV32ROCmIndexerCache (bind_kv_cache inherited from "
+                "deepseek_v2.py::DeepseekV32IndexerCache: squeeze(1)); " + _V33 + "; " + _RIDX,
+            ),
+        ),
         gate="rocm?",
         mla=True,
         blocked=True,
@@ -846,9 +939,18 @@ def _element_dtype(t: torch.Tensor, h: VllmHints, rule: Rule) -> tuple[torch.dty
         if want is not None and want != t.dtype:
             return want, torch.empty(0, dtype=want).element_size()
         return None, 1
-    if want is not None and want != t.dtype and h.cache_dtype not in (None, "auto") and torch.empty(0, dtype=want).element_size() == 1:
-        # fp8 cache stored as real float8 (TPU): the tensor's dtype answers
-        return None, t.element_size()
+    if want is not None and want != t.dtype and is_fp8(want) and is_fp8(t.dtype):
+        # an fp8 cache stored as real float8 tensors (TPU's Pallas cache; fp8_inc is float8_e4m3fn in
+        # STR_DTYPE_TO_TORCH_DTYPE): the tensor's own fp8 answers when it is the cache dtype's kind
+        if ("e4m3" in str(t.dtype)) == ("e4m3" in str(want)):
+            return None, t.element_size()
+    if want is not None and want != t.dtype and is_fp8(want):
+        raise DetectionError(
+            f"vLLM: cache_dtype={h.cache_dtype!r} stores the KV cache as uint8 bytes of {str(want).replace('torch.', '')} "
+            f"(vllm/utils/torch_utils.py::STR_DTYPE_TO_TORCH_DTYPE; a real float8 tensor of that kind on TPU), but these "
+            f"tensors are {str(t.dtype).replace('torch.', '')}: they are not an fp8 cache. Drop cache_dtype (or pass "
+            f"'auto'), or pass the fp8 cache's tensors"
+        )
     if want is not None and want != t.dtype:
         raise DetectionError(
             f"vLLM: the KV cache tensors are {t.dtype} but the hints say the cache holds {want} "
@@ -865,27 +967,100 @@ class Reading:
     rule: Rule
     layout: str
     as_given: bool = False  # the view keeps the tensor's own axis order (tie-break between identical readings)
+    families: tuple[str, ...] = ()  # the rule's families that allocate this layout under the hints (default: all)
+
+    def __post_init__(self) -> None:
+        if not self.families:
+            self.families = self.rule.families
 
 
-def _layout_ok(rule: Rule, key: str, h: VllmHints) -> bool:
-    fam = h.layout_family or ("NHD" if h.device_type == "xpu" else None)
-    if fam is None:
-        return True
-    specific = h.kv_cache_layout in KV_CACHE_LAYOUTS
+def backends_label(rule: Rule, families: Sequence[str]) -> str:
+    """The backend names of ``rule`` that belong to ``families`` (for ``decided_by``)."""
+    if tuple(families) == rule.families or not families:
+        return "/".join(rule.backends_label or rule.families)
+    names = [b for b in rule.backends_label if BACKEND_FAMILY.get(b) in families]
+    return "/".join(names or families)
+
+
+#: per era, the backend families whose allocation reads ``get_kv_cache_layout()`` (their
+#: ``get_kv_cache_stride_order``): the ones ``VLLM_KV_CACHE_LAYOUT`` steers. 0.11 / 0.13
+#: ``flash_attn.py`` and ``flashinfer.py``; 0.24 / 0.26 also ``triton_attn.py``. FlexAttention
+#: (fixed order from 0.24, none before), ROCm AITER / ROCM_ATTN, TORCH_SDPA, Pallas and the MLA
+#: backends (one latent order) ignore it; 0.24 / 0.26 CPU_ATTN's ``get_required_kv_cache_layout()``
+#: is ``"HND"``, which the selector sets over the variable (``v1/attention/selector.py``). From
+#: 0.33 every backend is steered: ``resolve_kv_cache_layout`` (``v1/attention/backends/utils.py``)
+#: uses the variable or refuses to start when a backend does not support it.
+LAYOUT_READERS: dict[str, tuple[str, ...]] = {
+    "0.11": ("FLASH_ATTN", "FLASHINFER"),
+    "0.13": ("FLASH_ATTN", "FLASHINFER"),
+    "0.24": ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
+    "0.26": ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
+}
+#: families whose layout vLLM overrides on some GPUs whatever the variable says: FlashInfer on
+#: SM 10.x is HND (0.11 ``platforms/cuda.py`` ``set_kv_cache_layout("HND")``; 0.13-0.26
+#: ``FlashInferBackend.get_required_kv_cache_layout``): ``VLLM_KV_CACHE_LAYOUT=NHD`` does not rule
+#: its HND cache out.
+LAYOUT_OVERRIDES: dict[str, str] = {"FLASHINFER": "HND"}
+#: eras whose XPU platform forces NHD (``platforms/xpu.py`` ``set_kv_cache_layout("NHD")`` in
+#: 0.11, 0.13 and 0.24; 0.26 and 0.33 no longer call it).
+XPU_FORCES_NHD = ("0.11", "0.13", "0.24")
+
+
+def _key_fits(key: str, value: str) -> bool:
+    """A rule's layout key (``NHD``, ``HND/cross``, ``*``, a 0.33 member...) is what the layout
+    value ``value`` (``NHD``/``HND`` or a 0.33 ``KVCacheLayout`` member) names."""
+    fam = value if value in LAYOUT_ALIASES else LAYOUT_FAMILY[value]
+    specific = value in KV_CACHE_LAYOUTS
     base, _, cross = key.partition("/")
-    cross = cross == "cross"
+    cross_key = cross == "cross"
     if base == "*":
-        return not specific or (h.kv_cache_layout[0] == "B") == cross
+        return not specific or (value[0] == "B") == cross_key
     if base in KV_CACHE_LAYOUTS:
         if specific:
-            return base == h.kv_cache_layout
+            return base == value
         return LAYOUT_FAMILY[base] == fam
     if base != fam:
         return False
-    return not specific or (h.kv_cache_layout[0] == "B") == cross
+    return not specific or (value[0] == "B") == cross_key
 
 
-def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None) -> bool:
+def _rule_families(rule: Rule, key: str, h: VllmHints) -> tuple[str, ...]:
+    """The rule's backend families that allocate layout ``key`` (``Rule.only``), narrowed to
+    the ``attention_backend`` hint's family."""
+    return tuple(f for f in rule.families if (h.family is None or f == h.family) and key in rule.only.get(f, (key,)))
+
+
+def layout_families(rule: Rule, key: str, h: VllmHints, layout_source: str = "kv_cache_layout") -> tuple[tuple[str, ...], dict[str, str]]:
+    """Which of the rule's families may have allocated layout ``key`` given the layout hints,
+    and, when none may, the hint that rules it out (``{hint: value}``, for the contradiction
+    message).
+
+    Precedence: an explicit layout (``kv_cache_layout``, ``cache_config``) states the cache's
+    layout and binds every family; XPU in 0.11-0.24 forces NHD (:data:`XPU_FORCES_NHD`); the
+    environment's ``VLLM_KV_CACHE_LAYOUT`` binds only the families that read
+    ``get_kv_cache_layout()`` in that era (:data:`LAYOUT_READERS`), and not FlashInfer's HND
+    override (:data:`LAYOUT_OVERRIDES`).
+    """
+    fams = _rule_families(rule, key, h)
+    if not fams:
+        return (), {}
+    if h.kv_cache_layout is not None:
+        return (fams, {}) if _key_fits(key, h.kv_cache_layout) else ((), {layout_source: h.kv_cache_layout})
+    eras = (h.era,) if h.era is not None else rule.eras
+    if h.device_type == "xpu" and all(e in XPU_FORCES_NHD for e in eras):
+        return (fams, {}) if _key_fits(key, "NHD") else ((), {"device_type": "xpu (forces NHD in vLLM 0.11-0.24)"})
+    env = h.env_kv_cache_layout
+    if env is None:
+        return fams, {}
+    out = []
+    for f in fams:
+        steered = any(e == "0.33" or f in LAYOUT_READERS.get(e, ()) for e in eras)
+        if not steered or _key_fits(key, env) or (f in LAYOUT_OVERRIDES and _key_fits(key, LAYOUT_OVERRIDES[f])):
+            out.append(f)
+    return tuple(out), ({} if out else {"VLLM_KV_CACHE_LAYOUT": env})
+
+
+def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None, cpu: bool | None = None) -> bool:
     if h.era is not None and h.era not in rule.eras:
         return False
     fam = h.family
@@ -895,6 +1070,8 @@ def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None) -> bool:
         return False
     if h.is_mla is False and rule.mla:
         return False
+    if h.use_ipex is not None and not any(k == "use_ipex" for k, _ in rule.requires):
+        return False  # use_ipex is a setting of vLLM 0.11 TORCH_SDPA only (cpu_attn.py::_use_ipex): it selects that backend
     for key, want in rule.requires:
         got = getattr(h, key)
         if got is not None and got != want:
@@ -904,8 +1081,8 @@ def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None) -> bool:
     dev = h.device_type
     if rule.gate == "gpu" and dev in ("cpu", "tpu"):
         return False
-    if rule.gate == "cpu" and not (dev == "cpu" or fam == "CPU"):
-        return False
+    if rule.gate == "cpu" and not (dev == "cpu" or fam == "CPU" or (dev is None and fam is None and cpu is not False)):
+        return False  # the CPU backend's readings stand beside the GPU ones wherever the platform may be CPU (platform_cpu)
     if rule.gate == "tpu" and not (dev == "tpu" or fam == "PALLAS"):
         return False
     if rule.gate == "rocm" and not (dev == "rocm" or fam == "ROCM_ATTN" or (dev is None and rocm)):
@@ -1016,6 +1193,8 @@ def _reading(
     note: str,
     kernel_split: bool = False,
     rocm: bool | None = None,
+    families: tuple[str, ...] = (),
+    rejected: list[str] | None = None,
 ) -> Reading | None:
     """Views in ``rule.logical`` (or a physical) token order -> a candidate for layout ``key``.
 
@@ -1035,7 +1214,7 @@ def _reading(
         return None
     if kernel_split and "BS" in sz and sz["BS"] != h.block_size:
         note += f" (block_size {h.block_size} is the manager's: the kernel reads blocks of {sz['BS']} tokens)"
-    decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
+    decided = {"vllm_version": "/".join(rule.eras), "attention_backend": backends_label(rule, families)}
     if key != "*":
         decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
     if rule.planes:
@@ -1052,13 +1231,29 @@ def _reading(
             decided_by=decided,
             label=f"{rule.label}, {key}{note}",
         )
-        return Reading(cand, rule, key, True)
+        return Reading(cand, rule, key, True, families)
     as_given = False
     if order[0] == "NL":
         perm = [tokens.index(tok) for tok in _fmt_tokens(order[1:])]
         as_given = perm == sorted(perm) and not rule.transform
         pv = [v.permute(perm) for v in views]
-        if not all(_ordered(v) for v in pv) or not _layers_separate(pv):
+        if not all(_ordered(v) for v in pv):
+            return None
+        if not _layers_separate(pv):
+            # interleaved layers are a cross-layer buffer (its own reading); layers whose bytes overlap are no
+            # vLLM cache at all: keep build_layout's explanation for the error detection raises
+            if rejected is not None:
+                try:
+                    build_layout(
+                        physical_name(order),
+                        pv,
+                        dtype=dtype,
+                        params={"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {},
+                    )
+                except GeometryError as e:
+                    why = f"{rule.label}, layout {key}{note}: {e}"
+                    if why not in rejected:
+                        rejected.append(why)
             return None
         kv = pv
         identity = perm == sorted(perm)
@@ -1089,7 +1284,7 @@ def _reading(
         label=f"{rule.label}, {key}{note}",
         order="physical" if physical else (None if identity else "allocated"),
     )
-    return Reading(cand, rule, key, as_given)
+    return Reading(cand, rule, key, as_given, families)
 
 
 def _planes(rule: Rule, name: str, views: list[torch.Tensor], tokens: tuple[str, ...]) -> dict[str, Any] | None:
@@ -1134,13 +1329,6 @@ def _fmt_tokens(order: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _against(h: VllmHints, layout_source: str) -> dict[str, str]:
-    """The hint that rules a layout out, as the caller gave it (for the contradiction message)."""
-    if h.kv_cache_layout is not None:
-        return {layout_source: h.kv_cache_layout}
-    return {"device_type": "xpu (forces NHD)"}
-
-
 def candidates(
     tensors: list[torch.Tensor],
     h: VllmHints,
@@ -1150,6 +1338,7 @@ def candidates(
     layout_source: str = "kv_cache_layout",
     needs: list[str] | None = None,
     unclaimed: list[str] | None = None,
+    rejected: list[str] | None = None,
 ) -> list[Reading]:
     """Every reading of ``tensors`` (one per layer, in layer order) that a rule allows.
 
@@ -1172,8 +1361,12 @@ def candidates(
             int8 byte views needs ``dtype``).
         unclaimed: when given, layouts these tensors may be that kvcore does not read
             (vLLM 0.33 ROCm's aiter MXFP4 indexer pages) are appended here.
+        rejected: when given, readings whose shapes fit but whose memory cannot be a
+            vLLM cache are appended here with the reason (per-layer views that overlap:
+            :func:`kvcore.build_layout`'s own explanation), for the error detection raises
+            when nothing fits.
 
-    The platform (ROCm or not) comes from :func:`platform_rocm`.
+    The platform comes from :func:`platform_rocm` and :func:`platform_cpu`.
 
     A ``block_size`` hint is first matched exactly; only when no reading has that block
     size is it read as the manager's block size split into kernel blocks (vLLM 0.13+:
@@ -1185,7 +1378,9 @@ def candidates(
         layout_source=layout_source,
         needs=needs,
         unclaimed=unclaimed,
+        rejected=rejected,
         rocm=platform_rocm(h, tensors),
+        cpu=platform_cpu(h, tensors),
     )
     out = _candidates(tensors, h, False, **opts)
     if not [r for r in out if not r.candidate.against] and h.block_size is not None and h.era != "0.11":
@@ -1203,41 +1398,51 @@ def _candidates(
     layout_source: str,
     needs: list[str] | None,
     unclaimed: list[str] | None = None,
+    rejected: list[str] | None = None,
     rocm: bool | None = None,
+    cpu: bool | None = None,
 ) -> list[Reading]:
     out: list[Reading] = []
     t0 = tensors[0]
     for rule in RULES:
-        if t0.dim() != rule.rank or not _rule_ok(rule, h, rocm):
+        if t0.dim() != rule.rank or not _rule_ok(rule, h, rocm, cpu):
             continue
+        keys = {}
+        for key in rule.layouts:
+            fams, against = layout_families(rule, key, h, layout_source) if check_layout else (_rule_families(rule, key, h), {})
+            if not fams:
+                if not against or not evidence:
+                    continue
+                fams = _rule_families(rule, key, h)
+            keys[key] = (fams, against)
+        if not keys:
+            continue  # no layout of this rule is allowed: it needs no hint either
+        # only readings the layout hints rule out: what they would need is beside the point
+        rule_needs = None if all(a for _, a in keys.values()) else needs
         src = list(tensors)
         if rule.planes == "split_kv":
             src = [_element_view(t, h) for t in tensors]
             if any(t is None for t in src):
-                if needs is not None:
-                    needs.append(f"{rule.label}: needs dtype (an int8 byte view: V's tokens are one element apart)")
+                if rule_needs is not None:
+                    rule_needs.append(f"{rule.label}: needs dtype (an int8 byte view: V's tokens are one element apart)")
                 continue
         if rule.transform:
             fn = TRANSFORMS[rule.transform]
             views = [fn(t, h) for t in src]
             if any(v is None for v in views):
                 missing = _missing_hints(rule, t0, h)
-                if needs is not None and missing:
-                    needs.append(f"{rule.label}: needs {' and '.join(missing)}")
+                if rule_needs is not None and missing:
+                    rule_needs.append(f"{rule.label}: needs {' and '.join(missing)}")
                 continue
         else:
             views = src
         other = _aiter_pages(rule, views[0], h, rocm)
         if other is not None and unclaimed is not None and other not in unclaimed:
             unclaimed.append(other)
-        for key in rule.layouts:
-            against: dict[str, str] = {}
-            if check_layout and not _layout_ok(rule, key, h):
-                if not evidence:
-                    continue
-                against = _against(h, layout_source)
+        for key, (fams, against) in keys.items():
             found = []
-            r = _reading(rule, key, views, rule.logical, h, "", kernel_split, rocm)
+            why = rejected if not against else None  # a reading a hint rules out explains nothing
+            r = _reading(rule, key, views, rule.logical, h, "", kernel_split, rocm, fams, why)
             if r is not None:
                 found.append(r)
             # the tensor already permuted to this layout's physical order
@@ -1245,9 +1450,10 @@ def _candidates(
             phys = () if rule.planes else tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
             # vLLM 0.33 reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
             # _LAYOUT_COMPAT_ALIASES): a twin of another member is not what such a hint names
-            alias_only = check_layout and h.kv_cache_layout in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != h.layout33
+            named = h.kv_cache_layout or h.env_kv_cache_layout
+            alias_only = check_layout and named in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != LAYOUT_ALIASES[named]
             if rule.physical_ok and not rule.planes and "/" not in key and order[0] == "NL" and phys != rule.logical and not alias_only:
-                r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split, rocm)
+                r = _reading(rule, key, views, phys, h, " (tensor already in memory order)", kernel_split, rocm, fams, why)
                 if r is not None:
                     found.append(r)
             for r in found:
@@ -1259,8 +1465,9 @@ def _candidates(
 
 
 def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
-    """The hints a rule's transform needs and did not get (only the flat CPU layout needs any)."""
-    if rule.transform != "paged" or t.shape[0] != 2:
+    """The hints a rule's transform needs and did not get (only the flat CPU layouts need any:
+    0.11 TORCH_SDPA's ``(2, NB, BS*NH*HS)``, with or without IPEX)."""
+    if rule.transform not in ("paged", "paged_ipex") or t.shape[0] != 2:
         return []
     out = [] if h.block_size is not None else ["block_size"]
     if h.head_size is None and h.num_kv_heads is None:
@@ -1268,29 +1475,48 @@ def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
     return out
 
 
+#: The most layers a single tensor is read as (a whole cross-layer buffer, its layer axis one
+#: of the tensor's axes). No model vLLM serves has near this many attention layers per
+#: pipeline stage (DeepSeek-V3 61, Llama-3.1-405B 126); kvcore's layout holds a row per
+#: layer, so a reading whose layer count is an axis of millions of blocks would cost time
+#: and memory in proportion to that axis. Such readings are not offered: detection says why
+#: when nothing else fits (pass the per-layer tensors as a list instead).
+MAX_BARE_LAYERS = 1024
+
+
 def bare_candidates(
-    t: torch.Tensor, h: VllmHints, *, check_layout: bool = True, evidence: bool = False, layout_source: str = "kv_cache_layout"
+    t: torch.Tensor,
+    h: VllmHints,
+    *,
+    check_layout: bool = True,
+    evidence: bool = False,
+    layout_source: str = "kv_cache_layout",
+    rejected: list[str] | None = None,
 ) -> list[Reading]:
     """Readings of one tensor that is a whole cross-layer cache, as a cross-layer connector
     is handed it: the buffer vLLM allocates in the layout's physical order before it takes
     per-layer views (0.13-0.2x ``allocate_uniform_kv_caches``: e.g. ``[NB, NL, 2, BS, NH, HS]``
     for FlashAttention NHD; 0.26 ``[NB, NL, BS, NH, 2*HS]``; 0.33 ``BLHNC`` / ``BLNHC`` /
-    ``BHLNC``). The tensor must be in memory order; its axes are then the format's."""
+    ``BHLNC``). The tensor must be in memory order; its axes are then the format's.
+
+    A reading with more than :data:`MAX_BARE_LAYERS` layers is not offered; with
+    ``rejected`` given, it is listed there with the reason. Nothing here is proportional
+    to a tensor axis: every candidate is the tensor itself."""
     out: list[Reading] = []
     if not _ordered(t):
         return out
-    rocm = platform_rocm(h, [t])
+    rocm, cpu = platform_rocm(h, [t]), platform_cpu(h, [t])
     for rule in RULES:
-        if rule.transform or rule.planes or not _rule_ok(rule, h, rocm):
+        if rule.transform or rule.planes or not _rule_ok(rule, h, rocm, cpu):
             continue
         for key, order in rule.layouts.items():
             if order[0] == "NL" or len(order) != t.dim():
                 continue
-            against: dict[str, str] = {}
-            if check_layout and not _layout_ok(rule, key, h):
-                if not evidence:
+            fams, against = layout_families(rule, key, h, layout_source) if check_layout else (_rule_families(rule, key, h), {})
+            if not fams:
+                if not against or not evidence:
                     continue
-                against = _against(h, layout_source)
+                fams = _rule_families(rule, key, h)
             tokens = _fmt_tokens(order)
             sz = _sizes(tokens, t)
             if sz is None:
@@ -1298,7 +1524,17 @@ def bare_candidates(
             dtype, esz = _element_dtype(t, h, rule)
             if not _sizes_ok(rule, sz, t, esz, h, rocm=rocm):
                 continue
-            decided = {"vllm_version": "/".join(rule.eras), "attention_backend": "/".join(rule.backends_label or rule.families)}
+            if sz["NL"] > MAX_BARE_LAYERS:
+                if rejected is not None and not against:
+                    why = (
+                        f"{rule.label}, {key}, one cross-layer tensor: its layer axis would hold {sz['NL']} layers, more than "
+                        f"the {MAX_BARE_LAYERS} kvcore-vllm reads in one tensor (no vLLM model has that many; pass the "
+                        "per-layer tensors as a list)"
+                    )
+                    if why not in rejected:
+                        rejected.append(why)
+                continue
+            decided = {"vllm_version": "/".join(rule.eras), "attention_backend": backends_label(rule, fams)}
             decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
             params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
             cand = Candidate(
@@ -1311,5 +1547,5 @@ def bare_candidates(
                 label=f"{rule.label}, {key}, one cross-layer tensor",
                 against=against,
             )
-            out.append(Reading(cand, rule, key, True))
+            out.append(Reading(cand, rule, key, True, fams))
     return out

@@ -45,7 +45,8 @@ def test_nh1_mla_view_vs_one_kv_head(semantic):
     mha = allocate("0.33.0", "FLASH_ATTN", "LBHNC", num_layers=2, num_blocks=5, block_size=4, num_kv_heads=1, head_size=288)
     err = _ambiguous(mha, None, "NL_X_NB_BS_HS", deciding=("attention_backend", "head_size"))
     assert "576" in str(err) and {"NL_X_NB_NH_BS_CS", "NL_X_NB_BS_NH_CS"} & set(err.candidates)
-    for hints in ({"attention_backend": "FLASH_ATTN"}, {"head_size": 288}):
+    # head_size decides MLA vs one head; the platform (CUDA here) rules out CPU_ATTN's rows reading of the same shape
+    for hints in ({"attention_backend": "FLASH_ATTN"}, {"head_size": 288, "device_type": "cuda"}):
         lay = kvcore.detect(mha, "vllm", {**hints, "kv_cache_layout": "LBHNC"})
         assert (lay.format.name, lay.kv_size, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 1, 288)
         semantic(lay, mha, kv_view)
@@ -64,9 +65,11 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
     lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "NHD"})
     assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS"
     semantic(lay, nhd, kv_view)
-    # an HND hint alone contradicts the strides (they show vLLM's NHD allocation) ...
+    # on a GPU an HND hint alone contradicts the strides (they show vLLM's NHD allocation) ...
     with pytest.raises(kvcore.DetectionError, match="tensor_order='physical'"):
-        kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"})
+        kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND", "device_type": "cuda"})
+    # (where the platform may be CPU, vLLM 0.13 CPU_ATTN allocates exactly this (2, NB, NH, BS, HS) HND tensor)
+    assert kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"}).format.name == "NL_X_TWO_NB_NH_BS_HS"
     # ... unless the caller says the tensor was already permuted into memory order
     lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND", "tensor_order": "physical"})
     assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
@@ -96,7 +99,8 @@ def test_cpu_rows_are_one_layout_from_024_to_033(semantic):
 def test_nh2_packed_gpu_is_not_ambiguous_across_gpu_versions():
     # 0.26 (NB, NH, BS, 2*HS) and 0.33 [NB, NH, BS, C] place bytes identically: one answer
     kv = allocate("0.26.0", "FLASH_ATTN", "HND", num_layers=2, num_blocks=5, block_size=16, num_kv_heads=2, head_size=8)
-    lay = kvcore.detect(kv, "vllm", {"tensor_order": "allocated"})  # contiguous: as allocated, not an NHD cache in memory order
+    # contiguous: as allocated, not an NHD cache in memory order; on a GPU (CPU_ATTN reads this shape as K rows, V rows)
+    lay = kvcore.detect(kv, "vllm", {"tensor_order": "allocated", "device_type": "cuda"})
     assert (lay.format.name, lay.num_heads, lay.head_size) == ("NL_X_NB_NH_BS_CS", 2, 8)
 
 
@@ -106,7 +110,7 @@ def test_hint_contradicting_strides_is_an_error():
         kvcore.detect(hnd, "vllm", {"kv_cache_layout": "NHD"})
     assert not isinstance(ei.value, kvcore.AmbiguousLayoutError)
     assert "NHD" in str(ei.value) and "HND" in str(ei.value)
-    with pytest.raises(kvcore.DetectionError, match="device_type='xpu \\(forces NHD\\)'"):
+    with pytest.raises(kvcore.DetectionError, match="device_type='xpu \\(forces NHD in vLLM 0.11-0.24\\)'"):
         kvcore.detect(hnd, "vllm", {"device_type": "xpu"})
     v33 = allocate("0.33.0", "FLASH_ATTN", "BLNHC", num_layers=3, num_blocks=4, block_size=4, num_kv_heads=2, head_size=8)
     with pytest.raises(kvcore.DetectionError, match="BLNHC"):

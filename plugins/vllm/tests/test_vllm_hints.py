@@ -83,8 +83,9 @@ def test_cache_config_object_env_and_precedence(monkeypatch):
     h = parse_hints({"cache_config": cfg, "kv_cache_layout": "NHD", "block_size": 16})  # explicit hints win
     assert (h.kv_cache_layout, h.block_size, h.cache_dtype) == ("NHD", 16, "fp8_e4m3")
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BLHNC")
-    assert parse_hints({}).kv_cache_layout == "BLHNC"  # env only when nothing else gave a layout
-    assert parse_hints({"cache_config": cfg}).kv_cache_layout == "HND"
+    # env only when nothing else gave a layout, and kept apart: it steers only the backends that read it
+    assert (parse_hints({}).kv_cache_layout, parse_hints({}).env_kv_cache_layout) == (None, "BLHNC")
+    assert (parse_hints({"cache_config": cfg}).kv_cache_layout, parse_hints({"cache_config": cfg}).env_kv_cache_layout) == ("HND", None)
     assert parse_hints({"kv_cache_layout": "LBNHC"}).kv_cache_layout == "LBNHC"
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
     hnd = allocate("0.11.0", "FLASHINFER", "HND", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=8)

@@ -29,7 +29,8 @@ def test_matrix_has_one_case_per_row():
     assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} | records == set(CASES)
     assert {CASES[record_case_name(*r[:4])].format for r in RECORD_CASES} == {r[4] for r in RECORD_CASES}
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
-    assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | {"vllm-ascend-pairs"}  # + kvcore_vllm.pairs
+    pairs = {"vllm-ascend-pairs", "vllm-ascend-pairs-head_size_v", "vllm-ascend-pairs-mla"}  # + kvcore_vllm.pairs
+    assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | pairs
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -78,6 +79,7 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
     the backend where two backends of one device read one shape differently, run-time
     settings (IPEX, the 0.11 ROCm variable), a padded head, 0.33's one-head MLA view."""
     hints = {k: full[k] for k in ("device_type", "use_ipex", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION") if k in full}
+    hints.setdefault("device_type", "cuda")  # the platform: CPU tensors may also be vLLM CPU's (platform_cpu)
     hints["tensor_order"] = "allocated"
     if "TORCH_SDPA" in name:
         hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
@@ -158,7 +160,7 @@ def test_v033_fp8_views():
     kv = allocate(
         "0.33.0", "FLASHINFER", "LBHNC", num_layers=2, num_blocks=4, block_size=8, num_kv_heads=2, head_size=16, cache_dtype="fp8_e5m2"
     )
-    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2", "tensor_order": "allocated"})
+    lay = kvcore.detect(kv, "vllm", {"cache_dtype": "fp8_e5m2", "tensor_order": "allocated", "device_type": "cuda"})
     assert (lay.format.name, lay.dtype, lay.head_size) == ("NL_X_NB_NH_BS_CS", torch.float8_e5m2, 16)
 
 

@@ -45,7 +45,7 @@ SGLang:
 
 Not covered: vLLM before 0.11 (the V0 ``IPEX`` backend's legacy paged-attention cache
 ``(2, NB, BS*NH*HS)`` with K ``(NB, NH, HS/x, BS, x)`` and V ``(NB, NH, HS, BS)`` -- the
-physical layout of vLLM 0.11's CPU ``TORCH_SDPA`` cache, ``NL_X_TWO_NB_NH_HS_BS`` in the
+physical layout of vLLM 0.11's CPU ``TORCH_SDPA`` cache without IPEX, ``K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS`` in the
 vLLM plugin), and an IPEX-LLM downstream ``ipex_attn.py`` that no vLLM release contains.
 """
 

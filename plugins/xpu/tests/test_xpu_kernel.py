@@ -8,15 +8,13 @@ cache built independently of kvcore's stride table.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from kvcore_xpu import KERNEL, NAME  # noqa: E402
-from kvcore_xpu.kernel import _Group, launch_params  # noqa: E402
+from kvcore_xpu.kernel import _Prepared, launch_params  # noqa: E402
 
 import kvcore  # noqa: E402
 from kvcore.errors import TransferError  # noqa: E402
@@ -333,26 +331,137 @@ def test_partial_last_chunk_through_non_contiguous_staging_views(interp, monkeyp
         assert a.view(torch.uint8).any()
 
 
+# -- the device's launch cuts, run in the interpreter -------------------------------------------
+#
+# On a GPU a launch is cut in many small programs: several pieces per segment and a masked
+# tail, several segment steps per row, many token tiles. The interpreter normally runs few
+# large programs; with tiny tiles it runs every one of those paths on CPU tensors.
+
+
+@pytest.fixture
+def device_cuts(interp, monkeypatch):
+    from kvcore_xpu import kernel as km
+
+    monkeypatch.setattr(km, "_INTERP_FEW", False)
+    monkeypatch.setattr(km, "_TILE_BYTES", 64)  # 8 units of 8 bytes per step
+    monkeypatch.setattr(km, "_MAX_PIECE", 4)
+    monkeypatch.setattr(km, "_MIN_PROGRAMS", 1)
+    return km
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_device_cuts_match_the_reference(device_cuts, name):
+    planes, buffers, _, tensors = CASES[name]()
+    gen = torch.Generator().manual_seed(11)
+    for t in tensors:
+        _rand_(t, gen)
+    table = _table(planes, buffers)
+    got, want = _staging(buffers, len(SLOTS), 0xA5, strided=True), _staging(buffers, len(SLOTS), 0xA5, strided=True)
+    KERNEL.gather(_plan(table, SLOTS, got))
+    REFERENCE.gather(_plan(table, SLOTS, want))
+    for key in got:
+        assert torch.equal(_bytes(got[key]), _bytes(want[key])), key
+    src = _staging(buffers, len(SLOTS), 0)
+    for b in src.values():
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+    before = [_bytes(t) for t in tensors]
+    KERNEL.scatter(_plan(table, SLOTS, src))
+    after = [_bytes(t) for t in tensors]
+    for t, b in zip(tensors, before):
+        _bytes_set(t, b)
+    REFERENCE.scatter(_plan(table, SLOTS, src))
+    assert all(torch.equal(_bytes(t), a) for t, a in zip(tensors, after))
+
+
+@pytest.mark.parametrize(
+    "name,shape,dtype,bs",
+    [
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 5, 3, 6, 40), torch.bfloat16, 6),  # 3 heads of 80 B, BS not a power of two
+        ("NL_X_NB_BS_HS", (5, 8, 72), torch.bfloat16, 8),  # a 144-byte row: 2 pieces of 64, a tail of 16
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 5, 4, 3, 12), torch.float16, 4),  # 72-byte rows: 8-byte units
+    ],
+)
+def test_device_cuts_of_pieces_tails_and_segment_steps(device_cuts, name, shape, dtype, bs):
+    km = device_cuts
+    gen = torch.Generator().manual_seed(5)
+    caches = [_rand_(torch.empty(shape, dtype=dtype), gen) for _ in range(3)]
+    lay = kvcore.build_layout(name, caches)
+    tb = lay.stride_table()
+    assert tb.block_size == bs
+    slots = torch.tensor([7, -1, 3, 0, 19, 12, 5, 13, 1, -1, 2])
+    (ln,) = km._Prepared(tb).launches
+    lp = km.launch_params(ln, torch.empty(lay.staging_shape(len(slots)), dtype=dtype), len(slots), 3)
+    assert lp.n_tiles > 1 and (lp.n_full > 1 or lp.tail or ln.n_segs > lp.nseg)
+    got = torch.full(lay.staging_shape(len(slots)), 3.0, dtype=dtype)
+    want = got.clone()
+    KERNEL.gather(TransferPlan(tb, slots, got, 9))
+    REFERENCE.gather(TransferPlan(tb, slots, want, 9))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    dst = [torch.zeros_like(c) for c in caches]
+    ref = [torch.zeros_like(c) for c in caches]
+    KERNEL.scatter(TransferPlan(kvcore.build_layout(name, dst).stride_table(), slots, got, 9))
+    REFERENCE.scatter(TransferPlan(kvcore.build_layout(name, ref).stride_table(), slots, got, 9))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst, ref))
+    assert any(a.view(torch.uint8).any() for a in dst)
+
+
+def test_a_repeated_transfer_with_strided_slots_is_not_served_from_the_cache(interp):
+    """The launch cache is keyed by the slots' stride too: the same call with a strided
+    slot view (same count) reads the right slots."""
+    gen = torch.Generator().manual_seed(2)
+    caches = [_rand_(torch.empty(2, 6, 8, 2, 16, dtype=torch.float16), gen) for _ in range(2)]
+    tb = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches).stride_table()
+    out = torch.zeros(2, 2, 4, 32, dtype=torch.float16)
+    KERNEL.gather(TransferPlan(tb, torch.tensor([1, 2, 3, 4]), out, 4))
+    strided = torch.tensor([40, 0, 9, 0, 17, 0, 30, 0])[::2]
+    assert not strided.is_contiguous()
+    KERNEL.gather(TransferPlan(tb, strided, out, 4))
+    want = torch.zeros_like(out)
+    REFERENCE.gather(TransferPlan(tb, strided.contiguous(), want, 4))
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+def test_devices_compare_by_type_and_index(monkeypatch):
+    """``cuda`` means the current CUDA device: the same device as ``cuda:<current>``,
+    another than ``cuda:<other>``; types never match across."""
+    from kvcore_xpu.kernel import _same
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.xpu, "current_device", lambda: 0)
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert _same(cuda, cuda1) and _same(cuda1, cuda) and _same(cuda0, cuda0) and _same(cuda, cuda)
+    assert not _same(cuda, cuda0) and not _same(cuda0, cuda1)
+    assert _same(torch.device("xpu"), torch.device("xpu:0")) and not _same(torch.device("xpu"), torch.device("xpu:1"))
+    assert not _same(torch.device("xpu:0"), cuda0) and not _same(torch.device("cpu"), cuda0)
+    assert _same(torch.device("cpu"), torch.device("cpu"))
+
+
 # -- units, alignment and launch shape -------------------------------------------------------
+
+
+def _launches(tb):
+    return _Prepared(tb).launches
 
 
 def test_unit_width_is_the_widest_every_address_allows(interp):
     caches = [torch.empty(2, 4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
     lay = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches)
     tb = lay.stride_table()
-    g = _Group("kv", True, list(tb.planes), tb, tb.device)
+    (ln,) = _launches(tb)
+    assert (ln.n_segs, ln.seg_bytes) == (1, 256)  # both heads are one run on both sides
     aligned = torch.empty(2, 2, 10, 128, dtype=torch.bfloat16)
-    lp = launch_params(g, aligned, 10, 2)
-    assert (lp.unit, lp.align) == (8, 16)
-    assert lp.block_e * lp.unit == 256 and lp.n_tiles == math.ceil(10 / lp.block_r)
-    # a small transfer is spread over one program per row; the interpreter asks for few
-    assert lp.block_r == 1 and launch_params(g, aligned, 10, 2, min_programs=1).n_tiles == 1
+    lp = launch_params(ln, aligned, 10, 2)
+    assert (lp.unit, lp.align, lp.seg_vecs) == (8, 16, 16)
+    assert (lp.piece, lp.n_full, lp.tail) == (32, 1, 0) and lp.bs_pow2
+    # a small transfer is spread over one program per token; the interpreter asks for few
+    assert (lp.block_t, lp.n_tiles) == (1, 10)
+    assert launch_params(ln, aligned, 10, 2, few=True).n_tiles == 1
     # a view one element in: every address is only 2-byte aligned, so units are int16
     big = torch.empty(2 * 2 * 10 * 128 + 1, dtype=torch.bfloat16)
     big.zero_()
     odd = big[1:].view(2, 2, 10, 128)
-    lp = launch_params(g, odd, 10, 2)
-    assert (lp.unit, lp.align) == (2, 2)
+    lp = launch_params(ln, odd, 10, 2)
+    assert (lp.unit, lp.align, lp.seg_vecs, lp.piece, lp.tail) == (2, 2, 128, 128, 0)
     # and the bytes still move unchanged
     gen = torch.Generator().manual_seed(1)
     for c in caches:
@@ -368,25 +477,45 @@ def test_unit_width_is_the_widest_every_address_allows(interp):
     "name,shape,nl,tokens,want",
     [
         # Llama-3-8B per rank (32 layers, 8 heads of 128, bf16) and a DeepSeek MLA latent
-        # (61 layers, 576): (unit bytes, units per step, items per program, programs per pair)
-        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 8192, (8, 256, 8, 1024)),
-        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 256, (8, 256, 8, 32)),
-        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 16, 128), 32, 8192, (8, 32, 64, 1024)),
-        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 8192, (8, 32, 8, 1024)),
-        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 256, (8, 32, 4, 64)),
+        # (61 layers, 576): (segments per row, units per piece, pieces, tail units,
+        # segments per step, tokens per program, programs per pair); 8-byte units
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 8192, (1, 256, 1, 0, 1, 8, 1024)),
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 64, 8, 128), 32, 256, (1, 256, 1, 0, 1, 8, 32)),
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 16, 128), 32, 8192, (8, 32, 1, 0, 8, 8, 1024)),
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 64, 128), 32, 256, (8, 32, 1, 0, 8, 8, 32)),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 8192, (1, 128, 1, 16, 1, 16, 512)),
+        ("NL_X_NB_BS_HS", (2, 16, 576), 61, 256, (1, 128, 1, 16, 1, 8, 32)),
+        # a long row (32 heads of 128, 8 KB): two steps of 4 KB pieces, four tokens per program
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 32, 128), 4, 8192, (1, 512, 2, 0, 1, 4, 2048)),
     ],
 )
 def test_launch_shape_of_the_benchmark_geometries(name, shape, nl, tokens, want):
-    """16 KB per program at 8192 tokens (every row a whole segment for NHD and MLA, one
-    head per segment for HND), at least 2048 programs at 256 tokens."""
+    """About 16 KB per program step at 8192 tokens, as a (token, run) tile: whole rows for
+    NHD and MLA (a 1152-byte MLA row: 1024 + 128 bytes), (token, head) runs for HND; at
+    least 1024 programs at 256 tokens."""
     caches = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(nl)]
     lay = kvcore.build_layout(name, caches)
     tb = lay.stride_table()
-    g = _Group("kv", True, list(tb.planes), tb, tb.device)
+    (ln,) = _launches(tb)
     staging = torch.empty(lay.staging_shape(tokens), dtype=torch.bfloat16, device="meta")
-    lp = launch_params(g, staging, tokens, nl)
-    assert (lp.unit, lp.block_e, lp.block_r, lp.n_tiles) == want
-    assert lp.align == 16 and lp.chunks == ((0, nl * len(tb.planes)),)
+    lp = launch_params(ln, staging, tokens, nl)
+    assert (ln.n_segs, lp.piece, lp.n_full, lp.tail, lp.nseg, lp.block_t, lp.n_tiles) == want
+    assert lp.unit == 8 and lp.align == 16 and lp.chunks == ((0, nl * len(tb.planes)),)
+    assert lp.seg_vecs * 16 == ln.seg_bytes == lp.unit * (lp.piece * lp.n_full + (lp.tail and ln.seg_bytes // 8 - lp.piece * lp.n_full))
+
+
+def test_planes_of_one_buffer_with_different_runs_are_separate_launches():
+    """A chunked K (16-byte chunks) beside a transposed V (2-byte chunks) in one ``kv``
+    buffer: two launches, each with its segment offsets (head, chunk) on both sides."""
+    planes, buffers, _, _ = case_chunked_heads()
+    k, v = _launches(_table(planes, buffers))
+    assert (k.n_segs, k.seg_bytes, v.n_segs, v.seg_bytes) == (NH * 2, 16, NH * 16, 2)
+    kst = planes[0].strides
+    want_cache = [h * kst.head + c * kst.chunk for h in range(NH) for c in range(2)]
+    want_stage = [h * 32 + c * 16 for h in range(NH) for c in range(2)]
+    assert k.segs[0, 0].tolist() == want_cache and k.segs[0, 1].tolist() == want_stage
+    assert k.desc[0, :6].tolist() == [kst.block, kst.token, BS, 0, 0, 0]
+    assert v.desc[0, 4] == 1  # V is index 1 of the kv buffer
 
 
 def test_one_launch_moves_all_layers_and_planes(interp, monkeypatch):
@@ -417,6 +546,212 @@ def test_one_launch_moves_all_layers_and_planes(interp, monkeypatch):
     planes, buffers, _, tensors = case_multi_plane()
     KERNEL.gather(_plan(_table(planes, buffers), [1, 2, 3], _staging(buffers, 3, 0)))
     assert len(calls) == 4
+
+
+# -- what the device compiles, and how a repeated transfer launches ---------------------------
+#
+# No GPU here, but Triton compiles for one without it: the program is compiled for sm_90
+# (an H200) from the launches the kernel cuts, the PTX read for 16-byte vector accesses and
+# 64-bit divisions, and tiles of one element compiled at all (Triton folds them into
+# scalars; an alignment hint of the wrong rank then aborts the compiler).
+
+
+def _ptx(args, kw) -> str:
+    """The PTX of the program for the launch ``(args, kw)`` (``launch_args``), for sm_90."""
+    import triton
+    from kvcore_xpu import _triton_copy as tc
+    from triton.backends.compiler import GPUTarget
+
+    fn = tc.jitted(False)
+    kw = dict(kw)
+    warps = kw.pop("num_warps")
+    sig = {"slots_ptr": "*i64"}
+    for name, a in zip(fn.arg_names[1:], args):
+        sig[name] = "*i64" if isinstance(a, torch.Tensor) else "i32" if -(2**31) <= a < 2**31 else "i64"
+    sig.update({k: "constexpr" for k in kw})
+    names = fn.arg_names
+    src = triton.compiler.ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(names.index(k),): v for k, v in kw.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n] == "*i64"},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # no floating point here; silences 3.9's notice
+    from kvcore_xpu import _triton_copy as tc
+
+    return tc
+
+
+@pytest.mark.parametrize(
+    "name,shape,nl,tokens",
+    [
+        ("NL_X_TWO_NB_BS_NH_HS", (2, 2, 16, 8, 128), 32, 256),
+        ("NL_X_TWO_NB_NH_BS_HS", (2, 2, 8, 16, 128), 32, 8192),
+        ("NL_X_NB_BS_HS", (2, 64, 576), 61, 8192),
+    ],
+    ids=["NHD", "HND", "MLA"],
+)
+def test_benchmark_geometries_compile_to_16_byte_vectors_without_divisions(compiled, name, shape, nl, tokens):
+    from kvcore_xpu.kernel import launch_args
+
+    caches = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(nl)]
+    lay = kvcore.build_layout(name, caches)
+    (ln,) = _launches(lay.stride_table())
+    lp = launch_params(ln, torch.empty(lay.staging_shape(tokens), dtype=torch.bfloat16, device="meta"), tokens, nl)
+    for gather in (True, False):
+        ptx = _ptx(*launch_args(ln, lp, tokens, 0, gather, compiled.UNIT_TYPES))
+        loads = [line for line in ptx.splitlines() if "ld.global" in line and "b64" in line]
+        stores = [line for line in ptx.splitlines() if "st.global" in line]
+        # every store, and every load but the descriptor and slot reads, is a 16-byte vector
+        assert stores and all(".v2.b64" in line for line in stores), stores[:3]
+        assert sum(".v2.b64" in line for line in loads) == len(stores)
+        assert "div.s64" not in ptx and "rem.s64" not in ptx and "div.u64" not in ptx
+
+
+def test_tiles_of_one_element_and_every_unit_width_compile(compiled):
+    """Small transfers cut into programs of one token, one segment, one unit (every
+    hand-made table above, an NHD cache staged at an odd address: 2-byte units, 5- and
+    1-byte rows: 1-byte units)."""
+    from kvcore_xpu.kernel import launch_args
+
+    launches = []
+    for make in CASES.values():
+        planes, buffers, _, _ = make()
+        table = _table(planes, buffers)
+        staging = _staging(buffers, 1, 0)
+        for ln in _launches(table):
+            launches.append((ln, launch_params(ln, staging[ln.key], 1, NL)))
+    caches = [torch.empty(2, 4, 16, 1, 4, dtype=torch.bfloat16) for _ in range(2)]
+    (ln,) = _launches(kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches).stride_table())
+    odd = torch.empty(2 * 2 * 1 * 4 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 1, 4)
+    launches.append((ln, launch_params(ln, odd, 1, 2)))
+    for width in (5, 1):  # 5-byte rows (1-byte units, a tail piece), 1-byte rows: a [1, 1, 1] tile
+        caches = [torch.empty(4, 16, width, dtype=torch.uint8) for _ in range(2)]
+        (ln,) = _launches(kvcore.build_layout("NL_X_NB_BS_HS", caches).stride_table())
+        launches.append((ln, launch_params(ln, torch.empty(2, 1, width, dtype=torch.uint8), 1, 2)))
+    assert {lp.block_t for _, lp in launches} == {1} and {lp.unit for _, lp in launches} >= {1, 2, 4, 8}
+    assert any(lp.piece == 1 and lp.nseg == 1 for _, lp in launches)
+    for ln, lp in launches:
+        assert "st.global" in _ptx(*launch_args(ln, lp, 1, 0, False, compiled.UNIT_TYPES))
+
+
+@pytest.fixture
+def direct_launch(interp, monkeypatch):
+    """The compiled path on CPU tensors: the JIT returns Triton's own ``CompiledKernel``
+    whose launcher (``state["launcher"]``, by default: run the program in the interpreter
+    with the arguments it receives, by name) is what a repeated transfer calls."""
+    from types import SimpleNamespace
+
+    from kvcore_xpu import _triton_copy as tc
+    from kvcore_xpu import kernel as km
+    from triton.compiler import compiler as tcomp
+
+    program = tc.jitted(True)
+    names = program.arg_names
+    state = {"jit": 0, "runner": 0}
+
+    def run_by_name(g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        assert (g2, stream, function) == (1, "stream", "function") and len(args) == len(names)
+        state["runner"] += 1
+        program[(g0, g1, g2)](**dict(zip(names, args)))
+
+    state["launcher"] = run_by_name
+    ck = object.__new__(tcomp.CompiledKernel)
+    ck.module, ck._module_pid, ck.function, ck.packed_metadata = object(), None, "function", None
+    ck.name, ck.src, ck.metadata = "_copy_rows", None, None  # read when a launch hook is set
+    ck._run = lambda *a: state["launcher"](*a)
+    monkeypatch.setattr(
+        tcomp, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: "stream"))
+    )
+
+    class Jit:
+        arg_names = names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                state["jit"] += 1
+                kw.pop("num_warps")
+                program[grid](*args, **kw)
+                return ck
+
+            return launch
+
+    monkeypatch.setattr(km, "_program", lambda: (Jit(), tc))
+    monkeypatch.setattr(km, "interpreting", lambda: False)  # the compiled path ...
+    monkeypatch.setattr(km.TritonKernel, "_check", lambda self, plan, dev: plan.buffers)  # ... on CPU tensors
+    monkeypatch.setattr(km, "_MIN_PROGRAMS", 1)
+    monkeypatch.setattr(km, "_FAST_OFF", [])
+    return state
+
+
+def test_a_repeated_transfer_calls_the_compiled_kernels_runner_with_every_argument(direct_launch):
+    """A repeated transfer skips the JIT: it calls Triton's own ``CompiledKernel[grid]``
+    runner (grid padded to three dimensions) with every argument in the program's order.
+    Here that runner's launcher runs the program in the interpreter with the arguments it
+    receives, by name: the bytes it moves prove the order."""
+    seen = direct_launch
+    planes, buffers, _, tensors = case_chunked_heads()  # two launches: two run shapes
+    gen = torch.Generator().manual_seed(4)
+    for t in tensors:
+        _rand_(t, gen)
+    table = _table(planes, buffers)
+    want = _staging(buffers, len(SLOTS), 0)
+    REFERENCE.gather(_plan(table, SLOTS, want))
+    got = _staging(buffers, len(SLOTS), 0)
+    plan = _plan(table, SLOTS, got)
+    KERNEL.gather(plan)
+    assert (seen["jit"], seen["runner"]) == (2, 0) and torch.equal(_bytes(got["kv"]), _bytes(want["kv"]))
+    got["kv"].zero_()
+    KERNEL.gather(plan)
+    assert (seen["jit"], seen["runner"]) == (2, 2) and torch.equal(_bytes(got["kv"]), _bytes(want["kv"]))
+    # scatter: first call through the JIT, the repeat through the runner
+    src = _staging(buffers, len(SLOTS), 0)
+    src["kv"].view(torch.uint8).copy_(torch.randint(0, 256, src["kv"].view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+    before = [_bytes(t) for t in tensors]
+    REFERENCE.scatter(_plan(table, SLOTS, src))
+    ref = [_bytes(t) for t in tensors]
+    splan = _plan(table, SLOTS, src)
+    for _ in range(2):
+        for t, b in zip(tensors, before):
+            _bytes_set(t, b)
+        KERNEL.scatter(splan)
+        assert all(torch.equal(_bytes(t), r) for t, r in zip(tensors, ref))
+    assert (seen["jit"], seen["runner"]) == (4, 4)
+
+
+def test_a_refused_direct_launch_falls_back_to_the_jit_for_good(direct_launch):
+    """A Triton whose compiled-kernel runner refuses the call (as one reading a grid
+    dimension that is not there): the transfer still moves its bytes, through the JIT,
+    with one warning; later transfers go straight to the JIT."""
+    seen = direct_launch
+
+    def refuses(*args):
+        raise IndexError("tuple index out of range")
+
+    seen["launcher"] = refuses
+    caches = [_rand_(torch.empty(2, 6, 8, 2, 16, dtype=torch.float16), torch.Generator().manual_seed(9)) for _ in range(2)]
+    tb = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", caches).stride_table()
+    slots = torch.tensor([40, 3, -1, 17])
+    want = torch.zeros(2, 2, 4, 32, dtype=torch.float16)
+    REFERENCE.gather(TransferPlan(tb, slots, want, 3))
+    out = torch.zeros_like(want)
+    plan = TransferPlan(tb, slots, out, 3)
+    KERNEL.gather(plan)
+    out.zero_()
+    with pytest.warns(RuntimeWarning, match="launching through the JIT from now on"):
+        KERNEL.gather(plan)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)) and seen["jit"] == 2
+    out.zero_()
+    KERNEL.gather(plan)
+    KERNEL.gather(plan)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)) and seen["jit"] == 4 and seen["runner"] == 0
 
 
 # -- selection and refusals -------------------------------------------------------------------

@@ -108,36 +108,111 @@ def test_kvcore_check_xpu_runs_the_kernel_in_the_interpreter():
     assert "kernels triton-xpu@cpu" in r.stdout and " 0 failed" in r.stdout
 
 
-def test_conformance_suite_with_the_triton_kernel_on_every_fixture(monkeypatch):
-    """``TRITON_INTERPRET=1 kvcore check xpu``: the Triton kernel (forced, in the
-    interpreter, on CPU tensors) against every fixture of every installed plugin --
-    semantic gather/scatter against the engine's own views, round trips of every dtype,
-    padding, staging views, bad calls refused before writing, and byte-for-byte agreement
-    with the reference kernel on random geometries."""
-    pytest.importorskip("triton")
+#: ``KVCORE_XPU_INTERPRET_ALL=1``: run the Triton kernel in the interpreter over every fixture of
+#: every installed plugin (3 to 4 minutes on 2 cores), not one fixture per stride shape
+INTERPRET_ALL = os.environ.get("KVCORE_XPU_INTERPRET_ALL", "") not in ("", "0")
+
+_CHECKS = {
+    "semantic_gather",
+    "semantic_scatter",
+    "roundtrip",
+    "negative_slots",
+    "empty_slots",
+    "invalid",
+    "staging_views",
+    "agrees_with_reference",
+}
+
+
+def _shape_class(case) -> tuple:
+    """What the Triton program distinguishes in a fixture's stride table: per plane, how a
+    token row cuts into runs (the whole row, one run per head, or chunks of a head), whether
+    heads or tokens are the outer axis, token groups; how the planes are staged (the classic
+    ``[kv, NL, T, row]`` buffer, planes sharing a staged row, one buffer per plane); the
+    number of planes and whether their dtypes and widths differ. Read from the stride table
+    of the fixture's default geometry, never from its name."""
+    kv, hints = case.make(dict(case.sizes), case.dtypes[0], torch.device("cpu"))
+    t = kvcore.detect(kv, case.engine, hints).stride_table()
+
+    def plane(p) -> tuple:
+        s = p.strides
+        run = "chunks" if s.n_chunks > 1 else "row" if p.row_contiguous else "heads"
+        order = "-" if p.num_heads == 1 or t.block_size == 1 else ("HND" if s.head > s.token else "NHD")
+        return (run, order, "groups" if s.token_group else "")
+
+    shared = any(p.staging.offset or p.staging.head_stride != p.head_bytes for p in t.planes)
+    staging = "classic" if t.classic else "shared-row" if shared else "per-plane"
+    planes = tuple(sorted({plane(p) for p in t.planes}))
+    return (staging, len(t.planes), planes, len({p.dtype for p in t.planes}) > 1, len({p.head_bytes for p in t.planes}) > 1)
+
+
+def _representatives() -> dict[tuple, str]:
+    """One fixture per stride-shape class (an XPU fixture where the class has one: the
+    XPU's own geometries; else the first by name)."""
+    from kvcore.testing.fixtures import registered_fixtures
+
+    classes: dict[tuple, list[str]] = {}
+    for c in sorted(registered_fixtures(skip_broken=True), key=lambda c: (not c.name.startswith("xpu-"), c.name)):
+        classes.setdefault(_shape_class(c), []).append(c.name)
+    return {k: names[0] for k, names in classes.items()}
+
+
+def _run_triton(monkeypatch, fixtures: list[str] | None):
     from kvcore.testing import suite
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("KVCORE_KERNEL", raising=False)
-    results = suite.run_checks(["xpu"], suite.Options(examples=4))
-    mine = [r for r in results if r.kernel == "triton-xpu@cpu"]
+    filters = {} if fixtures is None else {"fixtures": fixtures, "kernels": ["triton-xpu"]}
+    results = suite.run_checks(["xpu"], suite.Options(examples=4), **filters)
     failed = [r for r in results if r.status == "FAIL"]
     assert not failed, "\n".join(r.line() for r in failed[:10])
-    fixtures = {r.fixture for r in mine}
+    mine = [r for r in results if r.kernel == "triton-xpu@cpu"]
+    passed = {r.fixture for r in mine if r.check == "agrees_with_reference" and r.status == "PASS"}
+    assert {r.check.split("[")[0] for r in mine if r.status == "PASS"} >= _CHECKS
+    return {r.fixture for r in mine}, passed
+
+
+def test_conformance_suite_with_the_triton_kernel_on_one_fixture_per_stride_shape(monkeypatch):
+    """``TRITON_INTERPRET=1 kvcore check xpu`` on one fixture of every stride-shape class
+    of the installed plugins' fixtures (:func:`_shape_class`): the Triton kernel (forced, in
+    the interpreter, on CPU tensors) -- semantic gather/scatter against the engine's own
+    views, round trips of every dtype, padding, staging views, bad calls refused before
+    writing, and byte-for-byte agreement with the reference kernel on random geometries.
+    Every fixture: ``KVCORE_XPU_INTERPRET_ALL=1`` (the next test)."""
+    pytest.importorskip("triton")
+    reps = _representatives()
+    if not reps:
+        pytest.skip("no installed plugin supplies fixtures")
+    loaded = {i.name for i in kvcore.plugins() if not i.error}
+    if {"vllm", "sglang", "lmdeploy"} <= loaded:
+        # the shapes the program tells apart, each present once: classic NHD / HND, MLA, packed
+        # per-head runs (CS), chunked heads, token groups, blocked-scale rows, multi-plane records
+        kinds = {
+            "NHD": ("classic", 2, (("row", "NHD", ""),), False, False),
+            "HND": ("classic", 2, (("heads", "HND", ""),), False, False),
+            "MLA": ("classic", 1, (("row", "-", ""),), False, False),
+            "packed CS": ("classic", 2, (("heads", "NHD", ""),), False, False),
+            "fused NBBS": ("classic", 2, (("row", "-", ""),), False, False),
+        }
+        assert {k for k, cls in kinds.items() if cls in reps} == set(kinds), sorted(reps)
+        assert any(any(p[0] == "chunks" and p[2] == "" for p in cls[2]) for cls in reps), "chunked heads"
+        assert any(any(p[2] == "groups" for p in cls[2]) for cls in reps), "token groups"
+        assert any(cls[0] == "shared-row" for cls in reps), "blocked-scale records"
+        assert any(cls[0] == "per-plane" and cls[1] == 4 and cls[3] for cls in reps), "multi-plane records"
+    assert len(set(reps.values())) == len(reps) < 20
+    fixtures, passed = _run_triton(monkeypatch, sorted(reps.values()))
+    assert fixtures == passed == set(reps.values()), sorted(set(reps.values()) - passed)
+
+
+@pytest.mark.skipif(not INTERPRET_ALL, reason="KVCORE_XPU_INTERPRET_ALL=1: every fixture in the interpreter (3 to 4 minutes)")
+def test_conformance_suite_with_the_triton_kernel_on_every_fixture(monkeypatch):
+    """The same over every fixture of every installed plugin (and every kernel's checks of
+    the XPU fixtures): ``TRITON_INTERPRET=1 kvcore check xpu``."""
+    pytest.importorskip("triton")
+    fixtures, passed = _run_triton(monkeypatch, None)
     if not fixtures:
         pytest.skip("no installed plugin supplies fixtures")
-    passed = {r.fixture for r in mine if r.check == "agrees_with_reference" and r.status == "PASS"}
     assert passed == fixtures, sorted(fixtures - passed)
-    assert {r.check.split("[")[0] for r in mine if r.status == "PASS"} >= {
-        "semantic_gather",
-        "semantic_scatter",
-        "roundtrip",
-        "negative_slots",
-        "empty_slots",
-        "invalid",
-        "staging_views",
-        "agrees_with_reference",
-    }
 
 
 def test_xpu_fixtures_are_the_engine_allocations_at_xpu_geometry():
