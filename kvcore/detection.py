@@ -148,6 +148,8 @@ def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any
     A dict of plane roles (:class:`Planes`, or a plain dict whose keys are all roles without
     digits: ``{"K": ..., "V": ..., "KS": ...}``) is a multi-plane cache: it is returned as a
     :class:`Planes` mapping, keys intact and never used as layer names (``layer_names`` None).
+    A dict of two or more containers whose keys carry no layer number (``{"k": [...], "v":
+    [...]}``) reads either way and is refused.
 
     An object that is not a container (an engine's cache object) is returned as it is,
     for the engine's plugin to unwrap. The container is first checked at the door
@@ -156,7 +158,8 @@ def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any
 
     Raises:
         DetectionError: an empty container, a list/dict that holds no tensors, a container
-            nested too deep or holding itself, or a :class:`Planes` key that is not a role.
+            nested too deep or holding itself, a :class:`Planes` key that is not a role, or
+            a dict of containers whose keys are neither roles nor numbered layer names.
         GeometryError: a tensor kvcore cannot address in place (nested, sparse or another
             non-strided layout, a lazily negated/conjugated view).
     """
@@ -174,6 +177,14 @@ def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any
             raise DetectionError("kv_caches is an empty dict; pass the engine's per-layer KV cache tensors")
         items = list(kv_caches.items())
         keys = [_layer_key(str(k)) for k, _ in items]
+        if len(items) > 1 and all(k is None for k in keys) and all(isinstance(v, (list, tuple, Mapping)) for _, v in items):
+            shown = ", ".join(repr(k) for k, _ in items[:6]) + (", ..." if len(items) > 6 else "")
+            raise DetectionError(
+                f"kv_caches is a dict of containers whose keys ({shown}) carry no layer number: each key reads either as a "
+                "plane role or as a layer name, and nothing decides. For a multi-plane cache name the roles upper-case "
+                "({'K': [...], 'V': [...]}, or kvcore.Planes(...) for roles with digits); for layers pass a list in layer "
+                "order, or a dict whose names carry the layer index (model.layers.0...)"
+            )
         if sort_dicts and all(k is not None for k in keys):
             order = sorted(range(len(items)), key=lambda i: (keys[i], i))
             items = [items[i] for i in order]
@@ -305,6 +316,7 @@ def _ask(
     built: dict[str, Any] = {}
 
     def build(det: Detection, plugin: str) -> KVLayout:
+        _check_registered(det.format)
         # the tensors are listed once, by the final error, not in every plugin's refusal
         lay = _build(det, engine, None, what or f"it detected {det.format}")
         lay.plugin = plugin
@@ -318,6 +330,30 @@ def _ask(
         _CALL.reset(token)
     layout = built.get("layout") if det is not None and det.format is not None else None
     return det, layout, call.rejected
+
+
+def _check_registered(fmt: Any) -> None:
+    """A detection's format must be a name some loaded plugin declares: a name nobody
+    registered carries no engine, labels or sources, and a plugin answering with one would
+    pre-empt the plugin that knows the cache.
+
+    Raises:
+        FormatError: a malformed name (naming the token).
+        DetectionError: not a format name, or a name no loaded plugin registers.
+    """
+    from kvcore.formats import KVFormat
+    from kvcore.grammar import parse
+
+    name = fmt.name if isinstance(fmt, KVFormat) else fmt
+    if not isinstance(name, str):
+        raise DetectionError(f"its format must be a format name (a str), got {type(fmt).__name__} {fmt!r:.80}")
+    if name in registry.host().formats:
+        return
+    parse(name)  # a malformed name: FormatError naming the token
+    raise DetectionError(
+        f"it detected {name}, a format no loaded plugin registers: a detection names a format its plugin declares "
+        "(kvcore_register_formats), so kvcore knows its engines and sources"
+    )
 
 
 def _advice(container: Any, rejected: Sequence[str]) -> str:
@@ -715,41 +751,40 @@ def _alternatives(v: Any) -> frozenset[str] | None:
     return frozenset([str(v)])
 
 
-def _selects(i: int, keys: Sequence[str], values: Sequence[Mapping[str, frozenset[str] | None]]) -> bool:
-    """Some values of ``keys``, each one that selects candidate ``i``, rule out every other
-    candidate (a candidate whose value of a key is not constrained stays whatever it is)."""
-    import itertools
-
-    mine = [k for k in keys if values[i].get(k) is not None]
-    if not mine:
-        return False
-    choices = [sorted(values[i][k]) for k in mine]
-    for n, combo in enumerate(itertools.product(*choices)):
-        if n > 4096:  # a plugin listing thousands of alternatives: do not search them all
-            return False
-        pick = dict(zip(mine, combo))
-        if all(any(values[j].get(k) is not None and pick[k] not in values[j][k] for k in mine) for j in range(len(values)) if j != i):
-            return True
-    return False
+def _separates(k: str, a: Mapping[str, frozenset[str] | None], b: Mapping[str, frozenset[str] | None]) -> bool:
+    """Hint ``k`` tells two readings apart: each constrains it and no value selects both
+    (a reading that accepts any value of ``k`` stays whatever value is given)."""
+    va, vb = a.get(k), b.get(k)
+    return va is not None and vb is not None and not (va & vb)
 
 
 def _deciding_sets(keys: Sequence[str], values: Sequence[Mapping[str, frozenset[str] | None]], opaque: Sequence[str]):
-    """``(singles, together)``: the hints that decide alone (``opaque`` ones -- a plugin's
-    ``deciding_hints`` with no per-candidate value -- are taken at the plugin's word between
-    two readings), and,
-    when none does, the smallest set of hints that decides when given together (None when
-    even all of them do not tell every candidate apart)."""
+    """``(singles, together)``. A set of hints decides when, whatever true values the caller
+    gives for them, at most one reading is left: every pair of readings is told apart by
+    one of the hints (:func:`_separates`). ``singles``: the hints that decide alone
+    (``opaque`` ones -- a plugin's ``deciding_hints`` with no per-reading value -- are taken
+    at the plugin's word between two readings); when none does, ``together``: the smallest
+    set that decides (None when even all of them do not tell every reading apart)."""
     import itertools
 
     n = len(values)
+    pairs = list(itertools.combinations(range(n), 2))
     known = [k for k in keys if k not in opaque]
-    # between two readings a hint the plugin says decides does; among more, only the values tell
-    singles = [k for k in keys if (k in opaque and n == 2) or (k in known and all(_selects(i, [k], values) for i in range(n)))]
+
+    def decides(combo: Sequence[str]) -> bool:
+        return all(any(_separates(k, values[i], values[j]) for k in combo) for i, j in pairs)
+
+    singles = [k for k in keys if (k in opaque and n == 2) or (k in known and decides([k]))]
     if singles:
         return singles, None
-    for size in range(2, len(known) + 1):
-        for combo in itertools.combinations(known, size):
-            if all(_selects(i, combo, values) for i in range(n)):
+    useful = [k for k in known if any(_separates(k, values[i], values[j]) for i, j in pairs)]
+    tried = 0
+    for size in range(2, len(useful) + 1):
+        for combo in itertools.combinations(useful, size):
+            tried += 1
+            if tried > 4096:  # a plugin naming dozens of hints: say all of them, if they decide
+                return [], (list(useful) if decides(useful) else None)
+            if decides(combo):
                 return [], list(combo)
     return [], None
 
@@ -846,6 +881,13 @@ def _ambiguity(
         decide = []
     if also:
         advice += f"; the plugin also names {', '.join(also)} as deciding (its docs give the values)"
+    needs_physical = [firsts[i][0].name() for i, o in only.items() if o == "physical"]
+    if needs_physical and TENSOR_ORDER not in given and not any(TENSOR_ORDER in d for d in decide):
+        # a hint that rules out the allocated-order reading leaves it only when the caller says so
+        advice += (
+            f". {' and '.join(needs_physical)} {'reads' if len(needs_physical) == 1 else 'read'} the tensors as already permuted "
+            f"into memory order: for {'it' if len(needs_physical) == 1 else 'them'} pass {TENSOR_ORDER}='physical' too"
+        )
     err = AmbiguousLayoutError(
         f"{engine}: these tensors fit {len(firsts)} layouts that place bytes differently, and no hint given decides{said}:\n"
         + "\n".join(lines)

@@ -4,11 +4,13 @@
 refuse, before asking any plugin, input that no layout can describe, with a
 :class:`~kvcore.KVCoreError` that says what is wrong with it:
 
-* a container nested deeper than :data:`MAX_DEPTH` list/tuple/dict levels above a tensor
-  (the deepest container a format name spells is two list levels: ``TWO_X_NL_X_...``,
-  ``NL_X_TWO_X_...``, ``NL_X_NP_X_...``; a dict of layer names or of plane roles stands
-  for the outer one, e.g. ``{layer: (K, V)}`` or ``{role: [layers]}``), or one that
-  contains itself;
+* a container nested deeper than :data:`MAX_DEPTH` list/tuple/dict levels above a tensor,
+  or one that contains itself. The deepest container a format name spells is two list
+  levels (``TWO_X_NL_X_...``, ``NL_X_TWO_X_...``, ``NL_X_NP_X_...``); an engine's own
+  container adds at most one: vLLM's layers bound as ``{layer name: [per-virtual-engine
+  entry]}``, each entry a tensor, a ``(K, V)`` pair (vllm-ascend) or a Mamba state tuple
+  ``[conv, ssm]`` (vllm/model_executor/models/utils.py::bind_kv_cache), i.e. three levels.
+  One more is allowed for a :class:`~kvcore.Planes` mapping around such containers;
 * a tensor kvcore cannot address as dense strided memory: a nested tensor
   (``torch.nested``), a sparse or other non-strided tensor (``t.layout`` is not
   ``torch.strided``);
@@ -33,9 +35,10 @@ from kvcore.errors import DetectionError, GeometryError, KVCoreError
 
 __all__ = ["MAX_DEPTH", "check_container", "check_tensor"]
 
-#: Container levels (list, tuple, dict) allowed above a tensor: two, the deepest container
-#: a format name spells (``TWO_X_NL_X_...``).
-MAX_DEPTH = 2
+#: Container levels (list, tuple, dict) allowed above a tensor: the deepest container a
+#: format name spells is two (``TWO_X_NL_X_...``), an engine's bound layers three
+#: (``{name: [(K, V)]}``), one more for a ``{role: ...}`` mapping of planes around them.
+MAX_DEPTH = 4
 
 
 def check_tensor(t: torch.Tensor, where: str, error: type[KVCoreError] = GeometryError) -> None:
@@ -96,9 +99,9 @@ def check_container(
         if depth >= max_depth:
             raise error(
                 f"{path} is nested more than {max_depth} levels deep ({type(x).__name__} inside {depth} containers): a KV cache "
-                f"container has at most {max_depth} levels above its tensors (the deepest a format spells: a list of (K, V) "
-                "pairs, a K list and a V list of layers, a dict of layer names or of plane roles holding lists or tuples); pass "
-                "the engine's container as it keeps it, not wrapped in further lists"
+                f"container has at most {max_depth} levels above its tensors (a format spells at most two: a list of (K, V) "
+                "pairs, a K list and a V list of layers; an engine's bound layers add one: {layer name: [(K, V)]}; a "
+                "{role: ...} dict of planes one more); pass the engine's container as it keeps it, not wrapped in further lists"
             )
         inner = (*above, id(x))
         stack.extend((v, depth + 1, p, inner) for p, v in reversed(items))

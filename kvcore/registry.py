@@ -761,14 +761,14 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
     naming it, when its hook raises an exception that is not a :class:`~kvcore.KVCoreError`,
     returns something that is not a :class:`~kvcore.Detection`, returns a Detection over
     tensors that are not views of the caller's memory, or (with ``build``) returns a
-    Detection that does not build: a format name that does not parse, or tensors that do
-    not fit the format. A ``KVCoreError`` (DetectionError,
+    Detection that does not build: a format name that does not parse or that no loaded
+    plugin registers, or tensors that do not fit the format. A ``KVCoreError`` (DetectionError,
     AmbiguousLayoutError) is an answer from a plugin that declares the engine; from one
     that does not, it is kept and raised only when no other plugin answers.
 
     Args:
-        build: ``build(detection, plugin) -> layout``; a :class:`~kvcore.KVCoreError` it
-            raises means the plugin's answer is unusable (the plugin is skipped as above).
+        build: ``build(detection, plugin) -> layout``; an exception it raises means the
+            plugin's answer is unusable (the plugin is skipped as above).
     Returns:
         the Detection, or None when no plugin recognises the cache.
     Raises:
@@ -826,8 +826,9 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
             if build is not None:
                 try:
                     build(det, p)
-                except KVCoreError as e:
-                    why = f"kvcore_detect(engine={engine!r}) returned a detection kvcore cannot use: {e}"
+                except Exception as e:  # noqa: BLE001 - a KVCoreError, or garbage fields the core could not read
+                    what = str(e) if isinstance(e, KVCoreError) else f"{type(e).__name__}: {e}"
+                    why = f"kvcore_detect(engine={engine!r}) returned a detection kvcore cannot use: {what}"
                     h.misbehaved(p, why, e)
                     refused.append(f"{p}: {why}")
                     first_cause = first_cause or e

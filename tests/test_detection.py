@@ -24,6 +24,11 @@ class ToyEngine:
         self.calls = []
 
     @hookimpl
+    def kvcore_register_formats(self, register):
+        for name in ("NL_X_NB_BS_HS", "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS"):
+            register(kvcore.KVFormat(name=name, engines=["toy"]))
+
+    @hookimpl
     def kvcore_detect(self, kv_caches, engine, hints):
         if engine != "toy":
             return None
@@ -268,6 +273,10 @@ def test_a_crashing_or_misbehaving_detect_hook_is_a_detection_error(core_only):
 def test_a_detection_whose_tensors_do_not_fit_is_a_detection_error(core_only):
     class Liar:
         @hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name="NL_X_TWO_NB_BS_NH_HS"))
+
+        @hookimpl
         def kvcore_detect(self, kv_caches, engine, hints):
             return Detection(format="NL_X_TWO_NB_BS_NH_HS", kv_caches=list(kv_caches))  # these are rank 3
 
@@ -295,6 +304,10 @@ class _PlanesEngine:
 
     def __init__(self):
         self.got = []
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        register(kvcore.KVFormat(name=KV_PLANES, engines=["pl"]))
 
     @hookimpl
     def kvcore_detect(self, kv_caches, engine, hints):
@@ -344,6 +357,30 @@ def test_layer_name_dicts_stay_layers_and_roles_with_digits_need_planes(core_onl
         kvcore.detect(kvcore.Planes(k=k), "pl")
 
 
+@pytest.mark.parametrize("keys", [("k", "v"), ("key", "value"), ("key_cache", "value_cache"), ("Keys", "Values", "Scales"), ("V", "k")])
+def test_a_dict_of_containers_keyed_neither_by_role_nor_by_layer_number_is_refused(core_only, keys):
+    """Review item 9, the rest of the class: ``{"k": [...], "v": [...]}`` read as two layers
+    named k and v paired layer 0's K with layer 1's K (wrong bytes, silently). Keys that are
+    not all upper-case roles and carry no layer number say nothing about what they are: the
+    door refuses them, naming both ways to say it, before any plugin is asked."""
+    plugin = _PlanesEngine()
+    kvcore.register_plugin(plugin, name="planes-plugin")
+    lists = {k: [torch.zeros(NB, BS, NH, HS) for _ in range(2)] for k in keys}
+    for call in (lambda: kvcore.detect(lists, "pl"), lambda: kvcore.detect_per_layer(lists, "pl")):
+        with pytest.raises(DetectionError, match="carry no layer number: each key reads either as a plane role or as a layer name"):
+            call()
+    assert plugin.got == []
+    # the same tensors under numbered layer names, or as upper-case roles, are read as such
+    with pytest.raises(DetectionError, match="pass the planes"):
+        kvcore.detect({f"layers.{i}": v for i, v in enumerate(lists.values())}, "pl")
+    assert plugin.got == [("list", len(keys))]
+    # a dict of tensors (not containers) without layer numbers stays a dict of layers, in order
+    assert normalize_container({"attn": torch.zeros(2, NB, BS, NH, HS), "cross": torch.zeros(2, NB, BS, NH, HS)})[1] == [
+        "attn",
+        "cross",
+    ]
+
+
 # -- review item 10: the ambiguity error says truthfully what decides -------------------------
 
 
@@ -358,6 +395,11 @@ class _FourWays:
         ("B", "NHD"): "NL_X_BS_NB_NH_HS",
         ("B", "HND"): "NL_X_NH_NB_BS_HS",
     }
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for name in self.NAMES.values():
+            register(kvcore.KVFormat(name=name, engines=["four"]))
 
     @hookimpl
     def kvcore_detect(self, kv_caches, engine, hints):
@@ -404,3 +446,114 @@ def test_the_ambiguity_error_names_only_hints_that_decide_and_says_when_they_mus
     with pytest.raises(AmbiguousLayoutError) as ei:
         kvcore.detect(t, "four", {"version": "3"})
     assert str(ei.value).endswith("Pass one of these hints to decide: layout")
+
+
+class _Table:
+    """Readings of one contiguous ``[4, 4, 4, HS]`` tensor (NB = BS = NH: every template
+    fits), each selected by hint values (``"a/b"``: either); a reading stays while every
+    hint given is one of its values."""
+
+    def __init__(self, engine, readings):
+        self.engine, self.readings = engine, readings
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for fmt, _ in self.readings:
+            register(kvcore.KVFormat(name=fmt, engines=[self.engine]))
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != self.engine:
+            return None
+        cands = [
+            Candidate(fmt, list(kv_caches), decided_by=sel, label=fmt)
+            for fmt, sel in self.readings
+            if all(hints.get(h) is None or str(hints[h]) in str(v).split("/") for h, v in sel.items())
+        ]
+        return resolve(cands, engine=engine, geometry_hints={})
+
+
+_TABLES = {
+    # vLLM 0.26's packed K|V: two readings share backends ("FA"), the CPU one shares the layout
+    "overlapping-alternatives": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"backend": "FA/FLEX", "layout": "NHD"}),
+            ("NL_X_NB_NH_BS_HS", {"backend": "FA/AITER", "layout": "HND"}),
+            ("NL_X_BS_NB_NH_HS", {"backend": "CPU", "layout": "HND"}),
+        ],
+        [["backend", "layout"]],
+    ),
+    "one-hint-three-values": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"layout": "NHD", "version": "1/2"}),
+            ("NL_X_NB_NH_BS_HS", {"layout": "HND", "version": "2/3"}),
+            ("NL_X_BS_NB_NH_HS", {"layout": "BNHD", "version": "3"}),
+        ],
+        [["layout"]],
+    ),
+    "two-hints-each-alone": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"layout": "NHD", "backend": "A"}),
+            ("NL_X_NB_NH_BS_HS", {"layout": "HND", "backend": "B"}),
+            ("NL_X_BS_NB_NH_HS", {"layout": "BNHD", "backend": "C"}),
+        ],
+        [["layout"], ["backend"]],
+    ),
+    "three-hints-together": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"a": "1", "b": "1", "c": "1"}),
+            ("NL_X_NB_NH_BS_HS", {"a": "2", "b": "1", "c": "1"}),
+            ("NL_X_BS_NB_NH_HS", {"a": "1", "b": "2", "c": "1"}),
+            ("NL_X_NH_NB_BS_HS", {"a": "1", "b": "1", "c": "2"}),
+        ],
+        [["a", "b", "c"]],
+    ),
+    "nothing-decides": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"a": "1/2"}),
+            ("NL_X_NB_NH_BS_HS", {"a": "2/3"}),
+            ("NL_X_BS_NB_NH_HS", {"a": "3/1"}),
+        ],
+        [],
+    ),
+}
+
+
+def _values(sel, key):
+    return str(sel[key]).split("/") if key in sel else []
+
+
+@pytest.mark.parametrize("table", list(_TABLES))
+def test_the_ambiguity_advice_is_true_for_every_value_a_reading_accepts(core_only, table):
+    """Review item 10, the whole class: whatever the readings' values (alternatives that
+    overlap, one hint with many values, hints that decide only together, hints that never
+    decide), the error's claim holds for *every* value that selects a reading: a hint said to
+    decide alone leaves exactly that reading whichever of its values is passed; hints said
+    to decide together do so for every combination; a hint not offered as deciding alone
+    has a value that leaves two readings; and when nothing decides, the error says so."""
+    import itertools
+
+    readings, want = _TABLES[table]
+    kvcore.register_plugin(_Table("tbl", readings), name="tbl")
+    t = [torch.zeros(4, 4, 4, 8)]
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "tbl")
+    err, msg = ei.value, str(ei.value)
+    assert err.decide == want, msg
+    last = msg.splitlines()[-1]
+    if not want:
+        assert last.startswith("These hints narrow it down but do not tell all 3 layouts apart, even together"), last
+    elif len(want[0]) == 1:
+        assert last == f"Pass one of these hints to decide: {', '.join(d[0] for d in want)}"
+    else:
+        assert last.startswith(
+            f"No one hint decides between these {len(readings)} layouts; pass these hints together: {', '.join(want[0])}"
+        )
+    for keys in want:
+        for fmt, sel in readings:
+            for combo in itertools.product(*(_values(sel, k) for k in keys)):
+                assert kvcore.detect(t, "tbl", dict(zip(keys, combo))).format.name == fmt, (keys, combo)
+    alone = {d[0] for d in want if len(d) == 1}
+    for key in set(err.hints) - alone:  # not offered alone: some value of it leaves two readings
+        vals = {v for _, sel in readings for v in _values(sel, key)}
+        assert any(sum(v in _values(sel, key) for _, sel in readings) > 1 for v in vals), key
