@@ -50,6 +50,15 @@ __all__ = ["LayoutPlan", "plan", "synchronize"]
 _VALIDATE = {"device": 1, "sync": 2, "none": 0}
 _Tensor = torch.Tensor
 _INT64 = torch.int64
+_STRIDED = torch.strided
+
+
+def _dense(s: torch.Tensor) -> bool:
+    """The fast path's test: a contiguous strided tensor whose bytes are its values (no
+    lazy negation bit); anything else goes through :func:`kvcore.transfer._index_tensor`."""
+    return s.layout is _STRIDED and not s.is_nested and s.is_contiguous() and not s.is_neg()
+
+
 # os.environ.get costs ~1-2 us per call; the POSIX bytes mapping behind it ~0.1 us
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
@@ -144,7 +153,7 @@ class LayoutPlan:
         if prep is None:
             return self._generic(True, slot_mapping, out, skip_prefix)
         s = slot_mapping
-        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not s.is_contiguous():
+        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not _dense(s):
             s = self._slots_in(s)
         if skip_prefix.__class__ is not int:
             skip_prefix = self._skip_in(skip_prefix, s)
@@ -177,7 +186,7 @@ class LayoutPlan:
             self._generic(False, slot_mapping, src, skip_prefix)
             return
         s = slot_mapping
-        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not s.is_contiguous():
+        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not _dense(s):
             s = self._slots_in(s)
         if skip_prefix.__class__ is not int:
             skip_prefix = self._skip_in(skip_prefix, s)
@@ -194,13 +203,14 @@ class LayoutPlan:
         the cache makes slots past it, refused on the device like any slot out of range."""
         if validate is not None:
             self._validate(validate)
-        return self.gather(self._block_slots(block_ids, validate), out, skip_prefix=skip_prefix, validate=validate)
+        return self.gather(self._block_slots(block_ids, validate, skip_prefix=skip_prefix), out, skip_prefix=skip_prefix, validate=validate)
 
     def scatter_blocks(self, block_ids, src, *, skip_prefix: int = 0, validate: str | None = None) -> None:
         """Scatter whole blocks (the inverse of :meth:`gather_blocks`)."""
         if validate is not None:
             self._validate(validate)
-        self.scatter(self._block_slots(block_ids, validate, check_duplicates=True), src, skip_prefix=skip_prefix, validate=validate)
+        slots = self._block_slots(block_ids, validate, check_duplicates=True, skip_prefix=skip_prefix)
+        self.scatter(slots, src, skip_prefix=skip_prefix, validate=validate)
 
     def synchronize(self) -> None:
         """:func:`kvcore.synchronize` on this plan's device."""
@@ -280,12 +290,13 @@ class LayoutPlan:
             )
         return v
 
-    def _block_slots(self, block_ids, validate, check_duplicates: bool = False) -> torch.Tensor:
+    def _block_slots(self, block_ids, validate, check_duplicates: bool = False, skip_prefix=0) -> torch.Tensor:
         from kvcore.transfer import _index_tensor, slots_for_blocks
 
         if not (self._cuda and validate != "sync"):
             # host-validated: errors name the caller's block_ids (the first bad index), not derived slots
-            return slots_for_blocks(self.layout, block_ids, check_duplicates=check_duplicates and validate != "none")
+            dup = check_duplicates and validate != "none"
+            return slots_for_blocks(self.layout, block_ids, check_duplicates=dup, skip_prefix=skip_prefix)
         try:
             bs = self.layout.block_size
             _ = self.layout.num_blocks

@@ -41,9 +41,16 @@ def _index_tensor(x, what: str) -> torch.Tensor:
     """An integer index tensor from a tensor, list or numpy array, without casting: float,
     bool or unsigned-64 input is refused rather than truncated or wrapped.
 
+    A view carrying torch's lazy negation bit (``t._neg_view()``) is resolved to the values
+    it shows (a kernel reads the bytes, which hold the unnegated values).
+
     Raises:
-        TransferError: not integers, or on the meta device.
+        TransferError: not integers, not a dense strided tensor (sparse, nested), or on the
+            meta device.
     """
+    if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_nested):
+        kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
+        raise TransferError(f"{what} is a {kind} tensor; pass a dense 1-D integer tensor (int64), e.g. t.to_dense()")
     if not isinstance(x, torch.Tensor):
         try:
             x = torch.as_tensor(x)
@@ -57,6 +64,8 @@ def _index_tensor(x, what: str) -> torch.Tensor:
         )
     if x.device.type == "meta":
         raise TransferError(f"{what} is on the meta device (no values); pass it on the CPU or the cache's device")
+    if x.is_neg():
+        x = x.resolve_neg()
     return x
 
 
@@ -437,11 +446,16 @@ def scatter(
     _plan_for(layout, layers).scatter(slot_mapping, src, skip_prefix=skip_prefix, validate=validate)
 
 
-def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = None, check_duplicates: bool = False) -> torch.Tensor:
+def slots_for_blocks(
+    layout: KVLayout, block_ids, *, num_tokens: int | None = None, check_duplicates: bool = False, skip_prefix: int = 0
+) -> torch.Tensor:
     """The slot mapping that covers whole blocks: ``block_id * block_size + [0, BS)``.
 
     Args:
         check_duplicates: refuse a block id given twice (what a scatter needs).
+        skip_prefix: the transfer leaves the first ``skip_prefix`` rows alone: the ids of
+            blocks wholly inside them are not checked (nothing of them moves), as a
+            transfer's skipped slots are not.
     Raises:
         TransferError: a block id outside ``0..num_blocks-1`` (negative ids are padding and
             map to -1 slots), a repeated block id (``check_duplicates``), or a layout
@@ -456,13 +470,18 @@ def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = No
     if block_ids.dim() != 1:
         raise TransferError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
     b = block_ids.to(device=layout.device, dtype=torch.int64)
-    bad = bool(b.numel()) and int(b.max()) >= nb
+    chk = b
+    whole = skip_prefix // bs if isinstance(skip_prefix, int) and not isinstance(skip_prefix, bool) and skip_prefix > 0 else 0
+    if whole:
+        chk = b.clone()
+        chk[:whole] = -1  # wholly skipped blocks move nothing
+    bad = bool(chk.numel()) and int(chk.max()) >= nb
     if not bad and check_duplicates:
-        live = b[b >= 0]
+        live = chk[chk >= 0]
         bad = live.numel() > 1 and int(torch.unique(live).numel()) != int(live.numel())
     if bad:
         valid_range = f"valid 0..{nb - 1}: this cache has {nb} blocks; negative block ids are padding and are skipped"
-        raise TransferError(_first_bad_index(b, nb, check_duplicates, "block_ids", "block", valid_range))
+        raise TransferError(_first_bad_index(chk, nb, check_duplicates, "block_ids", "block", valid_range))
     slots = (b[:, None] * bs + torch.arange(bs, device=b.device)[None, :]).flatten()
     slots = torch.where(b.repeat_interleave(bs) < 0, torch.full_like(slots, -1), slots)
     if num_tokens is not None:
