@@ -301,10 +301,16 @@ def parse_sizes(text: str | None) -> dict[str, int]:
 _CHUNK_BYTES = 16
 
 
-def _complete_sizes(syn: Any, sizes: dict[str, int], dtype: Any = None) -> dict[str, int]:
+def _complete_sizes(syn: Any, sizes: dict[str, int], dtype: Any = None, where: str = "") -> dict[str, int]:
     """Fill sizes a format derives from others: PBS = NB*BS, CS = 2*HS (K first, equal K/V
     widths); HSE = 16 bytes / element size when ``dtype`` is given and the name has HSE
-    (vLLM's ``x``); HSC = HS / HSE, BSC = BS / BSE, and HS = HSC*HSE, BS = BSC*BSE."""
+    (vLLM's ``x``); HSC = HS / HSE, BSC = BS / BSE, and HS = HSC*HSE, BS = BSC*BSE.
+
+    Raises:
+        UsageError: sizes that contradict each other (HSC*HSE != HS, BSC*BSE != BS) or a
+            whole that its chunk does not divide (HS=100 with HSE=8); ``where`` names the
+            plane (``"K."``).
+    """
     s = dict(sizes)
     if "PBS" not in s and "NB" in s and "BS" in s:
         s["PBS"] = s["NB"] * s["BS"]
@@ -317,10 +323,22 @@ def _complete_sizes(syn: Any, sizes: dict[str, int], dtype: Any = None) -> dict[
         if _CHUNK_BYTES % esz == 0:
             s["HSE"] = _CHUNK_BYTES // esz
     for whole, outer, inner in (("HS", "HSC", "HSE"), ("BS", "BSC", "BSE")):  # chunks / token groups
-        if outer not in s and whole in s and s.get(inner) and s[whole] % s[inner] == 0:
-            s[outer] = s[whole] // s[inner]
-        if whole not in s and outer in s and inner in s:
-            s[whole] = s[outer] * s[inner]
+        if not (syn.has(outer) or syn.has(inner)):
+            continue
+        w, o, i = s.get(whole), s.get(outer), s.get(inner)
+        if w is not None and o is not None and i is not None and o * i != w:
+            raise UsageError(f"--sizes {where}{outer}={o} x {where}{inner}={i} = {o * i}, but {where}{whole}={w}; give sizes that agree")
+        if w is not None and i is not None and w % i:
+            how = f" ({_CHUNK_BYTES} bytes / element size of {dtype})" if inner == "HSE" and inner not in sizes else ""
+            raise UsageError(f"--sizes {where}{whole}={w} is not a multiple of {where}{inner}={i}{how}: {where}{outer} would not be whole")
+        if w is not None and o is not None and i is None and w % o:
+            raise UsageError(f"--sizes {where}{whole}={w} is not a multiple of {where}{outer}={o}")
+        if o is None and w is not None and i is not None:
+            s[outer] = w // i
+        elif i is None and w is not None and o is not None:
+            s[inner] = w // o
+        elif w is None and o is not None and i is not None:
+            s[whole] = o * i
     return s
 
 
@@ -397,7 +415,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
         out["planes"], all_sizes, counts, shown = [], [], [], []
         for ps in syn.planes:
-            psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role), dtype)
+            psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role), dtype, f"{ps.role}.")
             shown.append(f"{ps.role}: {ps.syntax.concrete(psz)}")
             toks = ps.syntax.list_levels + ps.syntax.axes
             vals = [_axis_value(t, psz) for t in toks]
@@ -773,17 +791,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"python     {report['python']}  ({report['platform']})")
     print(f"kvcore     {report['kvcore']}")
     print(f"torch      {report['torch']}" + (f"  (CUDA {report['torch_cuda']})" if report["torch_cuda"] else ""))
-    print(
-        "devices    " + "; ".join(f"{d['type']} x{d['count']}" + (f" ({', '.join(d['names'])})" if d.get("names") else "") for d in devices)
-    )
+    # long lines wrap at 100 columns under their label; a path or a command is never broken
+    col = " " * 11
+    dev_text = "; ".join(f"{d['type']} x{d['count']}" + (f" ({', '.join(d['names'])})" if d.get("names") else "") for d in devices)
+    print(_fill(dev_text, initial_indent="devices    ", subsequent_indent=col))
     ok = [i for i in kvcore.plugins() if not i.error]
     bad = [i for i in kvcore.plugins() if i.error]
-    print("plugins    " + ", ".join(f"{i.name} {i.version or ''}".strip() for i in ok))
+    print(_fill(", ".join(f"{i.name} {i.version or ''}".strip() for i in ok), initial_indent="plugins    ", subsequent_indent=col))
     for i in bad:
-        print(f"  FAILED   {i.name}: {i.error}")
+        print(_fill(f"{i.name}: {i.error}", initial_indent="  FAILED   ", subsequent_indent=col))
     off = registry.disabled_plugins()
     if off:
-        print(f"disabled   {', '.join(off)} (KVCORE_DISABLE_PLUGINS / kvcore.disable_plugins: not loaded)")
+        print(
+            _fill(
+                f"{', '.join(off)} (KVCORE_DISABLE_PLUGINS / kvcore.disable_plugins: not loaded)",
+                initial_indent="disabled   ",
+                subsequent_indent=col,
+            )
+        )
     print("\nkernels")
     table = _table(
         [
@@ -806,10 +831,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         extra = f"; format-specific kernels: {', '.join(sv['format_specific'])}" if sv["format_specific"] else ""
         if sv.get("fallback"):
             extra += f"; also {', '.join(sv['fallback'])} (the fallback for any device)"
-        print(f"  {dev:<6} {sv['kernel'] or '- (' + sv['why'] + ')'}{extra}")
-    print("\ncompilers  " + ", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()))
+        print(_fill(f"{sv['kernel'] or '- (' + sv['why'] + ')'}{extra}", initial_indent=f"  {dev:<6} ", subsequent_indent=" " * 9))
+    print()
+    print(
+        _fill(", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()), initial_indent="compilers  ", subsequent_indent=col)
+    )
     if env:
-        print("env        " + " ".join(f"{k}={v}" for k, v in env.items()))
+        print(_fill(" ".join(f"{k}={v}" for k, v in env.items()), initial_indent="env        ", subsequent_indent=col))
     return EXIT_OK
 
 
@@ -890,11 +918,15 @@ and print a table with the transfer speed. Exit 1 on any mismatch.
 options:
   --engine NAME   which registered demo to run (default: vllm)
   --list          list the registered demos
-  ...             everything else goes to the demo (kvcore demo --engine vllm --help)
+  -h, --help      show this help (a demo's own options: kvcore demo --engine NAME --help)
+  ...             everything else goes to the demo
 
 examples:
-  kvcore demo
+  kvcore demo                                      # vLLM: Llama-3-8B NHD/HND and DeepSeek-V3 MLA
   kvcore demo --engine vllm --json --num-blocks 64
+  kvcore demo --engine vllm --pd                   # prefill/decode between two processes
+  kvcore demo --engine sglang
+  kvcore demo --engine vllm --help                 # the vLLM demo's own options
   kvcore demo --list"""
 
 
@@ -976,6 +1008,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         epilog=(
             "examples:\n"
             "  kvcore describe NL_X_TWO_NB_BS_NH_HS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16\n"
+            "  # split K (ROCm paged attention): HSE = 16 bytes / 2 = 8 elements from --dtype, HSC = 128 / 8 = 16\n"
+            "  kvcore describe K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16\n"
+            "  kvcore describe NL_X_NB_NH_BSC_HS_BSE --sizes NL=32,NB=2048,BS=16,NH=8,HS=128,BSE=4\n"
             "  kvcore describe TWO_X_NL_X_NBBS_NH_HS --sizes NL=32,PBS=65536,NH=8,HS=128\n"
             "  kvcore describe NL_X_NB_BS_HS --json\n\n"
             "a malformed name prints the grammar error and exits 2"
