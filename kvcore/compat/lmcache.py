@@ -59,19 +59,20 @@ detection                      a shape rule per engine, for any sizes:     the e
                                padded; tight per-layer tensors accepted    in memory order says
                                under a blocks-first hint                   ``tensor_order="physical"``); strided views
                                                                            are described; layouts no installed plugin
-                                                                           describes (vLLM-RBLN, vLLM-Ascend tuples
-                                                                           of unequal widths, SGLang ``"unified"``
+                                                                           describes (vLLM-RBLN, SGLang ``"unified"``
                                                                            views) raise :class:`~kvcore.DetectionError`
-plane tuples                   accessors over the planes' summed byte      :class:`~kvcore.GeometryError` for the
-(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          ``NP`` name: its planes differ in width, and
-                               elements)                                   a sum is no head size. kvcore describes
-                                                                           such caches with a multi-plane name, each
-                                                                           plane with its own width, dtype and
-                                                                           staging buffer:
-                                                                           ``kvcore.build_layout("NOPE=NL_X_NB_BS_NH_HS
-                                                                           +ROPE=NL_X_NB_BS_NH_HS", {"NOPE": [p[0] for
-                                                                           p in kv], "ROPE": [p[1] for p in kv]})``
-                                                                           (docs/plugins.md §2)
+plane tuples                   accessors over the planes' summed byte      the vLLM plugin detects vllm-ascend's
+(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          per-layer pairs of unequal widths as
+                               elements)                                   multi-plane layouts (``kv_cache_spec``
+                                                                           tells (K, V) from MLA (nope, rope)):
+                                                                           ``K=...+V=...`` / ``KV=...+KPE=...``,
+                                                                           each plane with its own width, dtype and
+                                                                           staging buffer. The spec accessors raise
+                                                                           :class:`~kvcore.GeometryError` for those
+                                                                           and for the ``NP`` name (a sum of widths
+                                                                           is no head size): use
+                                                                           ``kvcore.build_layout(fmt, kv)`` (README:
+                                                                           the layout grammar, multi-plane names)
 ``attention_backends``         the spec file's own labels                  LMCache's engine for the member first: the
                                                                            backends of that engine's kvcore plugin
                                                                            (else LMCache's label), then other plugins'
@@ -480,8 +481,21 @@ def _layout(kv_caches: Any, fmt: Any) -> KVLayout:
 
 
 def _entries(kv_caches: Any, f: EngineKVFormat) -> int:
-    """Layers in a per-layer or K/V-list container, checking the nesting (not the geometry)."""
+    """Layers in a per-layer or K/V-list container, checking the nesting (not the geometry).
+
+    Raises:
+        GeometryError: a multi-plane format (LMCache's accessors describe one width and
+            dtype per layout; kvcore's layout API describes each plane), or a container not
+            nested as the format says.
+    """
     c = f.syntax.container
+    if c == "planes":
+        raise GeometryError(
+            f"format {f} is a multi-plane layout (planes {', '.join(p.role for p in f.syntax.planes)}, each with its own "
+            "tensors, width and dtype): LMCache's spec accessors describe one width per layout, so they do not answer for "
+            "it. Use kvcore's layout: layout = kvcore.build_layout(fmt, kv_caches) (layout.num_layers, layout.planes, "
+            "layout.staging_shapes(T), kvcore.gather(layout, slot_mapping))"
+        )
     try:
         if c == "kv_list":
             if len(kv_caches) != 2 or not isinstance(kv_caches[0], (list, tuple)) or not isinstance(kv_caches[1], (list, tuple)):
