@@ -481,9 +481,9 @@ def test_input_no_layout_describes_is_refused_at_the_door_before_any_plugin(core
             return kv_caches[0].shape[7]  # would crash on anything
 
     kvcore.register_plugin(Fragile(), name="fragile")
-    bad = make(torch.zeros(2, NB, BS, NH, HS))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's prototype warning for nested tensors
+        warnings.simplefilter("ignore")  # torch's prototype/beta warnings for nested and sparse CSR tensors
+        bad = make(torch.zeros(2, NB, BS, NH, HS))
         for call in (lambda: kvcore.detect(bad, "e"), lambda: kvcore.detect_per_layer(bad, "e")):
             with pytest.raises(error, match=words) as ei:
                 call()
