@@ -18,7 +18,7 @@ changing its imports to this one module::
 Names, argument order, return values and the format facts follow LMCache 0.5.6 (its
 ``kv_format/specs/base.py`` ``KVFormatSpec``, ``specs/registry.py``, ``detection.py``,
 ``contiguity.py``, ``types.py`` and ``gpu_connector/utils.py``; the ``EngineKVFormat`` enum of
-``csrc/engine_kv_format.h``; ``../shared/reference/lmcache_kv_format.md`` summarises them).
+``csrc/engine_kv_format.h``).
 ``scripts/lmcache_facade_check.py`` runs LMCache's own unit tests for those modules against
 this facade with only the imports changed.
 
