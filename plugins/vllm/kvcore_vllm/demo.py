@@ -14,9 +14,10 @@ DeepSeek-V3 MLA     61 layers, latent 576 (kv_lora_rank 512 + qk_rope 64), bf16,
                     ``vllm/v1/attention/backends/mla/common.py::MLACommonBackend.get_kv_cache_shape``)
 ==================  ===========================================================================
 
-Geometries: ``../shared/reference/engine_layouts.md`` §6 (Llama-3-8B: 32 layers, 8 KV heads,
-head_dim 128; DeepSeek-V3: 61 layers, 576-wide latent) and §1.2 (vLLM's default block size 16;
-FlashMLA forces 64).
+Geometries: Llama-3-8B (32 layers, 8 KV heads, head_dim 128; its ``config.json``) and
+DeepSeek-V3 (61 layers, 576-wide latent: ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64);
+vLLM's default block size 16 (``vllm/config/cache.py``), FlashMLA's kernels need 64
+(vLLM's ``flashmla.py`` backend; see ``SOURCES.md``).
 
 1. allocate the cache as vLLM does (``kvcore_vllm.fixtures.allocate``: one flat int8 buffer per
    layer, viewed as the dtype and the stride-ordered shape, permuted back; a dict keyed by layer name);

@@ -3,8 +3,7 @@
 One physical layout is one name across versions and backends: the name is the layout's
 physical axis order (:func:`kvcore_vllm.rules.physical_name`), so FlashInfer <= 0.23 and
 FlashAttention 0.24 both register ``NL_X_NB_TWO_BS_NH_HS``, with both backends and both
-sources listed. Sources are vLLM files and functions per release, from
-``../shared/reference/engine_layouts.md`` §1.
+sources listed. Sources are vLLM files and functions per release (``SOURCES.md``).
 """
 
 from __future__ import annotations

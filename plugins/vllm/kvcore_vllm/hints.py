@@ -54,7 +54,8 @@ platform from ``device_type`` or, for tensors in this process, from the torch bu
 readings are an ambiguity that ``dtype`` (e.g. ``"float8_e4m3fnuz"``) decides. A
 ``dtype`` hint that is an fp8 of the cache dtype's kind is always the element dtype.
 
-Sources: ``../shared/reference/engine_layouts.md`` §1.2, §1.5, §1.10, §1.15.
+Sources: ``SOURCES.md`` (vLLM's ``envs.py``, ``config/cache.py``, ``attention/selector.py`` and the
+backends, per release).
 """
 
 from __future__ import annotations

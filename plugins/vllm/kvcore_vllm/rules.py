@@ -26,7 +26,8 @@ list of ``[NH, NB, BS, CS]`` tensors (``NL_X_NH_NB_BS_CS``), ``BHLNC`` the one t
 ``NL_X_NB_NH_BS_CS`` with a head stride larger than its block stride would move the same
 bytes; the name just would not say where they are.)
 
-Facts: ``../shared/reference/engine_layouts.md`` §1 (file and line numbers per release).
+Facts: each rule's docstring cites vLLM's file and function per release; ``SOURCES.md``
+in this plugin lists them all.
 """
 
 from __future__ import annotations
