@@ -344,7 +344,7 @@ def overlap(st: StrideTable, dt: StrideTable, st_full: StrideTable, dt_full: Str
     return Overlap("slots" if same_reading else "bytes", tuple(pairs))
 
 
-_BATCH = 1 << 22  # intervals compared at once (memory: a few int64 tensors of this length)
+_MAX_RUNS = 1 << 22  # byte runs compared exactly per side; more: the rows are taken to overlap (refused)
 
 
 def _row_addrs(table: StrideTable, p, li: int, slots: torch.Tensor) -> torch.Tensor:
@@ -390,49 +390,74 @@ def _meets(a0: torch.Tensor, a1: torch.Tensor, b0: torch.Tensor, b1: torch.Tenso
     return (idx >= 0) & (reach[idx.clamp(min=0)] > a0)  # ... past a0 for some interval up to it
 
 
-def _expand(addrs: torch.Tensor, rows: torch.Tensor, pat: tuple[torch.Tensor, torch.Tensor]):
-    offs, lens = pat
-    a0 = (addrs[:, None] + offs[None, :]).reshape(-1)
-    return a0, a0 + lens.repeat(addrs.numel()), rows.repeat_interleave(offs.numel())
+def _hull_runs(table: StrideTable, regions, slots: torch.Tensor, rows: torch.Tensor):
+    """One hull per (row, region): ``(starts, ends, row, region index)``, int64 ``[n]``."""
+    out = ([], [], [], [])
+    for k, (li, pi) in enumerate(regions):
+        p = table.planes[pi]
+        offs, lens = _pattern(p)
+        addr = _row_addrs(table, p, li, slots[rows])
+        for acc, v in zip(out, (addr, addr + int((offs + lens).max()), rows, torch.full_like(rows, k))):
+            acc.append(v)
+    return tuple(torch.cat(v) for v in out)
+
+
+def _exact_runs(table: StrideTable, regions, starts: torch.Tensor, rows: torch.Tensor, reg: torch.Tensor):
+    """Every byte run of the hulls (``starts``, ``rows``, ``reg``) selected: ``(starts, ends,
+    row, region index)``."""
+    out = ([], [], [], [])
+    for k, (_, pi) in enumerate(regions):
+        m = reg == k
+        if not bool(m.any()):
+            continue
+        offs, lens = _pattern(table.planes[pi])
+        a0 = (starts[m][:, None] + offs[None, :]).reshape(-1)
+        for acc, v in zip(out, (a0, a0 + lens.repeat(int(m.sum())), rows[m].repeat_interleave(offs.numel()), torch.full_like(a0, k))):
+            acc.append(v)
+    return tuple(torch.cat(v) for v in out)
+
+
+def _run_count(table: StrideTable, regions, reg: torch.Tensor) -> int:
+    counts = torch.bincount(reg, minlength=len(regions)).tolist()
+    return sum(c * _pattern(table.planes[pi])[0].numel() for c, (_, pi) in zip(counts, regions))
 
 
 def byte_overlap(st: StrideTable, dt: StrideTable, ov: Overlap, ss: torch.Tensor, ds: torch.Tensor) -> tuple | None:
-    """The first source row whose bytes meet a destination row's bytes, or None.
+    """A source row whose bytes meet a destination row's bytes (the first found), or None.
 
     ``ss``/``ds``: validated CPU int64 ``[T]`` slots, -1 on both sides where a row is
-    skipped. Exact (byte runs, heads and chunks included); rows whose byte hulls cannot meet
-    are skipped cheaply, the rest compared run by run, in batches. Returns ``(row read,
-    row written, (src layer, src plane), (dst layer, dst plane))`` (table indices)."""
+    skipped. Exact (byte runs, heads, chunks and token groups included): every row's hull
+    in every region of ``ov.pairs`` is compared first (one sort per side); only the hulls
+    that meet are compared run by run. When those hulls hold more than ``_MAX_RUNS`` runs
+    on a side (rows of two different readings interleaving at element granularity), the
+    rows are taken to overlap, as NumPy does when proving memory disjoint is too much work:
+    a refusal, never a wrong copy. Returns ``(row read, row written, (src layer, src
+    plane), (dst layer, dst plane), exact)`` (table indices; ``exact`` False for such a
+    presumed overlap)."""
     rows = torch.nonzero(ss >= 0).flatten()
-    if not rows.numel():
+    if not rows.numel() or not ov.pairs:
         return None
-    sv, dv = ss[rows], ds[rows]
-    for ls, pi, ld, pj in ov.pairs:
-        ps, pd = st.planes[pi], dt.planes[pj]
-        pat_s, pat_d = _pattern(ps), _pattern(pd)
-        ext_s = int((pat_s[0] + pat_s[1]).max())
-        ext_d = int((pat_d[0] + pat_d[1]).max())
-        a = _row_addrs(st, ps, ls, sv)
-        b = _row_addrs(dt, pd, ld, dv)
-        cand_r = _meets(a, a + ext_s, b, b + ext_d)  # hulls first
-        if not bool(cand_r.any()):
-            continue
-        cand_w = _meets(b, b + ext_d, a, a + ext_s)
-        ri, wi = torch.nonzero(cand_r).flatten(), torch.nonzero(cand_w).flatten()
-        rstep = max(1, _BATCH // pat_s[0].numel())
-        wstep = max(1, _BATCH // pat_d[0].numel())
-        for w0 in range(0, wi.numel(), wstep):
-            w = wi[w0 : w0 + wstep]
-            b0, b1, brow = _expand(b[w], w, pat_d)
-            for r0 in range(0, ri.numel(), rstep):
-                r = ri[r0 : r0 + rstep]
-                a0, a1, arow = _expand(a[r], r, pat_s)
-                hit = _meets(a0, a1, b0, b1)
-                if bool(hit.any()):
-                    k = int(torch.nonzero(hit)[0])
-                    j = int(torch.nonzero((b0 < a1[k]) & (b1 > a0[k]))[0])
-                    return int(rows[arow[k]]), int(rows[brow[j]]), (ls, pi), (ld, pj)
-    return None
+    sreg = sorted({(ls, pi) for ls, pi, _, _ in ov.pairs})
+    dreg = sorted({(ld, pj) for _, _, ld, pj in ov.pairs})
+    a0, a1, ar, ak = _hull_runs(st, sreg, ss, rows)
+    b0, b1, br, bk = _hull_runs(dt, dreg, ds, rows)
+    ca = _meets(a0, a1, b0, b1)
+    if not bool(ca.any()):
+        return None
+    cb = _meets(b0, b1, a0, a1)
+    a0, a1, ar, ak = a0[ca], a1[ca], ar[ca], ak[ca]
+    b0, b1, br, bk = b0[cb], b1[cb], br[cb], bk[cb]
+    if _run_count(st, sreg, ak) > _MAX_RUNS or _run_count(dt, dreg, bk) > _MAX_RUNS:
+        j = int(torch.nonzero((b0 < a1[0]) & (b1 > a0[0]))[0])
+        return int(ar[0]), int(br[j]), sreg[int(ak[0])], dreg[int(bk[j])], False
+    r0, r1, rr, rk = _exact_runs(st, sreg, a0, ar, ak)
+    w0, w1, wr, wk = _exact_runs(dt, dreg, b0, br, bk)
+    hit = _meets(r0, r1, w0, w1)
+    if not bool(hit.any()):
+        return None
+    i = int(torch.nonzero(hit)[0])
+    j = int(torch.nonzero((w0 < r1[i]) & (w1 > r0[i]))[0])
+    return int(rr[i]), int(wr[j]), sreg[int(rk[i])], dreg[int(wk[j])], True
 
 
 def plan_copy(
@@ -485,14 +510,22 @@ def plan_copy(
     elif nv and ov.mode == "bytes":
         hit = byte_overlap(st, dt, ov, ss, ds)
         if hit is not None:
-            i, j, (ls, pi), (ld, pj) = hit
+            i, j, (ls, pi), (ld, pj), exact = hit
+            where = (
+                f"row {i} reads source slot {int(ss[i])} (layer {ssel[ls]}, plane {st.planes[pi].role}) and row {j} writes "
+                f"destination slot {int(ds[j])} (layer {dsel[ld]}, plane {dt.planes[pj].role})"
+            )
+            how = (
+                f"{where} over the same bytes"
+                if exact
+                else f"the rows' byte ranges interleave (e.g. {where}) in more than {_MAX_RUNS} byte runs, too many to prove "
+                "them disjoint run by run, so they are taken to overlap"
+            )
             raise TransferError(
-                f"the source and destination share memory and the copy would read bytes it writes: row {i} reads source slot "
-                f"{int(ss[i])} (layer {ssel[ls]}, plane {st.planes[pi].role}) and row {j} writes destination slot {int(ds[j])} "
-                f"(layer {dsel[ld]}, plane {dt.planes[pj].role}) over the same bytes ({src_layout.format.name} and "
-                f"{dst_layout.format.name} read one memory differently); nothing was moved. A copy never reads what it "
-                "writes: split it into calls whose rows do not meet, or go through a staging buffer (kvcore.gather, then "
-                "kvcore.scatter)"
+                f"the source and destination share memory and the copy would read bytes it writes: {how} "
+                f"({src_layout.format.name} and {dst_layout.format.name} read one memory differently); nothing was moved. A "
+                "copy never reads what it writes: split it into calls whose rows do not meet (smaller calls), or go through a "
+                "staging buffer (kvcore.gather, then kvcore.scatter)"
             )
     return CopyPlan(src=st, dst=dt, src_slots=ss.to(dev), dst_slots=ds.to(dev), num_valid=nv)
 
