@@ -748,7 +748,8 @@ def copy(
     two layouts reading one memory the same way) a slot that is both a source and a
     destination slot (unless the head ranges are disjoint); between two readings of one
     memory (another block size, NHD and HND, a cache and a view of part of it) the rows'
-    byte runs. Split such a copy into calls whose rows do not meet, or go through a staging
+    byte runs, exactly (rows interleaving in more than 4M byte runs a side are taken to
+    overlap: refused, saying so). Split such a copy into calls whose rows do not meet, or go through a staging
     buffer (:func:`kvcore.gather`, then :func:`kvcore.scatter`). Copies from several threads
     into disjoint destination slots are safe.
 
