@@ -211,6 +211,17 @@ def _layer_lists(src: KVLayout, dst: KVLayout, layers, dst_layers) -> tuple[list
             f"(source {src.format.name} has {src.num_layers}, destination {dst.format.name} has {dst.num_layers}); "
             "select equal numbers with layers= and dst_layers="
         )
+    # destination layers that are one memory (layout.aliases: KV-sharing layers) are written
+    # once, from the source layer paired with the first of them (as kvcore.scatter does):
+    # two writes of one memory from different source layers would race
+    seen, keep = set(), []
+    for i, d in enumerate(dsel):
+        mem = dst.layer_map[d]
+        if mem not in seen:
+            seen.add(mem)
+            keep.append(i)
+    if len(keep) != len(dsel):
+        ssel, dsel = [ssel[i] for i in keep], [dsel[i] for i in keep]
     return ssel, dsel
 
 
@@ -727,7 +738,10 @@ def copy(
         layers: source layer indices (default: all), in the order they pair with the
             destination's layers.
         dst_layers: destination layer indices (default: the same indices as ``layers``, or
-            all layers when ``layers`` is None); as many as the source layers.
+            all layers when ``layers`` is None); as many as the source layers. A destination
+            layer that is the same memory as an earlier one of the selection
+            (``dst_layout.aliases``: KV-sharing layers) is written once, from the source
+            layer paired with the first of them (as :func:`kvcore.scatter`).
         validate: ``"device"`` (default), ``"sync"`` or ``"none"``, as for
             :func:`kvcore.gather` (:mod:`kvcore.plan`): on a GPU with ``"device"`` the slot
             values are checked on the device, in a one-block kernel before the copy on the

@@ -307,6 +307,26 @@ if given is not None:
         _run_case(sname, dname, ss, ds, **kw)
 
 
+def test_aliased_destination_layers_are_written_once_from_the_first(kernel):
+    """KV-sharing layers: destination layers 1 and 3 are layer 0's and layer 2's memory. Each
+    memory is written once, from the source layer paired with the first of its layers (as
+    kvcore.scatter), never twice from different source layers in a racing order."""
+    src_t = [torch.full((2, NB, BS, NH, HS), 10 * (ly + 1), dtype=torch.int32) for ly in range(4)]
+    src = build_layout("NL_X_TWO_NB_BS_NH_HS", src_t)
+    mem = [torch.zeros(2, NB, NH, BS, HS, dtype=torch.int32) for _ in range(2)]
+    dst = build_layout("NL_X_TWO_NB_NH_BS_HS", mem, aliases={1: 0, 3: 2})
+    assert dst.num_layers == 4 and dst.aliases == {1: 0, 3: 2}
+    kvcore.copy(src, [5, 6], dst, [1, 9])
+    for m, want in zip(mem, (10, 30)):  # source layers 0 and 2 (the first of each memory)
+        v = m.transpose(2, 3)  # [2, NB, BS, NH, HS], a view
+        for slot in (1, 9):
+            assert bool((v[:, slot // BS, slot % BS] == want).all())
+            v[:, slot // BS, slot % BS] = 0
+        assert int(m.abs().sum()) == 0  # nothing else written
+    kvcore.copy(src, [5], dst, [2], layers=[3, 1], dst_layers=[1, 0])  # both land in memory 0: the first pair wins
+    assert bool((mem[0].transpose(2, 3).reshape(2, -1, NH, HS)[:, 2] == 40).all())
+
+
 # -- caches changed since detection ----------------------------------------------------------------
 
 
