@@ -276,44 +276,6 @@ std::string host_message(int64_t op, int64_t kind, const HostVerdict& v, int64_t
   return describe_record(r, true);
 }
 
-// -- storages -------------------------------------------------------------------------------
-
-struct StorageGuard {
-  std::vector<at::Tensor> storages;
-  std::vector<c10::StorageImpl*> impls;
-  std::vector<uintptr_t> ptrs;
-  std::vector<int64_t> nbytes;
-  std::vector<std::string> labels;
-
-  std::string init(const std::vector<at::Tensor>& st, const std::vector<std::string>& lab, const at::Tensor& snapshot) {
-    if (st.size() != lab.size() || snapshot.dim() != 2 || snapshot.size(0) != static_cast<int64_t>(st.size()) || snapshot.size(1) != 2)
-      return "kvcore.copy: one label and one (ptr, nbytes) snapshot row per storage";
-    const at::Tensor snap = snapshot.to(at::kLong).contiguous();
-    const int64_t* s = snap.data_ptr<int64_t>();
-    for (size_t i = 0; i < st.size(); ++i) {
-      storages.push_back(st[i]);
-      impls.push_back(st[i].storage().unsafeGetStorageImpl());
-      ptrs.push_back(static_cast<uintptr_t>(s[2 * i]));
-      nbytes.push_back(s[2 * i + 1]);
-      labels.push_back(lab[i]);
-    }
-    return std::string();
-  }
-
-  std::string check() const {
-    for (size_t i = 0; i < storages.size(); ++i) {
-      const c10::Storage& st = storages[i].storage();
-      const uintptr_t ptr = reinterpret_cast<uintptr_t>(st.data_ptr().get());
-      const int64_t nb = static_cast<int64_t>(st.nbytes());
-      if (st.unsafeGetStorageImpl() != impls[i] || ptr != ptrs[i] || nb != nbytes[i])
-        return cat("kvcore.copy: the storage of ", labels[i], " was ",
-                   nb == 0 ? "freed" : (st.unsafeGetStorageImpl() != impls[i] ? "replaced" : "reallocated or resized"),
-                   " after the layout was detected (", nbytes[i], " bytes, now ", nb, " bytes); nothing was moved. Detect the cache again");
-    }
-    return std::string();
-  }
-};
-
 // -- the prepared copy plan --------------------------------------------------------------------
 
 class CopyPlan {
@@ -360,7 +322,7 @@ class CopyPlan {
     std::string e = check_tables(src_ptrs, src_geom, dst_ptrs, dst_geom, plane_rows, src_bs_, src_n_, dst_bs_, dst_n_);
     if (!e.empty()) return e;
     if (!(align_ >= 1 && align_ <= 16 && (align_ & (align_ - 1)) == 0)) return cat("kvcore.copy: base_align must be a power of two <= 16");
-    e = guard_.init(storages, labels, snapshot);
+    e = guard_.init(storages, labels, snapshot, "kvcore.copy: ");
     if (!e.empty()) return e;
     src_geom_ = src_geom.clone();
     dst_geom_ = dst_geom.clone();
@@ -405,10 +367,9 @@ class CopyPlan {
     if (device_.is_cpu()) {
       const int64_t* s = ss.data_ptr<int64_t>();
       const int64_t* d = ds.data_ptr<int64_t>();
-      if (validate) {
-        HostVerdict v = host_check(s, src_n_, d, dst_n_, T, true, shared_, nullptr);
-        if (v.kind) return fail(host_message(kOpCopy, v.kind, v, 0));
-      }
+      // on the CPU the slots are always checked (validate only chooses how a GPU checks them)
+      HostVerdict v = host_check(s, src_n_, d, dst_n_, T, true, shared_, nullptr);
+      if (v.kind) return fail(host_message(kOpCopy, v.kind, v, 0));
       copy_cpu_rows(src_ptrs_.data_ptr<int64_t>(), dst_ptrs_.data_ptr<int64_t>(), src_geom_, dst_geom_, rows_.data_ptr<int64_t>(), NL_, P_,
                     s, d, T, src_bs_, src_n_, dst_bs_, dst_n_);
       return kOk;
@@ -485,7 +446,7 @@ class CopyPlan {
   int64_t NL_ = 0, P_ = 0;
   std::string error_;
   at::Tensor src_ptrs_, dst_ptrs_, src_geom_, dst_geom_, rows_, flags_, bitmap_;
-  StorageGuard guard_;
+  TensorGuard guard_;
   DeviceErrorRecord* dev_rec_ = nullptr;
   std::atomic<int64_t> calls_{0}, captures_{0};
 };

@@ -457,6 +457,60 @@ std::string range_text(const char* what, int64_t index, int64_t value, int64_t n
 }
 }  // namespace
 
+std::string TensorGuard::init(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& labels, const at::Tensor& snapshot,
+                              const std::string& who) {
+  who_ = who;
+  rows_.clear();
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  if (static_cast<int64_t>(labels.size()) != n || !snapshot.defined() || snapshot.dim() != 2 || snapshot.size(0) != n ||
+      !(snapshot.size(1) == 2 || (snapshot.size(1) >= 4 && snapshot.size(1) % 2 == 0)))
+    return cat(who, "one label and one snapshot row (ptr, nbytes[, storage_offset, ndim, sizes, strides]) per guarded tensor");
+  const at::Tensor snap = snapshot.to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t cols = snap.size(1), dmax = cols >= 4 ? (cols - 4) / 2 : 0;
+  const int64_t* x = snap.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* r = x + i * cols;
+    Row row;
+    row.tensor = tensors[i];
+    if (!row.tensor.defined()) return cat(who, "guarded tensor ", i, " is undefined");
+    row.impl = row.tensor.storage().unsafeGetStorageImpl();
+    row.ptr = static_cast<uintptr_t>(r[0]);
+    row.nbytes = r[1];
+    row.offset = cols >= 4 ? r[2] : -1;
+    row.ndim = cols >= 4 ? r[3] : -1;
+    if (row.ndim > dmax) return cat(who, "guarded tensor ", i, " has ", row.ndim, " dims but its snapshot row holds ", dmax);
+    for (int64_t d = 0; d < row.ndim; ++d) {
+      row.sizes.push_back(r[4 + d]);
+      row.strides.push_back(r[4 + dmax + d]);
+    }
+    row.label = labels[i];
+    rows_.push_back(std::move(row));
+  }
+  return std::string();
+}
+
+std::string TensorGuard::check() const {
+  for (const Row& r : rows_) {
+    const c10::Storage& st = r.tensor.storage();
+    const uintptr_t ptr = reinterpret_cast<uintptr_t>(st.data_ptr().get());
+    const int64_t nb = static_cast<int64_t>(st.nbytes());
+    if (st.unsafeGetStorageImpl() != r.impl || ptr != r.ptr || nb != r.nbytes)
+      return cat(who_, "the storage of ", r.label, " was ",
+                 nb == 0 ? "freed" : (st.unsafeGetStorageImpl() != r.impl ? "replaced" : "reallocated or resized"),
+                 " after the layout was detected (", r.nbytes, " bytes at ", hex(r.ptr), ", now ", nb, " bytes at ", hex(ptr),
+                 "); nothing was moved. Detect the cache again");
+    if (r.ndim < 0) continue;
+    const at::Tensor& t = r.tensor;
+    bool same = t.dim() == r.ndim && t.storage_offset() == r.offset;
+    for (int64_t d = 0; same && d < r.ndim; ++d) same = t.size(d) == r.sizes[d] && t.stride(d) == r.strides[d];
+    if (!same)
+      return cat(who_, r.label, " changed shape, strides or offset in place after the layout was detected (was shape ",
+                 c10::IntArrayRef(r.sizes), " stride ", c10::IntArrayRef(r.strides), " offset ", r.offset, ", now shape ", t.sizes(),
+                 " stride ", t.strides(), " offset ", t.storage_offset(), "); nothing was moved. Detect the cache again");
+  }
+  return std::string();
+}
+
 std::string describe_record(const DeviceErrorRecord& r, bool now) {
   const int64_t op = r.gather;
   std::string what;
@@ -743,17 +797,8 @@ class NativePlan {
     }
     e = check_staged_rows_disjoint(planes_, op);
     if (!e.empty()) return e;
-    if (storages.size() != labels.size() || snapshot.dim() != 2 || snapshot.size(0) != static_cast<int64_t>(storages.size()) ||
-        snapshot.size(1) != 2)
-      return "kvcore.plan: one label and one (ptr, nbytes) snapshot row per storage";
-    const at::Tensor snap = snapshot.to(at::kLong).contiguous();
-    for (size_t i = 0; i < storages.size(); ++i) {
-      storages_.push_back(storages[i]);
-      impls_.push_back(storages[i].storage().unsafeGetStorageImpl());
-      snap_ptr_.push_back(static_cast<uintptr_t>(snap[i][0].item<int64_t>()));
-      snap_nbytes_.push_back(snap[i][1].item<int64_t>());
-      labels_.push_back(labels[i]);
-    }
+    e = guard_.init(storages, labels, snapshot, "");
+    if (!e.empty()) return cat("kvcore.plan: ", e);
     if (extents.defined() && extents.numel()) {
       const at::Tensor ex = extents.to(at::kLong).contiguous();
       const int64_t* x = ex.data_ptr<int64_t>();
@@ -796,18 +841,9 @@ class NativePlan {
       if (!pending.empty()) return fail(pending, kPending);
     }
 #endif
-    for (size_t i = 0; i < storages_.size(); ++i) {
-      const c10::Storage& st = storages_[i].storage();
-      const uintptr_t ptr = reinterpret_cast<uintptr_t>(st.data_ptr().get());
-      const int64_t nb = static_cast<int64_t>(st.nbytes());
-      if (st.unsafeGetStorageImpl() != impls_[i] || ptr != snap_ptr_[i] || nb != snap_nbytes_[i])
-        return fail(cat("kvcore.", op, ": the storage of ", labels_[i], " was ",
-                        nb == 0 ? "freed" : (st.unsafeGetStorageImpl() != impls_[i] ? "replaced" : "reallocated or resized"),
-                        " after the layout was detected (", snap_nbytes_[i], " bytes at ", hex(snap_ptr_[i]), ", now ", nb,
-                        " bytes at ", hex(ptr), "); nothing was moved. Detect the cache again"),
-                    kStale);
-    }
-    std::string e = check_slots_arg(slots, device_, op);
+    std::string e = guard_.check();
+    if (!e.empty()) return fail(cat("kvcore.", op, ": ", e), kStale);
+    e = check_slots_arg(slots, device_, op);
     if (!e.empty()) return fail(e);
     const int64_t T = slots.size(0);
     if (skip < 0 || skip > T) return fail(cat("kvcore.", op, ": skip_prefix must be between 0 and the number of tokens (", T, "), got ", skip));
@@ -873,11 +909,7 @@ class NativePlan {
   std::vector<PlaneDesc> planes_;
   std::vector<BufExpect> expect_;
   at::Tensor host_ptrs_, ptrs_;
-  std::vector<at::Tensor> storages_;
-  std::vector<c10::StorageImpl*> impls_;
-  std::vector<uintptr_t> snap_ptr_;
-  std::vector<int64_t> snap_nbytes_;
-  std::vector<std::string> labels_;
+  TensorGuard guard_;
   std::vector<std::pair<uintptr_t, uintptr_t>> extents_;
   at::Tensor flags_, bitmap_;
   DeviceErrorRecord* dev_rec_ = nullptr;  // the pinned error record's device address

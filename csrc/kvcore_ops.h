@@ -155,6 +155,7 @@ const char* cuda_read_flag(const int* flag, int* out) noexcept;
 
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace kvcore {
 
@@ -197,6 +198,35 @@ std::string take_device_error();
 bool pdl_enabled();
 // Bytes per thread of a CPU transfer (KVCORE_CPU_GRAIN_BYTES): below it, one thread.
 int64_t cpu_grain_bytes();
+
+// The tensors a prepared plan addresses, as they were when the layout was detected, checked
+// again before every call (kvcore_cpu.cpp). One row per tensor: its storage must be the same
+// storage at the same address and size (snapshot columns 0, 1); with snapshot rows of
+// 4 + 2 * D columns (storage_offset, ndim, sizes[D], strides[D]; ndim -1: not checked) its
+// shape, strides and storage offset must be unchanged too. Python passes the tensors the
+// planes address and, for a view, the tensor it views (the caller's own) with the view's
+// storage snapshot: a caller's tensor re-pointed to other memory (set_) is refused although
+// the view still holds the old memory (kvcore.kernels.guard_rows).
+class TensorGuard {
+ public:
+  // "" or why the arguments are malformed; `who` prefixes messages ("kvcore.copy: ").
+  std::string init(const std::vector<at::Tensor>& tensors, const std::vector<std::string>& labels, const at::Tensor& snapshot,
+                   const std::string& who);
+  // "" or why a call must be refused (names the tensor, then and now).
+  std::string check() const;
+
+ private:
+  struct Row {
+    at::Tensor tensor;
+    c10::StorageImpl* impl;
+    uintptr_t ptr;
+    int64_t nbytes, offset, ndim;
+    std::vector<int64_t> sizes, strides;
+    std::string label;
+  };
+  std::vector<Row> rows_;
+  std::string who_;
+};
 
 }  // namespace kvcore
 #endif  // KVCORE_NO_TORCH

@@ -32,6 +32,7 @@ __all__ = [
     "StagingTarget",
     "StagingBuffer",
     "StrideTable",
+    "TensorState",
     "Spec",
     "walk_leaves",
     "classic_table",
@@ -193,6 +194,71 @@ class Plane:
         return s.n_chunks == 1 and (self.num_heads == 1 or s.head == self.head_bytes)
 
 
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+@dataclass(frozen=True)
+class TensorState:
+    """One tensor a stride table addresses, as it was when the table was built.
+
+    Attributes:
+        tensor: the tensor (the table holds it anyway).
+        geometry: ``(shape, strides, storage_offset)`` (elements).
+        storage: ``(storage id, data_ptr, nbytes)`` of its storage.
+        base: for a view (``tensor._base``: the tensor it was made from, normally the
+            caller's own), that tensor, else None. A view keeps its memory alive even when
+            the caller re-points the tensor it views to other memory (``set_``, ``.data =``),
+            so a transfer compares this tensor's storage with the view's.
+        base_geometry: ``base``'s ``(shape, strides, storage_offset)``.
+    """
+
+    tensor: torch.Tensor
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    storage: tuple[int, int, int]
+    base: torch.Tensor | None = None
+    base_geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None = None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorState:
+        st = t.untyped_storage()
+        b = t._base
+        if b is not None and b.untyped_storage()._cdata != st._cdata:
+            b = None  # not a plain view of one storage: nothing to compare
+        return cls(t, _geometry(t), (st._cdata, st.data_ptr(), st.nbytes()), b, None if b is None else _geometry(b))
+
+    def problem(self) -> str | None:
+        """What changed since the table was built, or None: the tensor's shape, strides or
+        offset, or the storage of the tensor it views (its own storage is
+        :func:`kvcore.kernels.check_storages`'s first check)."""
+        now = _geometry(self.tensor)
+        if now != self.geometry:
+            return (
+                f"changed shape, strides or offset in place since the layout was detected (was {_geo_text(self.geometry)}, "
+                f"now {_geo_text(now)})"
+            )
+        b = self.base
+        if b is not None:
+            bst = b.untyped_storage()
+            if bst._cdata != self.storage[0]:
+                return (
+                    "is a view of a tensor (normally the caller's) that was re-pointed to other memory since the layout was "
+                    f"detected (set_, .data =; now {bst.nbytes()} bytes at {bst.data_ptr():#x}): kvcore's view still holds the "
+                    f"old memory ({self.storage[2]} bytes at {self.storage[1]:#x}), which that tensor no longer shows"
+                )
+            bnow = _geometry(b)
+            if bnow != self.base_geometry:
+                return (
+                    "is a view of a tensor (normally the caller's) that changed shape, strides or offset in place since the "
+                    f"layout was detected (was {_geo_text(self.base_geometry)}, now {_geo_text(bnow)})"
+                )
+        return None
+
+
+def _geo_text(g) -> str:
+    return f"shape {list(g[0])} stride {list(g[1])} offset {g[2]}"
+
+
 @dataclass(frozen=True)
 class StrideTable:
     """Everything a transfer kernel needs, and nothing about format names.
@@ -214,6 +280,14 @@ class StrideTable:
             built (at detection): ``(storage id, data_ptr, nbytes)``. A layer subset keeps
             its parent's snapshot. Transfers refuse to run once a storage was freed,
             reallocated, resized or replaced since (:func:`kvcore.kernels.check_storages`).
+        tensor_states: ``{id(tensor): TensorState}`` for every tensor the planes address,
+            as it was when the table was built: its shape, strides and storage offset (the
+            geometry was read from them) and, for a view, the tensor it views (normally
+            the caller's own tensor) with that tensor's shape, strides and offset. A
+            transfer refuses to run once a tensor changed in place (``resize_``,
+            ``as_strided_``, ``set_``) or the tensor it views was re-pointed to other
+            memory (:func:`kvcore.kernels.check_storages`). Derived tables keep their
+            parent's.
     """
 
     num_layers: int
@@ -223,6 +297,7 @@ class StrideTable:
     planes: tuple[Plane, ...]
     buffers: tuple[StagingBuffer, ...]
     snapshot: tuple[tuple[int, int, int], ...] = field(default=(), compare=False, repr=False)
+    tensor_states: Mapping[int, TensorState] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.snapshot:
@@ -237,6 +312,13 @@ class StrideTable:
                         seen.add(st._cdata)
                         snap.append((st._cdata, st.data_ptr(), st.nbytes()))
             object.__setattr__(self, "snapshot", tuple(snap))
+        if not self.tensor_states:
+            states = {}
+            for p in self.planes:
+                for t, _ in p.bases:
+                    if t.device.type != "meta" and id(t) not in states:
+                        states[id(t)] = TensorState.of(t)
+            object.__setattr__(self, "tensor_states", states)
 
     # -- the classic view (one "kv" buffer) ---------------------------------------------
     @property

@@ -18,7 +18,12 @@ bench_gpu.json, bench_gpu.md):
    and ``tests/test_public_path.py`` (device validation: a bad call writes nothing and
    surfaces at the next CUDA transfer or ``kvcore.synchronize()``; ``validate="sync"``;
    CUDA-graph capture and replay with new slot values; stale storage is a TransferError,
-   not an illegal access; staging inside the cache refused; concurrent streams); then the
+   not an illegal access; staging inside the cache refused; concurrent streams),
+   ``tests/test_copy.py`` and ``tests/test_copy_safety.py`` (``kvcore.copy`` on the GPU and
+   to/from pinned and pageable host memory; a cache changed since detection -- storage freed,
+   tensor reshaped, the caller's tensor re-pointed under a view -- refused on either side; two
+   readings of one memory refused in the call by the host byte check, the same reading by the
+   device check, and a CUDA graph refusing to capture the host check); then the
    CUDA cases again with the other kernel variants (unroll 8/4, no programmatic dependent
    launch);
 4. full-size agreement: the bench geometries (T = 8192) native vs reference, bit-exact,
@@ -247,7 +252,14 @@ def main() -> int:
         log("ceilings failed:\n" + traceback.format_exc())
     ok = True
     if not args.skip_tests:
-        files = ["tests/test_native_kernels.py", "tests/test_native_planes.py", "tests/test_staging_safety.py", "tests/test_public_path.py"]
+        files = [
+            "tests/test_native_kernels.py",
+            "tests/test_native_planes.py",
+            "tests/test_staging_safety.py",
+            "tests/test_public_path.py",
+            "tests/test_copy.py",
+            "tests/test_copy_safety.py",
+        ]
         env = dict(os.environ, KVCORE_HYPOTHESIS_EXAMPLES="60" if not args.quick else "15")
         results = {}
         conf = open(out / "conformance.txt", "w")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +30,8 @@ __all__ = [
     "select_kernel",
     "kernel_report",
     "check_storages",
+    "check_tensor_states",
+    "guard_rows",
     "plane_span",
     "staging_conflict",
     "single_threaded",
@@ -221,6 +223,82 @@ def check_storages(table: StrideTable) -> None:
                     f"the storage of layer {li} plane {p.role} was {how} after the layout was detected ({then}now {n} bytes at "
                     f"{ptr:#x}); nothing was moved. Detect the cache again"
                 )
+    check_tensor_states(table)
+
+
+def check_tensor_states(table: StrideTable) -> None:
+    """Refuse a transfer once a tensor the table addresses changed in place since the table
+    was built (its shape, strides or storage offset: ``resize_``, ``as_strided_``, ``set_``
+    onto the same storage), or the tensor it is a view of (normally the caller's own, e.g.
+    a detector's ``view(dtype)`` of it) was re-pointed to other memory (``set_``,
+    ``.data =``) or reshaped in place: the layout no longer describes the caller's tensors,
+    and a write would land in memory the caller's tensor no longer shows (see
+    :class:`~kvcore.spec.TensorState`). :func:`check_storages` runs it.
+
+    Not seen: a tensor the table does not hold or view (a caller's tensor that is itself a
+    view of another, re-pointed while its base is kept: the detector's view is of the
+    base), and memory freed under an unchanged storage (an engine unmapping it).
+
+    Raises:
+        TransferError: naming the (layer, plane), what changed, then and now.
+    """
+    states = table.tensor_states
+    seen = set()
+    for p in table.planes:
+        for li, (t, _) in enumerate(p.bases):
+            k = id(t)
+            if k in seen:
+                continue
+            seen.add(k)
+            st = states.get(k)
+            if st is None or st.tensor is not t:
+                continue
+            why = st.problem()
+            if why is not None:
+                raise TransferError(f"the tensor of layer {li} plane {p.role} {why}; nothing was moved. Detect the cache again")
+
+
+def guard_rows(tables: Sequence[tuple[str, StrideTable]]) -> tuple[list[torch.Tensor], list[str], torch.Tensor]:
+    """The C++ plans' guard (``TensorGuard``, ``csrc/kvcore_ops.h``) for ``(label prefix,
+    table)`` pairs: every distinct tensor the tables address with its storage and geometry
+    as the table recorded them, and every tensor such a tensor is a view of with the view's
+    storage and its own geometry. Returns ``(tensors, labels, snapshot)``, the snapshot
+    int64 ``[N, 4 + 2 * D]``: ptr, nbytes, storage_offset, ndim, sizes, strides (padded).
+
+    Call after :func:`check_storages` (the recorded state is then the current one)."""
+    rows: list[tuple[torch.Tensor, str, int, int, tuple]] = []
+    seen: set[int] = set()
+    for prefix, table in tables:
+        states = table.tensor_states
+        snap = {c: (ptr, n) for c, ptr, n in table.snapshot}
+        for p in table.planes:
+            for li, (t, _) in enumerate(p.bases):
+                if t.device.type == "meta" or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                label = f"{prefix}layer {li} plane {p.role}"
+                st = states.get(id(t))
+                if st is None or st.tensor is not t:  # a table built without states: the storage only
+                    ptr, n = snap.get(t.untyped_storage()._cdata, (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+                    rows.append((t, label, ptr, n, None))
+                    continue
+                _, ptr, n = st.storage
+                rows.append((t, label, ptr, n, st.geometry))
+                b = st.base
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    rows.append((b, f"the tensor that {label} views (the caller's tensor)", ptr, n, st.base_geometry))
+    dmax = max((len(g[0]) for *_, g in rows if g is not None), default=0)
+    snap_rows = []
+    for _, _, ptr, n, g in rows:
+        if g is None:
+            snap_rows.append([ptr, n, -1, -1] + [0] * (2 * dmax))
+        else:
+            shape, stride, off = g
+            pad = [0] * (dmax - len(shape))
+            snap_rows.append([ptr, n, off, len(shape), *shape, *pad, *stride, *pad])
+    snapshot = torch.tensor(snap_rows, dtype=torch.int64).reshape(len(rows), 4 + 2 * dmax)
+    return [r[0] for r in rows], [r[1] for r in rows], snapshot
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch
 from kvcore.errors import TransferError
 from kvcore.spec import Plane, StrideTable
 
-__all__ = ["CopyPlan", "ReferenceCopyKernel", "NativeCopyKernel", "copy_kernels", "select_copy_kernel"]
+__all__ = ["CopyPlan", "ReferenceCopyKernel", "NativeCopyKernel", "copy_kernels", "select_copy_kernel", "check_tables"]
 
 _UNIT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -68,6 +69,23 @@ class CopyPlan:
             if d.type != "cpu":
                 return d
         return self.src.device
+
+
+def check_tables(src: StrideTable, dst: StrideTable) -> None:
+    """Both caches of a copy are still what their layouts describe
+    (:func:`kvcore.kernels.check_storages`: storages not freed, resized or replaced,
+    tensors not reshaped in place, the caller's tensors not re-pointed under kvcore's views).
+
+    Raises:
+        TransferError: naming the side, the (layer, plane) and what changed.
+    """
+    from kvcore.kernels import check_storages
+
+    for table, what in ((src, "source"), (dst, "destination")):
+        try:
+            check_storages(table)
+        except TransferError as e:
+            raise TransferError(f"kvcore.copy: the {what} cache: {e}") from None
 
 
 # -- reference -------------------------------------------------------------------------
@@ -139,6 +157,7 @@ class ReferenceCopyKernel:
         if plan.num_valid == 0:
             return
         src, dst = plan.src, plan.dst
+        check_tables(src, dst)  # a freed, resized or re-pointed cache is a TransferError, never a raw error or a lost write
         sdev, ddev = src.device, dst.device
         ss = plan.src_slots.to(sdev)
         ds = plan.dst_slots.to(ddev)
@@ -206,34 +225,21 @@ class _Prepared:
 _CACHE: OrderedDict[tuple[int, int], tuple[weakref.ref, weakref.ref, _Prepared]] = OrderedDict()
 
 
+_CACHE_LOCK = threading.Lock()
+
+
 def _prepare(plan: CopyPlan, device: torch.device) -> _Prepared:
     key = (id(plan.src), id(plan.dst))
-    hit = _CACHE.get(key)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
     if hit is not None and hit[0]() is plan.src and hit[1]() is plan.dst:
         return hit[2]
     prep = _Prepared(plan, device)
-    _CACHE[key] = (weakref.ref(plan.src), weakref.ref(plan.dst), prep)
-    while len(_CACHE) > _MAX_CACHED:
-        _CACHE.popitem(last=False)
+    with _CACHE_LOCK:
+        _CACHE[key] = (weakref.ref(plan.src), weakref.ref(plan.dst), prep)
+        while len(_CACHE) > _MAX_CACHED:
+            _CACHE.popitem(last=False)
     return prep
-
-
-def _storage_args(tables) -> tuple[list[torch.Tensor], list[str], torch.Tensor]:
-    """Every storage the tables address, with a label and its (data_ptr, nbytes) at detection."""
-    storages, labels, snap, seen = [], [], [], set()
-    for side, table in zip(("source", "destination"), tables):
-        by_cdata = {}
-        for p in table.planes:
-            for li, (t, _) in enumerate(p.bases):
-                by_cdata.setdefault(t.untyped_storage()._cdata, (t, f"{side} layer {li} plane {p.role}"))
-        for cdata, ptr, nbytes in table.snapshot:
-            if cdata in by_cdata and cdata not in seen:
-                seen.add(cdata)
-                t, label = by_cdata[cdata]
-                storages.append(t)
-                labels.append(label)
-                snap.append((ptr, nbytes))
-    return storages, labels, torch.tensor(snap, dtype=torch.int64).reshape(len(snap), 2)
 
 
 def prepare_native(src: StrideTable, dst: StrideTable, shared: bool):
@@ -244,12 +250,11 @@ def prepare_native(src: StrideTable, dst: StrideTable, shared: bool):
         TransferError: a cache storage changed since the tables were built, or the op refuses
             the tables.
     """
-    from kvcore.kernels import _build, check_storages
+    from kvcore.kernels import _build, guard_rows
 
     if _op() is None or not hasattr(_build.MODULE, "CopyPlan"):
         return None
-    for t in (src, dst):
-        check_storages(t)
+    check_tables(src, dst)
     dev = src.device if src.device.type != "cpu" else dst.device
 
     def geom(table: StrideTable) -> torch.Tensor:
@@ -271,7 +276,7 @@ def prepare_native(src: StrideTable, dst: StrideTable, shared: bool):
         return int(ptrs.flatten()[0]) if (dev.type == "cuda" and table.device.type == "cpu") else 0
 
     rows = torch.tensor([[p.num_heads, p.head_bytes] for p in src.planes], dtype=torch.int64).reshape(-1, 2)
-    storages, labels, snap = _storage_args((src, dst))
+    storages, labels, snap = guard_rows([("source ", src), ("destination ", dst)])
     plan = _build.MODULE.CopyPlan(
         sp,
         geom(src),
@@ -372,6 +377,7 @@ class NativeCopyKernel:
         if op is None:
             REFERENCE_COPY.copy(plan)
             return
+        check_tables(plan.src, plan.dst)  # the raw op re-checks nothing: check here, before the pointers are used
         prep = _prepare(plan, dev)
         ss = plan.src_slots.to(dev).contiguous()
         ds = plan.dst_slots.to(dev).contiguous()

@@ -43,7 +43,7 @@ from collections import OrderedDict
 import torch
 
 from kvcore.errors import TransferError
-from kvcore.kernels import TransferPlan, _build, check_storages, plane_span
+from kvcore.kernels import TransferPlan, _build, check_storages, guard_rows, plane_span
 from kvcore.spec import StrideTable
 
 __all__ = [
@@ -141,22 +141,14 @@ class _Prepared:
             len(table.buffers), 2
         )
         dtypes = [torch.empty(0, dtype=b.dtype) for b in table.buffers]
-        by_cdata: dict[int, tuple[torch.Tensor, str]] = {}
         extents = []
         for p in table.planes:
             span = plane_span(table, p)
-            for li, (t, off) in enumerate(p.bases):
+            for t, off in p.bases:
                 st = t.untyped_storage()
-                by_cdata.setdefault(st._cdata, (t, f"layer {li} plane {p.role}"))
                 if span:
                     extents.append((st.data_ptr() + off, st.data_ptr() + off + span))
-        storages, labels, snap = [], [], []
-        for cdata, ptr, nbytes in table.snapshot:
-            if cdata in by_cdata:
-                t, label = by_cdata[cdata]
-                storages.append(t)
-                labels.append(label)
-                snap.append((ptr, nbytes))
+        storages, labels, snap = guard_rows([("", table)])
         self.plan = mod.NativePlan(
             host,
             plane_records(table),
@@ -166,7 +158,7 @@ class _Prepared:
             int(table.num_slots),
             storages,
             labels,
-            torch.tensor(snap, dtype=torch.int64).reshape(len(snap), 2),
+            snap,
             torch.tensor(extents, dtype=torch.int64).reshape(len(extents), 2),
             torch.empty(0, device=table.device),
             single,
