@@ -50,6 +50,7 @@ from kvcore.errors import GeometryError, TransferError
 from kvcore.kernels import plane_span
 from kvcore.kernels.copy_kernels import CopyPlan, check_tables, select_copy_kernel
 from kvcore.layout import KVLayout
+from kvcore.plan import _dense
 from kvcore.spec import StrideTable
 from kvcore.transfer import _index_tensor, _layers
 
@@ -600,9 +601,11 @@ class CopyLayoutPlan:
             return
         ss, ds = src_slots, dst_slots
         cuda = self._cuda
-        if ss.__class__ is not _Tensor or ss.dtype is not _INT64 or ss.is_cuda is not cuda or not ss.is_contiguous():
+        # the op reads the slot tensors' bytes: anything whose bytes are not its values (torch's
+        # lazy negation bit, sparse, nested) goes through _index_tensor first
+        if ss.__class__ is not _Tensor or ss.dtype is not _INT64 or ss.is_cuda is not cuda or not _dense(ss):
             ss = self._slots_in(ss, "src_slots")
-        if ds.__class__ is not _Tensor or ds.dtype is not _INT64 or ds.is_cuda is not cuda or not ds.is_contiguous():
+        if ds.__class__ is not _Tensor or ds.dtype is not _INT64 or ds.is_cuda is not cuda or not _dense(ds):
             ds = self._slots_in(ds, "dst_slots")
         v = 1 if validate is None else _validate(validate)
         if self.overlap.mode == "bytes" and (v or not cuda):

@@ -630,3 +630,27 @@ def test_scatter_refuses_a_caller_tensor_changed_under_its_views(kern, mutation,
     for st_, a in zip(held, keep):
         assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st_, 0, (st_.nbytes(),), (1,)), a)
     assert torch.equal(_flat_bytes(mine[1]), new)
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_slot_tensors_with_the_negation_bit_move_by_their_values(kernel, side):
+    """A slot tensor carrying torch's lazy negation bit shows negative (padding) values while
+    its bytes hold positive ones; the copy follows the values: padding rows do not move, and
+    the rows it does move are the ones the values name."""
+    src = [torch.randn(2, 4, 16, 2, 8) for _ in range(2)]
+    dst = [torch.zeros(2, 4, 16, 2, 8) for _ in range(2)]
+    a = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", src)
+    b = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", dst)
+    neg = torch.tensor([1, 2])._neg_view()  # shows [-1, -2]: both padding
+    ss, ds = (neg, torch.tensor([3, 4])) if side == "src" else (torch.tensor([3, 4]), neg)
+    for _ in range(2):  # cold and cached plan
+        kvcore.copy(a, ss, b, ds)
+    assert not any(x.any() for x in dst)
+    # a negated view of negative values shows positive slots: those rows move
+    shown = torch.tensor([-5, -6])._neg_view()  # shows [5, 6]
+    kvcore.copy(a, shown, b, torch.tensor([7, 8]))
+    for layer in range(2):
+        flat_s = src[layer].reshape(2, 64, 2, 8)
+        flat_d = dst[layer].reshape(2, 64, 2, 8)
+        assert torch.equal(flat_d[:, 7], flat_s[:, 5]) and torch.equal(flat_d[:, 8], flat_s[:, 6])
+        assert int((flat_d != 0).any(dim=(0, 2, 3)).sum()) == 2
