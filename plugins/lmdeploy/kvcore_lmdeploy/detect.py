@@ -626,9 +626,11 @@ def _plain(ks: list, vs: list, k: torch.Tensor, v: torch.Tensor, h: LMDeployHint
     cands: list[Candidate] = []
     pseudo: list[Candidate] = []
     reasons: list[str] = []
+    seen: set[str] = set()
     for order, dec in readings:
-        if order == "NZ":
-            continue
+        if order == "NZ" or order in seen:
+            continue  # one backend's NHD (or HND) moves the same bytes as another's: the first one stands for both
+        seen.add(order)
         bs, nh = _bs_nh(k.shape[lead + 1 : lead + 3], order)
         if not _fits(h, order, bs, nh, reasons, "K, V", kernel):
             continue
