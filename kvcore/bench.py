@@ -22,7 +22,8 @@ mapping is whole blocks in random order, as an engine hands out blocks. Cache co
 are random bytes. Validation in :func:`kvcore.gather` (one slot-range reduction) is not
 timed: the kernels receive an already validated :class:`~kvcore.kernels.TransferPlan`.
 
-Geometries (facts from ``../shared/reference/lmcache_transfer.md`` §10.2):
+Geometries (the shapes LMCache's own kernel tests and harness use: ``tests/v1/`` and
+``benchmarks/``, LMCache 0.5.6):
 Llama-3-8B per tensor-parallel rank, 32 layers × 8 KV heads × head size 128, bf16;
 DeepSeek MLA latent, 61 layers × head size 576 (bf16, and fp8 e4m3 stored as uint8).
 Layouts by grammar name (the core names no engine): NHD ``NL_X_TWO_NB_BS_NH_HS``, HND

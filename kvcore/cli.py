@@ -66,6 +66,12 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _fill(text: str, width: int = 100, **kw: Any) -> str:
+    """``textwrap.fill`` that never breaks a word or at a hyphen: a path, a file name or a
+    command stays on one line whole (copy-paste), even past ``width``."""
+    return textwrap.fill(text, width=width, break_long_words=False, break_on_hyphens=False, **kw)
+
+
 def _err(msg: str) -> None:
     print(f"kvcore: {msg}", file=sys.stderr)
 
@@ -181,7 +187,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
         known = sorted({e for f in fmts for e in f.engines})
         fmts = registry.formats_for_engine(args.engine)  # declared for it, or returned for it by its fixtures
         if not fmts:
-            _err(f"no registered format names engine {args.engine!r}; engines with formats: {', '.join(known) or 'none'}")
+            raise UsageError(f"no registered format names engine {args.engine!r}; engines with formats: {', '.join(known) or 'none'}")
     if args.json:
         _print_json([_format_dict(f) for f in fmts])
         return EXIT_OK
@@ -242,10 +248,10 @@ def cmd_hints(args: argparse.Namespace) -> int:
     for p, h in mine:
         name = h.name + (f" (also {', '.join(h.aliases)})" if h.aliases else "")
         print(f"  {name}")
-        print(textwrap.fill(h.meaning, width=100, initial_indent="      ", subsequent_indent="      "))
-        print(textwrap.fill(f"accepts: {h.accepted()}", width=100, initial_indent="      ", subsequent_indent="          "))
+        print(_fill(h.meaning, width=100, initial_indent="      ", subsequent_indent="      "))
+        print(_fill(f"accepts: {h.accepted()}", width=100, initial_indent="      ", subsequent_indent="          "))
         if h.default:
-            print(textwrap.fill(f"default: {h.default}", width=100, initial_indent="      ", subsequent_indent="          "))
+            print(_fill(f"default: {h.default}", width=100, initial_indent="      ", subsequent_indent="          "))
         if h.source:
             print(f"      source:  {h.source}")
         if len({q for q, _ in mine}) > 1:
@@ -289,17 +295,67 @@ def parse_sizes(text: str | None) -> dict[str, int]:
     return out
 
 
-def _complete_sizes(syn: Any, sizes: dict[str, int]) -> dict[str, int]:
-    """Fill sizes a format derives from others: PBS = NB*BS, CS = 2*HS (K first, equal K/V widths)."""
+#: Bytes of one head-size chunk (``HSE`` elements) when only a dtype is given: vLLM's ``x``
+#: (``16 // element_size``, vllm/attention/ops/paged_attn.py::PagedAttention.get_kv_cache_shape;
+#: ROCm paged attention's split K cache).
+_CHUNK_BYTES = 16
+
+
+def _complete_sizes(syn: Any, sizes: dict[str, int], dtype: Any = None, where: str = "") -> dict[str, int]:
+    """Fill sizes a format derives from others: PBS = NB*BS, CS = 2*HS (K first, equal K/V
+    widths); HSE = 16 bytes / element size when ``dtype`` is given and the name has HSE
+    (vLLM's ``x``); HSC = HS / HSE, BSC = BS / BSE, and HS = HSC*HSE, BS = BSC*BSE.
+
+    Raises:
+        UsageError: sizes that contradict each other (HSC*HSE != HS, BSC*BSE != BS) or a
+            whole that its chunk does not divide (HS=100 with HSE=8); ``where`` names the
+            plane (``"K."``).
+    """
     s = dict(sizes)
     if "PBS" not in s and "NB" in s and "BS" in s:
         s["PBS"] = s["NB"] * s["BS"]
     if "CS" not in s and "HS" in s:
         s["CS"] = 2 * s["HS"]
+    if dtype is not None and "HSE" not in s and syn.has("HSE"):
+        import torch
+
+        esz = torch.empty(0, dtype=dtype).element_size()
+        if _CHUNK_BYTES % esz == 0:
+            s["HSE"] = _CHUNK_BYTES // esz
     for whole, outer, inner in (("HS", "HSC", "HSE"), ("BS", "BSC", "BSE")):  # chunks / token groups
-        if outer not in s and whole in s and s.get(inner) and s[whole] % s[inner] == 0:
-            s[outer] = s[whole] // s[inner]
+        if not (syn.has(outer) or syn.has(inner)):
+            continue
+        w, o, i = s.get(whole), s.get(outer), s.get(inner)
+        if w is not None and o is not None and i is not None and o * i != w:
+            raise UsageError(f"--sizes {where}{outer}={o} x {where}{inner}={i} = {o * i}, but {where}{whole}={w}; give sizes that agree")
+        if w is not None and i is not None and w % i:
+            how = f" ({_CHUNK_BYTES} bytes / element size of {dtype})" if inner == "HSE" and inner not in sizes else ""
+            raise UsageError(f"--sizes {where}{whole}={w} is not a multiple of {where}{inner}={i}{how}: {where}{outer} would not be whole")
+        if w is not None and o is not None and i is None and w % o:
+            raise UsageError(f"--sizes {where}{whole}={w} is not a multiple of {where}{outer}={o}")
+        if o is None and w is not None and i is not None:
+            s[outer] = w // i
+        elif i is None and w is not None and o is not None:
+            s[inner] = w // o
+        elif w is None and o is not None and i is not None:
+            s[whole] = o * i
     return s
+
+
+def _missing_note(token: str, sizes: dict[str, int]) -> str:
+    """What to give for a size the format needs and ``--sizes`` did not (derivable ones say how)."""
+    tok = token.rsplit(".", 1)[-1]
+    if tok == "HSE":
+        return f"{token} (elements per head chunk: give HSE=, or --dtype to derive it as 16 bytes / element size, vLLM's x)"
+    if tok == "HSC":
+        return f"{token} (head chunks: HS / HSE, given HS and HSE or --dtype)"
+    if tok == "BSE":
+        return f"{token} (tokens per block group: give BSE=)"
+    if tok == "BSC":
+        return f"{token} (block groups: BS / BSE, given BS and BSE)"
+    if tok in ("NBBS", "PBS"):
+        return f"{token} (give PBS=, or NB and BS)"
+    return token
 
 
 def _axis_value(tok: str, sizes: dict[str, int]) -> int | None:
@@ -329,8 +385,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
     except FormatError as e:
         _err(str(e))
         return EXIT_USAGE
-    sizes = _complete_sizes(syn, parse_sizes(args.sizes))
     dtype = _parse_dtype(args.dtype) if args.dtype else None
+    sizes = _complete_sizes(syn, parse_sizes(args.sizes), dtype)
     _load_plugins_capturing()
     fmt = registry.host().formats.get(syn.name)
     axes = [{"token": t, "role": TOKENS[t].role.value, "label": TOKENS[t].label, "size": _axis_value(t, sizes)} for t in syn.axes]
@@ -359,7 +415,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
         out["planes"], all_sizes, counts, shown = [], [], [], []
         for ps in syn.planes:
-            psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role))
+            psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role), dtype, f"{ps.role}.")
             shown.append(f"{ps.role}: {ps.syntax.concrete(psz)}")
             toks = ps.syntax.list_levels + ps.syntax.axes
             vals = [_axis_value(t, psz) for t in toks]
@@ -405,7 +461,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     if out["concrete"]:
         print(f"concrete   {out['concrete']}")
     if "missing_sizes" in out:
-        print(f"           (no size given for {', '.join(out['missing_sizes'])})")
+        print(f"           (no size given for {'; '.join(_missing_note(t, sizes) for t in out['missing_sizes'])})")
     if syn.multi_plane:
         for p in out["planes"]:
             print(f"plane {p['role']:<5}" + ", ".join(a["token"] for a in p["axes"]))
@@ -504,7 +560,8 @@ def _layout_dict(layout: Any) -> dict[str, Any]:
     d["elements_per_layer"] = layout.elements_per_layer
     d["bytes_per_layer"] = layout.elements_per_layer * layout.element_size
     try:
-        d["plugin"] = registry.format_owner(layout.format.name)
+        # the plugin that answered the detection, else the name's owner (an engine's own plugin first)
+        d["plugin"] = getattr(layout, "plugin", None) or registry.format_owner(layout.format.name)
     except KeyError:
         d["plugin"] = None
     d["sources"] = [str(s) for s in layout.format.sources]
@@ -687,6 +744,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
     import kvcore
+    from kvcore import registry
     from kvcore.kernels import kernel_report
 
     plugin_warnings = _load_plugins_capturing(report=False)
@@ -697,9 +755,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         k = _serving_kernel(rows, d["type"])
         specific = [r["name"] for r in rows if d["type"] in r["device_types"] and r["formats"] != "all" and r["available"]]
         serving[d["type"]] = {"kernel": k["name"], "why": k["why"], "format_specific": specific}
-    for dt in sorted({t for r in rows if r["priority"] > 0 for t in r["device_types"]} - set(serving)):  # kernels for absent devices
+    # device types a registered kernel claims but no device of is present (the reference kernel
+    # claims several): one row each, whichever plugins are installed or disabled
+    for dt in sorted({t for r in rows for t in r["device_types"] if t != "meta"} - set(serving)):
         ks = [r["name"] for r in rows if dt in r["device_types"] and r["priority"] > 0]
-        serving[dt] = {"kernel": None, "why": f"no {dt} device present; kernels for it: {', '.join(ks)}", "format_specific": []}
+        fallback = [r["name"] for r in rows if dt in r["device_types"] and r["priority"] <= 0]  # the reference kernel
+        why = f"no {dt} device present; kernels for it: {', '.join(ks or fallback)}"
+        serving[dt] = {"kernel": None, "why": why, "format_specific": [], "fallback": fallback if ks else []}
     compilers = {}
     for c in ("c++", "g++", "clang++", "nvcc", "hipcc", "icpx", "ninja"):
         p = shutil.which(c)
@@ -717,6 +779,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "devices": devices,
         "plugins": [i.as_dict() for i in kvcore.plugins()],
         "plugin_warnings": plugin_warnings,
+        "disabled_plugins": registry.disabled_plugins(),
         "kernels": rows,
         "serving": serving,
         "compilers": compilers,
@@ -728,14 +791,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"python     {report['python']}  ({report['platform']})")
     print(f"kvcore     {report['kvcore']}")
     print(f"torch      {report['torch']}" + (f"  (CUDA {report['torch_cuda']})" if report["torch_cuda"] else ""))
-    print(
-        "devices    " + "; ".join(f"{d['type']} x{d['count']}" + (f" ({', '.join(d['names'])})" if d.get("names") else "") for d in devices)
-    )
+    # long lines wrap at 100 columns under their label; a path or a command is never broken
+    col = " " * 11
+    dev_text = "; ".join(f"{d['type']} x{d['count']}" + (f" ({', '.join(d['names'])})" if d.get("names") else "") for d in devices)
+    print(_fill(dev_text, initial_indent="devices    ", subsequent_indent=col))
     ok = [i for i in kvcore.plugins() if not i.error]
     bad = [i for i in kvcore.plugins() if i.error]
-    print("plugins    " + ", ".join(f"{i.name} {i.version or ''}".strip() for i in ok))
+    print(_fill(", ".join(f"{i.name} {i.version or ''}".strip() for i in ok), initial_indent="plugins    ", subsequent_indent=col))
     for i in bad:
-        print(f"  FAILED   {i.name}: {i.error}")
+        print(_fill(f"{i.name}: {i.error}", initial_indent="  FAILED   ", subsequent_indent=col))
+    off = registry.disabled_plugins()
+    if off:
+        print(
+            _fill(
+                f"{', '.join(off)} (KVCORE_DISABLE_PLUGINS / kvcore.disable_plugins: not loaded)",
+                initial_indent="disabled   ",
+                subsequent_indent=col,
+            )
+        )
     print("\nkernels")
     table = _table(
         [
@@ -752,14 +825,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     )
     print(textwrap.indent(table, "  "))
     for r in rows:
-        print(textwrap.fill(f"{r['name']}: {r['why']}", width=100, initial_indent="  ", subsequent_indent="      "))
+        print(_fill(f"{r['name']}: {r['why']}", width=100, initial_indent="  ", subsequent_indent="      "))
     print("\nserving (the kernel a transfer on each device type gets, for any format)")
     for dev, sv in serving.items():
         extra = f"; format-specific kernels: {', '.join(sv['format_specific'])}" if sv["format_specific"] else ""
-        print(f"  {dev:<6} {sv['kernel'] or '- (' + sv['why'] + ')'}{extra}")
-    print("\ncompilers  " + ", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()))
+        if sv.get("fallback"):
+            extra += f"; also {', '.join(sv['fallback'])} (the fallback for any device)"
+        print(_fill(f"{sv['kernel'] or '- (' + sv['why'] + ')'}{extra}", initial_indent=f"  {dev:<6} ", subsequent_indent=" " * 9))
+    print()
+    print(
+        _fill(", ".join(f"{c}={'yes' if p else 'no'}" for c, p in compilers.items()), initial_indent="compilers  ", subsequent_indent=col)
+    )
     if env:
-        print("env        " + " ".join(f"{k}={v}" for k, v in env.items()))
+        print(_fill(" ".join(f"{k}={v}" for k, v in env.items()), initial_indent="env        ", subsequent_indent=col))
     return EXIT_OK
 
 
@@ -830,6 +908,8 @@ _DISPATCH_EXAMPLES = {
 # -- the parser --------------------------------------------------------------------------
 
 DEMO_HELP = """\
+usage: kvcore demo [--engine NAME] [--list] [-h] [DEMO ARGS ...]
+
 Run a plugin's end-to-end demo: allocate an engine's KV cache exactly as the engine does,
 fill it with values that encode (layer, K/V, token, head, element), detect it, offload
 requests by slot mapping, restore them into other blocks, verify bit-exact and semantically,
@@ -838,11 +918,15 @@ and print a table with the transfer speed. Exit 1 on any mismatch.
 options:
   --engine NAME   which registered demo to run (default: vllm)
   --list          list the registered demos
-  ...             everything else goes to the demo (kvcore demo --engine vllm --help)
+  -h, --help      show this help (a demo's own options: kvcore demo --engine NAME --help)
+  ...             everything else goes to the demo
 
 examples:
-  kvcore demo
+  kvcore demo                                      # vLLM: Llama-3-8B NHD/HND and DeepSeek-V3 MLA
   kvcore demo --engine vllm --json --num-blocks 64
+  kvcore demo --engine vllm --pd                   # prefill/decode between two processes
+  kvcore demo --engine sglang
+  kvcore demo --engine vllm --help                 # the vLLM demo's own options
   kvcore demo --list"""
 
 
@@ -918,11 +1002,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         description="Parse a format name (registered or not) in kvcore's layout grammar and print its symbolic shape, its "
         "concrete shape for --sizes, its axes and derived facts, and, if a plugin registers it, its sources. Tokens: NL "
-        "layers, NB blocks, BS block size, NBBS fused blocks*tokens (PBS), NH KV heads, HS head size, CS packed K|V "
-        "(2*HS), TWO / ONE literal axes, NP planes, BSV/BSS blocked-scale records; '_' separates axes, '_X_' a list level.",
+        "layers, NB blocks, BS block size, NBBS fused blocks*tokens (PBS), NH KV heads, HS head size, HSC/HSE a head's "
+        "elements split in chunks, BSC/BSE a block's tokens split in groups, CS packed K|V (2*HS), TWO / ONE literal axes, "
+        "NP planes, BSV/BSS blocked-scale records; '_' separates axes, '_X_' a list level, ROLE=TEMPLATE+... planes.",
         epilog=(
             "examples:\n"
             "  kvcore describe NL_X_TWO_NB_BS_NH_HS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16\n"
+            "  # split K (ROCm paged attention): HSE = 16 bytes / 2 = 8 elements from --dtype, HSC = 128 / 8 = 16\n"
+            "  kvcore describe K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16\n"
+            "  kvcore describe NL_X_NB_NH_BSC_HS_BSE --sizes NL=32,NB=2048,BS=16,NH=8,HS=128,BSE=4\n"
             "  kvcore describe TWO_X_NL_X_NBBS_NH_HS --sizes NL=32,PBS=65536,NH=8,HS=128\n"
             "  kvcore describe NL_X_NB_BS_HS --json\n\n"
             "a malformed name prints the grammar error and exits 2"
@@ -931,7 +1019,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("name", help="a format name, e.g. NL_X_TWO_NB_BS_NH_HS")
     p.add_argument(
         "--sizes",
-        help="comma-separated sizes: NL, NB, BS, PBS (NBBS), NH, HS, CS, NP, VALS, SCALES; PBS and CS are derived from NB*BS and 2*HS when omitted",
+        help="comma-separated sizes: NL, NB, BS, PBS (NBBS), NH, HS, HSC, HSE, BSC, BSE, CS, NP, VALS, SCALES, or ROLE.KEY for "
+        "one plane of a multi-plane name (K.HS=192); derived when omitted: PBS = NB*BS, CS = 2*HS, HSE = 16 bytes / element "
+        "size with --dtype (vLLM's x), HSC = HS/HSE, BSC = BS/BSE",
     )
     p.add_argument("--dtype", help="element dtype to compute bytes (bfloat16, float16, float8_e4m3fn, uint8, ...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -1014,7 +1104,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             else:
                 mod.add_arguments(p)
                 if p.description and "\n" not in p.description:  # a module's one-paragraph description
-                    p.description = textwrap.fill(p.description, width=100)
+                    p.description = _fill(p.description, width=100)
                 p.set_defaults(func=mod.run, missing=False)
     return top
 

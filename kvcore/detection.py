@@ -52,12 +52,14 @@ import torch
 
 from kvcore import registry
 from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError
+from kvcore.inputs import check_container
 from kvcore.layout import Detection, KVLayout, build_layout
 
 __all__ = [
     "detect",
     "detect_per_layer",
     "normalize_container",
+    "Planes",
     "tensors_in",
     "Candidate",
     "resolve",
@@ -100,26 +102,89 @@ def _layer_key(name: str) -> int | None:
     return int(nums[0]) if nums else None
 
 
+_ROLE_RE = re.compile(r"[A-Z][A-Z0-9]*")
+
+
+class Planes(dict):
+    """A multi-plane cache handed to :func:`detect`: ``{role: container}``, each container
+    the tensors of one plane (``{"K": k_layers, "V": v_layers, "KS": k_scales}``).
+
+    Its keys are plane roles (``[A-Z][A-Z0-9]*``: ``K``, ``V``, ``KV``, ``KS``, ``KZ``...),
+    never layer names: the engine's plugin receives the mapping as it is, roles intact
+    (``kv_caches["K"]``), and returns ``Detection(format="K=...+V=...", kv_caches={role:
+    ...})``. A plain dict whose keys are all roles without digits (``{"K": ..., "V": ...}``)
+    is read the same way; wrap the dict in ``Planes`` when a role has digits (``"K2"``),
+    which would otherwise read as a layer name.
+
+    Raises:
+        DetectionError: (at :func:`detect`) a key that is not a role, or an empty mapping.
+    """
+
+    def __repr__(self) -> str:
+        return f"Planes({dict.__repr__(self)})"
+
+
+def _is_planes(x: Any) -> bool:
+    """``x`` is a dict of plane roles: :class:`Planes`, or a plain dict whose keys are all
+    role names without a digit (a layer name carries a layer number: ``layers.0``)."""
+    if isinstance(x, Planes):
+        return True
+    return (
+        isinstance(x, Mapping)
+        and bool(x)
+        and all(isinstance(k, str) and _ROLE_RE.fullmatch(k) and not any(c.isdigit() for c in k) for k in x)
+    )
+
+
 def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any, list[str] | None]:
-    """Dicts become lists, tuples and lists are kept. Returns ``(container, layer_names or None)``.
+    """Dicts of layers become lists, tuples and lists are kept. Returns ``(container,
+    layer_names or None)``.
 
     With ``sort_dicts`` (what :func:`detect` does) a dict's entries are put in layer order,
     the layer index parsed from names such as ``model.layers.7.self_attn.attn`` (insertion
     order where names carry none); without it (:func:`detect_per_layer`) they keep the
     dict's own order.
 
+    A dict of plane roles (:class:`Planes`, or a plain dict whose keys are all roles without
+    digits: ``{"K": ..., "V": ..., "KS": ...}``) is a multi-plane cache: it is returned as a
+    :class:`Planes` mapping, keys intact and never used as layer names (``layer_names`` None).
+    A dict of two or more containers whose keys carry no layer number (``{"k": [...], "v":
+    [...]}``) reads either way and is refused.
+
     An object that is not a container (an engine's cache object) is returned as it is,
-    for the engine's plugin to unwrap.
+    for the engine's plugin to unwrap. The container is first checked at the door
+    (:func:`kvcore.inputs.check_container`: nesting depth, nested/sparse/non-strided
+    tensors, negated or conjugated views).
 
     Raises:
-        DetectionError: an empty container, or a list/dict that holds no tensors.
+        DetectionError: an empty container, a list/dict that holds no tensors, a container
+            nested too deep or holding itself, a :class:`Planes` key that is not a role, or
+            a dict of containers whose keys are neither roles nor numbered layer names.
+        GeometryError: a tensor kvcore cannot address in place (nested, sparse or another
+            non-strided layout, a lazily negated/conjugated view).
     """
+    check_container(kv_caches)
     names = None
+    if _is_planes(kv_caches):
+        bad = [k for k in kv_caches if not (isinstance(k, str) and _ROLE_RE.fullmatch(k))]
+        if bad:
+            raise DetectionError(f"kvcore.Planes keys are plane roles ([A-Z][A-Z0-9]*: K, V, KS, ...); {bad[0]!r} is not one")
+        if not tensors_in(kv_caches):
+            raise DetectionError(f"kv_caches (planes {', '.join(kv_caches)}) holds no torch.Tensor")
+        return (kv_caches if isinstance(kv_caches, Planes) else Planes(kv_caches)), None
     if isinstance(kv_caches, Mapping):
         if not kv_caches:
             raise DetectionError("kv_caches is an empty dict; pass the engine's per-layer KV cache tensors")
         items = list(kv_caches.items())
         keys = [_layer_key(str(k)) for k, _ in items]
+        if len(items) > 1 and all(k is None for k in keys) and all(isinstance(v, (list, tuple, Mapping)) for _, v in items):
+            shown = ", ".join(repr(k) for k, _ in items[:6]) + (", ..." if len(items) > 6 else "")
+            raise DetectionError(
+                f"kv_caches is a dict of containers whose keys ({shown}) carry no layer number: each key reads either as a "
+                "plane role or as a layer name, and nothing decides. For a multi-plane cache name the roles upper-case "
+                "({'K': [...], 'V': [...]}, or kvcore.Planes(...) for roles with digits); for layers pass a list in layer "
+                "order, or a dict whose names carry the layer index (model.layers.0...)"
+            )
         if sort_dicts and all(k is not None for k in keys):
             order = sorted(range(len(items)), key=lambda i: (keys[i], i))
             items = [items[i] for i in order]
@@ -158,13 +223,19 @@ def describe_input(kv_caches: Any, limit: int = 6) -> str:
     """One line per distinct leaf: shape, stride, dtype, device, and where it is."""
     rows: OrderedDict[tuple, list[str]] = OrderedDict()
 
-    def walk(x: Any, path: str) -> None:
+    def walk(x: Any, path: str, depth: int = 0) -> None:
         if isinstance(x, torch.Tensor):
-            key = (tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device))
+            try:
+                stride = tuple(x.stride())
+            except RuntimeError:  # nested or sparse tensors have no strides
+                stride = (str(x.layout).replace("torch.", "") + (" nested" if getattr(x, "is_nested", False) else ""),)
+            shape = tuple(x.shape) if not getattr(x, "is_nested", False) else ("ragged",)
+            key = (shape, stride, str(x.dtype), str(x.device))
             rows.setdefault(key, []).append(path)
-        elif isinstance(x, (list, tuple)):
-            for i, y in enumerate(x):
-                walk(y, f"{path}[{i}]")
+        elif isinstance(x, (list, tuple, Mapping)) and depth < 16:
+            pairs = x.items() if isinstance(x, Mapping) else enumerate(x)
+            for i, y in pairs:
+                walk(y, f"{path}[{i!r}]" if isinstance(x, Mapping) else f"{path}[{i}]", depth + 1)
         else:
             rows.setdefault(("not a tensor", type(x).__name__), []).append(path)
 
@@ -228,21 +299,61 @@ def _detectors() -> list[str]:
     return sorted(getattr(i, "plugin_name", None) or h.pm.get_name(i.plugin) for i in h.pm.hook.kvcore_detect.get_hookimpls())
 
 
-def _ask(host: Any, container: Any, engine: str, hints: dict[str, Any]) -> tuple[Detection | None, list[str]]:
+def _ask(
+    host: Any, container: Any, engine: str, hints: dict[str, Any], what: str = ""
+) -> tuple[Detection | None, KVLayout | None, list[str]]:
     """Ask the plugins' ``kvcore_detect`` hooks, one plugin at a time: one that crashes,
-    returns garbage or returns copies is named and skipped (:func:`kvcore.registry.ask_detect`).
+    returns garbage, returns copies, or returns a detection that does not build (a format
+    that does not parse or is not registered, tensors that do not fit it) is named and
+    skipped, and the others answer (:func:`kvcore.registry.ask_detect`).
 
     Returns:
-        (the detection or None, the readings the plugins tried that did not fit, with why:
-        :func:`resolve` records them for this call).
+        (the detection or None, its layout (None when the detection excludes the tensors),
+        the readings the plugins tried that did not fit, with why: :func:`resolve` records
+        them for this call).
     """
     call = _Call(hints=dict(hints))
+    built: dict[str, Any] = {}
+
+    def build(det: Detection, plugin: str) -> KVLayout:
+        _check_registered(det.format)
+        # the tensors are listed once, by the final error, not in every plugin's refusal
+        lay = _build(det, engine, None, what or f"it detected {det.format}")
+        lay.plugin = plugin
+        built["layout"] = lay
+        return lay
+
     token = _CALL.set(call)
     try:
-        det = registry.ask_detect(container, engine, hints)
+        det = registry.ask_detect(container, engine, hints, build=build)
     finally:
         _CALL.reset(token)
-    return det, call.rejected
+    layout = built.get("layout") if det is not None and det.format is not None else None
+    return det, layout, call.rejected
+
+
+def _check_registered(fmt: Any) -> None:
+    """A detection's format must be a name some loaded plugin declares: a name nobody
+    registered carries no engine, labels or sources, and a plugin answering with one would
+    pre-empt the plugin that knows the cache.
+
+    Raises:
+        FormatError: a malformed name (naming the token).
+        DetectionError: not a format name, or a name no loaded plugin registers.
+    """
+    from kvcore.formats import KVFormat
+    from kvcore.grammar import parse
+
+    name = fmt.name if isinstance(fmt, KVFormat) else fmt
+    if not isinstance(name, str):
+        raise DetectionError(f"its format must be a format name (a str), got {type(fmt).__name__} {fmt!r:.80}")
+    if name in registry.host().formats:
+        return
+    parse(name)  # a malformed name: FormatError naming the token
+    raise DetectionError(
+        f"it detected {name}, a format no loaded plugin registers: a detection names a format its plugin declares "
+        "(kvcore_register_formats), so kvcore knows its engines and sources"
+    )
 
 
 def _advice(container: Any, rejected: Sequence[str]) -> str:
@@ -299,7 +410,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     h = _hints_dict(hints)
     _check_order_statement(container, h)
     host = registry.host()
-    det, rejected = _ask(host, container, engine, h)
+    det, layout, rejected = _ask(host, container, engine, h)
     if det is None:
         asked = ", ".join(_detectors()) or "none (no engine plugin is installed)"
         raise DetectionError(
@@ -310,7 +421,6 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         )
     if det.format is None:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
-    layout = _build(det, engine, container, f"engine {engine!r}: detected {det.format}")
     if names is not None:
         if det.layer_ids is not None and all(0 <= i < len(names) for i in layout.layer_ids):
             layout.layer_names = tuple(names[i] for i in layout.layer_ids)
@@ -349,7 +459,8 @@ def _build(det: Detection, engine: str, shown: Any, what: str) -> KVLayout:
             aliases=det.aliases,
         )
     except GeometryError as e:
-        raise DetectionError(f"{what} but the tensors do not fit it: {e}\ntensors:\n{describe_input(shown)}") from e
+        listing = f"\ntensors:\n{describe_input(shown)}" if shown is not None else ""
+        raise DetectionError(f"{what} but the tensors do not fit it: {e}{listing}") from e
 
 
 def _unknown_engine(engine: str) -> str:
@@ -400,7 +511,7 @@ def detect_per_layer(
     as_dict = isinstance(kv_caches, Mapping)
     keys = list(kv_caches.keys()) if as_dict else None
     container, names = normalize_container(kv_caches, sort_dicts=False)
-    if not isinstance(container, (list, tuple)):
+    if not isinstance(container, (list, tuple)):  # one multi-plane cache (Planes), or an engine's cache object
         return [detect(container, engine, hints)]
     n = len(container)
     groups = _groups(layer_groups, n, keys)
@@ -414,7 +525,7 @@ def detect_per_layer(
             by_sig.setdefault(_signature(container[i]), []).append(i)
         for idxs in by_sig.values():
             sub = [container[i] for i in idxs]
-            det, rejected = _ask(host, sub, engine, h)
+            det, layout, rejected = _ask(host, sub, engine, h)
             if det is None:
                 asked = ", ".join(_detectors()) or "none"
                 raise DetectionError(
@@ -424,7 +535,6 @@ def detect_per_layer(
             if det.format is None:
                 log.info("layers %s excluded: %s", idxs, det.excluded or det.note)
                 continue
-            layout = _build(det, engine, sub, f"engine {engine!r}: layers {idxs} detected as {det.format}")
             ids = list(det.layer_ids) if det.layer_ids is not None else list(range(len(idxs)))
             if len(ids) != layout.num_layers or not all(0 <= j < len(idxs) for j in ids):
                 raise DetectionError(
@@ -629,6 +739,56 @@ def resolve(
     raise _ambiguity(engine, list(groups.values()), deciding_hints, given, geo, order)
 
 
+def _alternatives(v: Any) -> frozenset[str] | None:
+    """The hint values a ``decided_by`` entry (or a geometry value) accepts: a list, tuple or
+    set lists alternatives, as does a string ``"a/b/c"``; None: any value (no constraint)."""
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return frozenset(str(x) for x in v)
+    if isinstance(v, str) and "/" in v:
+        return frozenset(x.strip() for x in v.split("/") if x.strip())
+    return frozenset([str(v)])
+
+
+def _separates(k: str, a: Mapping[str, frozenset[str] | None], b: Mapping[str, frozenset[str] | None]) -> bool:
+    """Hint ``k`` tells two readings apart: each constrains it and no value selects both
+    (a reading that accepts any value of ``k`` stays whatever value is given)."""
+    va, vb = a.get(k), b.get(k)
+    return va is not None and vb is not None and not (va & vb)
+
+
+def _deciding_sets(keys: Sequence[str], values: Sequence[Mapping[str, frozenset[str] | None]], opaque: Sequence[str]):
+    """``(singles, together)``. A set of hints decides when, whatever true values the caller
+    gives for them, at most one reading is left: every pair of readings is told apart by
+    one of the hints (:func:`_separates`). ``singles``: the hints that decide alone
+    (``opaque`` ones -- a plugin's ``deciding_hints`` with no per-reading value -- are taken
+    at the plugin's word between two readings); when none does, ``together``: the smallest
+    set that decides (None when even all of them do not tell every reading apart)."""
+    import itertools
+
+    n = len(values)
+    pairs = list(itertools.combinations(range(n), 2))
+    known = [k for k in keys if k not in opaque]
+
+    def decides(combo: Sequence[str]) -> bool:
+        return all(any(_separates(k, values[i], values[j]) for k in combo) for i, j in pairs)
+
+    singles = [k for k in keys if (k in opaque and n == 2) or (k in known and decides([k]))]
+    if singles:
+        return singles, None
+    useful = [k for k in known if any(_separates(k, values[i], values[j]) for i, j in pairs)]
+    tried = 0
+    for size in range(2, len(useful) + 1):
+        for combo in itertools.combinations(useful, size):
+            tried += 1
+            if tried > 4096:  # a plugin naming dozens of hints: say all of them, if they decide
+                return [], (list(useful) if decides(useful) else None)
+            if decides(combo):
+                return [], list(combo)
+    return [], None
+
+
 def _ambiguity(
     engine: str,
     groups: list[list[tuple[Candidate, KVLayout]]],
@@ -637,18 +797,26 @@ def _ambiguity(
     geo: Mapping[str, str],
     order: str | None,
 ) -> AmbiguousLayoutError:
+    """The error for readings that place bytes differently. It names every candidate with the
+    hint values that select it, and says truthfully what decides: the hints that decide
+    alone ("Pass one of these hints to decide"), else the smallest set that decides only
+    together ("pass these hints together"), else that the hints narrow it but do not tell
+    every reading apart. It never names a hint the caller gave. ``error.hints`` lists every
+    hint that bears on the choice; ``error.decide`` the sets that decide (one per entry)."""
     firsts = [g[0] for g in groups]
     keys: list[str] = list(deciding_hints)
     all_keys = list(dict.fromkeys(k for c, _ in firsts for k in c.decided_by))
     for k in all_keys:
         if len({repr(c.decided_by.get(k)) for c, _ in firsts}) > 1:
             keys.append(k)
+    geo_keys: dict[str, str] = {}
     for attr, hint in geo.items():
         if len({_geometry(lay, attr) for _, lay in firsts}) > 1:
             keys.append(hint)
+            geo_keys[hint] = attr
     by_order: dict[int, str] = {}  # group -> the tensor_order value that leaves it alone
+    only: dict[int, str] = {}  # group -> the one tensor order all its readings need
     if order is None:
-        only: dict[int, str] = {}
         for i, g in enumerate(groups):
             orders = {c.order for c, _ in g}
             if None not in orders and len(orders) == 1:
@@ -659,24 +827,76 @@ def _ambiguity(
             by_order[alloc[0]] = "allocated"
         if len(phys) == 1 and alloc != phys:
             by_order[phys[0]] = "physical"
-        if by_order:
+        n = len(groups)
+        phys_only = sum(1 for v in only.values() if v == "physical")
+        alloc_only = sum(1 for v in only.values() if v == "allocated")
+        if 0 < phys_only < n or 0 < alloc_only < n:  # a value of tensor_order rules out some readings, not all
             keys.append(TENSOR_ORDER)
     keys = [k for k in dict.fromkeys(keys) if k not in given]
+    # per candidate, the values of each hint that select it (None: any value keeps it)
+    values: list[dict[str, frozenset[str] | None]] = []
+    for i, (c, lay) in enumerate(firsts):
+        row: dict[str, frozenset[str] | None] = {}
+        for k in keys:
+            if k in c.decided_by:
+                row[k] = _alternatives(c.decided_by[k])
+            elif k in geo_keys:
+                row[k] = _alternatives(_geometry(lay, geo_keys[k]))
+            elif k == TENSOR_ORDER:
+                row[k] = frozenset([only[i]]) if i in only else None
+            else:
+                row[k] = None
+        values.append(row)
+    opaque = [k for k in deciding_hints if k in keys and all(v.get(k) is None for v in values)]
+    singles, together = _deciding_sets(keys, values, opaque)
     lines = []
     for i, (c, lay) in enumerate(firsts):
         sel = {k: v for k, v in c.decided_by.items() if k not in given}
-        if i in by_order and TENSOR_ORDER in keys:
-            sel[TENSOR_ORDER] = by_order[i]
+        if TENSOR_ORDER in keys and (i in by_order or i in only):
+            sel[TENSOR_ORDER] = by_order.get(i, only.get(i))
+        for k in geo_keys:  # the geometry hints that differ between the readings, by the plugin's names
+            if k in keys and values[i].get(k) is not None:
+                sel.setdefault(k, _geometry(lay, geo_keys[k]))
         dec = ", ".join(f"{k}={v!r}" for k, v in sel.items())
         lines.append(f"  {c.name()}: {lay.describe()} ({_geometry_line(lay)}){_order_note(c)}" + (f"; selected by {dec}" if dec else ""))
     said = f" (hints given: {', '.join(f'{k}={v!r}' for k, v in given.items())})" if given else ""
-    return AmbiguousLayoutError(
+    also = [k for k in opaque if k not in singles]
+    if singles:
+        advice = f"Pass one of these hints to decide: {', '.join(singles)}"
+        decide = [[k] for k in singles]
+    elif together:
+        advice = (
+            f"No one hint decides between these {len(firsts)} layouts; pass these hints together: {', '.join(together)} "
+            "(the values that select each layout are listed with it)"
+        )
+        decide = [together]
+    elif keys:
+        advice = (
+            f"These hints narrow it down but do not tell all {len(firsts)} layouts apart, even together: {', '.join(keys)}; "
+            "see the plugin's docs for what else decides"
+        )
+        decide = []
+    else:
+        advice = "Pass one of these hints to decide: (none of the hints this plugin knows decides; see its docs)"
+        decide = []
+    if also:
+        advice += f"; the plugin also names {', '.join(also)} as deciding (its docs give the values)"
+    needs_physical = [firsts[i][0].name() for i, o in only.items() if o == "physical"]
+    if needs_physical and TENSOR_ORDER not in given and not any(TENSOR_ORDER in d for d in decide):
+        # a hint that rules out the allocated-order reading leaves it only when the caller says so
+        advice += (
+            f". {' and '.join(needs_physical)} {'reads' if len(needs_physical) == 1 else 'read'} the tensors as already permuted "
+            f"into memory order: for {'it' if len(needs_physical) == 1 else 'them'} pass {TENSOR_ORDER}='physical' too"
+        )
+    err = AmbiguousLayoutError(
         f"{engine}: these tensors fit {len(firsts)} layouts that place bytes differently, and no hint given decides{said}:\n"
         + "\n".join(lines)
-        + f"\nPass one of these hints to decide: {', '.join(keys) or '(none of the hints this plugin knows decides; see its docs)'}",
+        + f"\n{advice}",
         candidates=[c.format for c, _ in firsts],
         hints=keys,
     )
+    err.decide = decide
+    return err
 
 
 def _describe_candidates(items: Sequence[tuple[Candidate, KVLayout]]) -> str:

@@ -87,6 +87,7 @@ from kvcore.errors import TransferError
 from kvcore.kernels import TransferPlan, select_kernel
 from kvcore.layout import KVLayout
 from kvcore.layout_copy import _check_slots, _select, head_range
+from kvcore.plan import _dense
 from kvcore.spec import StagingBuffer, StagingTarget, StrideTable
 from kvcore.transfer import _index_tensor, _layers
 
@@ -933,7 +934,7 @@ def _wire_device(layout, g: _Group) -> torch.device:
 def _slots_arg(slots, layout: KVLayout, what: str) -> torch.Tensor:
     """The slots as a 1-D int64 tensor on the cache's device (no value checks)."""
     s = slots
-    if s.__class__ is torch.Tensor and s.dtype is torch.int64 and s.device == layout.device and s.dim() == 1 and s.is_contiguous():
+    if s.__class__ is torch.Tensor and s.dtype is torch.int64 and s.device == layout.device and _dense(s) and s.dim() == 1:
         return s
     s = _index_tensor(slots, what)
     if s.dim() != 1:

@@ -43,13 +43,23 @@ class AmbiguousLayoutError(DetectionError):
 
     Attributes:
         candidates: the format names (with sizes) that fit.
-        hints: the hint keys that would decide.
+        hints: every hint key that bears on the choice (none the caller gave).
+        decide: the sets of hints that decide: ``[[k], ...]`` when each ``k`` decides
+            alone, ``[[a, b]]`` when ``a`` and ``b`` decide only together, ``[]`` when the
+            hints cannot tell every candidate apart (or the raiser did not work it out).
     """
 
-    def __init__(self, message: str, candidates: list[str] | None = None, hints: list[str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        candidates: list[str] | None = None,
+        hints: list[str] | None = None,
+        decide: list[list[str]] | None = None,
+    ):
         super().__init__(message)
         self.candidates = list(candidates or [])
         self.hints = list(hints or [])
+        self.decide = [list(d) for d in decide] if decide is not None else [[h] for h in self.hints]
 
 
 class GeometryError(KVCoreError, ValueError):

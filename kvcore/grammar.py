@@ -226,7 +226,7 @@ class Syntax:
 
         Source: LMCache ``csrc/engine_kv_format.h`` ``FormatFacts::is_fused_packed``, true
         for ``NL_X_NB_NH_BS_TWO_HS`` / ``NL_X_NB_BS_NH_TWO_HS`` (#10/#11) and the CS
-        members #12/#13 (``../shared/reference/lmcache_kv_format.md`` §1.3).
+        members #12/#13 (LMCache 0.5.6).
         """
         if self.has("CS"):
             return True

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from kvcore.errors import FormatError, GeometryError, KVCoreError
 from kvcore.formats import KVFormat
 from kvcore.grammar import parse
+from kvcore.inputs import check_container
 from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable
 
 __all__ = ["PageBufferShapeDesc", "KVLayout", "Detection", "build_layout"]
@@ -99,6 +100,8 @@ class KVLayout:
         layer_names: the engine's layer names when the input was a dict, else None.
         aliases: ``{layer: earlier layer with the same memory}`` (empty when none).
         note: how detection decided.
+        plugin: the plugin whose ``kvcore_detect`` answered (None for
+            :func:`build_layout`).
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class KVLayout:
         self.layer_map = tuple(layer_map) if layer_map is not None else tuple(range(spec.num_layers))
         self.layer_ids = tuple(layer_ids) if layer_ids is not None else tuple(range(len(self.layer_map)))
         self.layer_names = tuple(layer_names) if layer_names is not None else None
+        self.plugin: str | None = None  # the plugin whose kvcore_detect answered (None: built directly)
         self.note = note
         self.engine = engine
 
@@ -556,8 +560,10 @@ def build_layout(
         GeometryError: the tensors do not fit the format (wrong nesting, rank, literal
             axis size, zero-size axis, aliasing strides, two (layer, plane) regions sharing
             a byte, geometry past the storage; planes missing, extra or disagreeing on
-            layers, blocks or heads), are quantized tensors (``torch.quint8``...), or a
-            plugin's spec failed on them.
+            layers, blocks or heads), are quantized tensors (``torch.quint8``...), are
+            not dense strided memory kvcore can address in place (nested or sparse tensors,
+            views carrying torch's lazy negation/conjugation bit: :mod:`kvcore.inputs`),
+            are nested deeper than a format's container, or a plugin's spec failed on them.
         PluginError: a ``kvcore_spec`` hook raised or returned something that is not a
             Spec subclass (the message names the plugin).
     """
@@ -571,6 +577,7 @@ def build_layout(
             fmt = KVFormat(name=format, description="(not registered by any plugin)")
     else:
         fmt = format
+    check_container(kv_caches, error=GeometryError, tensor_error=GeometryError)  # nesting, sparse/nested, neg/conj views
     registry.refuse_quantized(kv_caches, "kv_caches", GeometryError)
     spec_cls = registry.spec_for(fmt) or Spec  # a plugin's bad answer is a PluginError naming it
     try:

@@ -30,7 +30,9 @@ host-side decision that depends on slot values, so it can be captured in a
 (warm the plan up before capturing: the first call of a plan prepares it, which uploads
 its pointer table). A refusal during a replay surfaces as above.
 
-The reference kernel and plugin kernels validate synchronously whatever ``validate`` says.
+The reference kernel and plugin kernels validate synchronously whatever ``validate`` says;
+the value of ``validate`` itself is checked on every call, before a kernel is chosen (a
+:class:`~kvcore.TransferError` naming the choices).
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ __all__ = ["LayoutPlan", "plan", "synchronize"]
 _VALIDATE = {"device": 1, "sync": 2, "none": 0}
 _Tensor = torch.Tensor
 _INT64 = torch.int64
+_STRIDED = torch.strided
+
+
+def _dense(s: torch.Tensor) -> bool:
+    """The fast path's test: a contiguous strided tensor whose bytes are its values (no
+    lazy negation bit); anything else goes through :func:`kvcore.transfer._index_tensor`."""
+    return s.layout is _STRIDED and not s.is_nested and s.is_contiguous() and not s.is_neg()
+
+
 # os.environ.get costs ~1-2 us per call; the POSIX bytes mapping behind it ~0.1 us
 _ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
@@ -137,13 +148,13 @@ class LayoutPlan:
             TransferError: as :func:`kvcore.gather`; with ``validate="device"`` on CUDA a
                 slot value error surfaces later (module docstring).
         """
+        v = 1 if validate is None else self._validate(validate)  # checked whichever kernel serves
         prep = self._prep
         if prep is None:
             return self._generic(True, slot_mapping, out, skip_prefix)
         s = slot_mapping
-        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not s.is_contiguous():
+        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not _dense(s):
             s = self._slots_in(s)
-        v = 1 if validate is None else self._validate(validate)
         if skip_prefix.__class__ is not int:
             skip_prefix = self._skip_in(skip_prefix, s)
         if out is None:
@@ -169,14 +180,14 @@ class LayoutPlan:
             raise TransferError(
                 "scatter needs src, a staging buffer [kv_size, NL, T, NH*HS] (per-plane staging: a dict {role: [NL, T, NH_p*HS_p]})"
             )
+        v = 1 if validate is None else self._validate(validate)  # checked whichever kernel serves
         prep = self._prep
         if prep is None or not self._scatter_native:
             self._generic(False, slot_mapping, src, skip_prefix)
             return
         s = slot_mapping
-        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not s.is_contiguous():
+        if s.__class__ is not _Tensor or s.dtype is not _INT64 or s.is_cuda is not self._cuda or not _dense(s):
             s = self._slots_in(s)
-        v = 1 if validate is None else self._validate(validate)
         if skip_prefix.__class__ is not int:
             skip_prefix = self._skip_in(skip_prefix, s)
         if src.__class__ is _Tensor:
@@ -190,11 +201,16 @@ class LayoutPlan:
         """Gather whole blocks (see :func:`kvcore.gather_blocks`). On CUDA with
         ``validate`` other than ``"sync"`` the block ids are not checked on the host: an id past
         the cache makes slots past it, refused on the device like any slot out of range."""
-        return self.gather(self._block_slots(block_ids, validate), out, skip_prefix=skip_prefix, validate=validate)
+        if validate is not None:
+            self._validate(validate)
+        return self.gather(self._block_slots(block_ids, validate, skip_prefix=skip_prefix), out, skip_prefix=skip_prefix, validate=validate)
 
     def scatter_blocks(self, block_ids, src, *, skip_prefix: int = 0, validate: str | None = None) -> None:
         """Scatter whole blocks (the inverse of :meth:`gather_blocks`)."""
-        self.scatter(self._block_slots(block_ids, validate), src, skip_prefix=skip_prefix, validate=validate)
+        if validate is not None:
+            self._validate(validate)
+        slots = self._block_slots(block_ids, validate, check_duplicates=True, skip_prefix=skip_prefix)
+        self.scatter(slots, src, skip_prefix=skip_prefix, validate=validate)
 
     def synchronize(self) -> None:
         """:func:`kvcore.synchronize` on this plan's device."""
@@ -268,14 +284,19 @@ class LayoutPlan:
     def _validate(self, validate) -> int:
         v = _VALIDATE.get(validate) if isinstance(validate, str) else None
         if v is None:
-            raise TransferError(f"validate must be one of 'device', 'sync', 'none' (or None for the default), got {validate!r}")
+            raise TransferError(
+                f"validate must be one of 'device', 'sync', 'none' (or None for the default), got {validate!r}; it is checked "
+                "before a kernel is chosen, whichever kernel serves the call"
+            )
         return v
 
-    def _block_slots(self, block_ids, validate) -> torch.Tensor:
+    def _block_slots(self, block_ids, validate, check_duplicates: bool = False, skip_prefix=0) -> torch.Tensor:
         from kvcore.transfer import _index_tensor, slots_for_blocks
 
         if not (self._cuda and validate != "sync"):
-            return slots_for_blocks(self.layout, block_ids)
+            # host-validated: errors name the caller's block_ids (the first bad index), not derived slots
+            dup = check_duplicates and validate != "none"
+            return slots_for_blocks(self.layout, block_ids, check_duplicates=dup, skip_prefix=skip_prefix)
         try:
             bs = self.layout.block_size
             _ = self.layout.num_blocks

@@ -13,10 +13,18 @@ plugin may declare a layout vLLM's plugin also declares, and each works without 
 other); their labels (engines, attention backends, sources) are merged. A declaration is
 the :class:`~kvcore.KVFormat` less those labels plus the spec the declaring plugin's
 ``kvcore_spec`` gives for it; two plugins whose declarations of one name differ cannot
-both be loaded. The plugin named after an engine its declaration lists (the engine's own
-plugin) keeps the name; otherwise the plugin loaded first does. The other is named and
-skipped with a warning (a :class:`PluginError` under ``KVCORE_STRICT_PLUGINS=1``, and
-from :func:`register_plugin`).
+both be loaded. Which one keeps the name (:meth:`PluginHost._keeper`, docs/plugins.md §3):
+first, the declaration that keeps the name's generic meaning (a plugin giving its own spec
+for a name the core's grammar builds by itself overrides it and yields); then the engine's
+own plugin (named after an engine its declaration lists); then the plugin that declared
+it first -- so a newcomer never knocks out a plugin already serving the name, whatever
+their names sort as. The other is named and skipped with a warning that advises
+disabling only it (a :class:`PluginError` under ``KVCORE_STRICT_PLUGINS=1``, and from
+:func:`register_plugin`).
+
+The declarations of a name are kept in precedence order (the engine's own plugins, then
+load order): :func:`format_owner` is the first, and the merged labels list its engines
+and backends first, whatever else is installed.
 
 At run time the host calls each plugin's hooks on its own (:func:`ask_detect`,
 :func:`spec_for`, the kernels' methods): a hook that raises something other than a
@@ -52,6 +60,7 @@ __all__ = [
     "register_plugin",
     "unregister_plugin",
     "disable_plugins",
+    "disabled_plugins",
     "plugins",
     "formats",
     "get_format",
@@ -121,7 +130,7 @@ class PluginHost:
         self.pm = pluggy.PluginManager("kvcore")
         self.pm.add_hookspecs(hookspecs)
         self.formats: dict[str, KVFormat] = {}  # name -> the declarations' merged labels
-        self.format_owner: dict[str, str] = {}  # name -> the plugin that declared it first
+        self.format_owner: dict[str, str] = {}  # name -> its owner (the first in precedence order)
         self.declarations: dict[str, dict[str, KVFormat]] = {}  # name -> {plugin: its declaration}
         self.kernels: list[Any] = []
         self.kernel_owner: dict[int, str] = {}
@@ -131,6 +140,8 @@ class PluginHost:
         self._loaded = False
         self._loading: int | None = None  # the thread loading, while it loads
         self._warned: set[str] = set()
+        self._seq: dict[str, int] = {}  # plugin -> when it was added (load order), for precedence ties
+        self._next_seq = 0
 
     # -- loading ---------------------------------------------------------------------
     def ensure_loaded(self) -> None:
@@ -177,10 +188,16 @@ class PluginHost:
                 self._add(obj, ep.name, dist=dist, loading=True)
             except _Conflict as e:
                 self._remove(ep.name)
-                self._fail(ep.name, dist, str(e), is_strict, e, advice=False)
+                # the advice names the plugin the conflict skips, never the one that keeps the name
+                culprit_dist = dist if e.culprit == ep.name else self._dist_of(e.culprit)
+                self._fail(e.culprit, culprit_dist, str(e), is_strict, e, advice=False)
             except Exception as e:  # noqa: BLE001
                 self._remove(ep.name)
                 self._fail(ep.name, dist, f"registration failed: {type(e).__name__}: {e}", is_strict, e)
+
+    def _dist_of(self, name: str) -> tuple:
+        info = self.info.get(name)
+        return (info.distribution, info.version) if info is not None else (None, None)
 
     def _fail(self, name: str, dist: tuple, why: str, is_strict: bool, exc: BaseException | None, *, advice: bool = True) -> None:
         d = f" (distribution {dist[0]} {dist[1]})" if dist[0] else ""
@@ -208,6 +225,7 @@ class PluginHost:
             except (ValueError, pluggy.PluginValidationError) as e:
                 raise PluginError(f"kvcore plugin {name!r} cannot be registered: {e}") from e
             info = PluginInfo(name=name, distribution=dist[0], version=dist[1])
+            self._seq[name], self._next_seq = self._next_seq, self._next_seq + 1
             callers = self.pm.get_hookcallers(obj) or []
             info.hooks = sorted(h.name for h in callers)
             unknown = sorted(h.name for h in callers if not h.has_spec())
@@ -280,26 +298,84 @@ class PluginHost:
             diff = self._difference(owner, decls[owner], plugin, fmt)
             if diff is None:
                 decls[plugin] = fmt
-                self.formats[fmt.name] = _merged(list(decls.values()))
+                self._order_declarations(fmt.name)
                 return
-            # the engine's own plugin keeps the name; else the plugin that declared it first
-            keeper, culprit = owner, plugin
-            if plugin in fmt.engines and owner not in decls[owner].engines:
-                keeper, culprit = plugin, owner
+            keeper, culprit, why = self._keeper(owner, decls[owner], plugin, fmt)
+            if culprit == plugin:
+                msg = (
+                    f"kvcore plugin {culprit!r} declares format {fmt.name!r} differently from plugin {keeper!r} ({diff}); "
+                    f"a format name is one layout, and {why}, so {culprit!r} was skipped. Rename the format in {culprit!r}, "
+                    f"or declare it as {keeper!r} does"
+                )
+                raise _Conflict(msg, culprit, keeper)
             msg = (
                 f"kvcore plugin {culprit!r} declares format {fmt.name!r} differently from plugin {keeper!r} ({diff}); "
-                f"a format name is one layout, so {culprit!r} was skipped. Rename the format in {culprit!r}, or declare it "
-                f"as {keeper!r} does"
+                f"a format name is one layout, and {why}, so {culprit!r} was skipped. Rename the format in {culprit!r}, or "
+                f"declare it as {keeper!r} does"
             )
-            if culprit == plugin or not loading or strict():
+            if not loading:
+                # register_plugin(): code asked for this plugin explicitly; refuse it, naming the one in the way
+                raise _Conflict(
+                    f"kvcore plugin {plugin!r} cannot be registered: it declares format {fmt.name!r} differently from plugin "
+                    f"{culprit!r} ({diff}), and {why}; unregister {culprit!r} first (kvcore.unregister_plugin({culprit!r}))",
+                    plugin,
+                    culprit,
+                )
+            if strict():
                 raise _Conflict(msg, culprit, keeper)
-            # the newcomer is the engine's own plugin: the plugin that took its name goes
+            # the plugin that held the name yields it: it is skipped, the newcomer loads
             info = self.info.get(culprit) or PluginInfo(culprit)
             self._remove(culprit)
             self._fail(culprit, (info.distribution, info.version), msg, False, None, advice=False)
 
+    def _keeper(self, p1: str, f1: KVFormat, p2: str, f2: KVFormat) -> tuple[str, str, str]:
+        """Which of two plugins whose declarations of one name differ keeps it:
+        ``(keeper, culprit, why)``. The rule (docs/plugins.md §3), in order:
+
+        1. a declaration that keeps the name's generic meaning beats one that overrides it
+           (a ``kvcore_spec`` of its own for a name the core's grammar builds by itself; for
+           a name the grammar cannot build alone, one without a spec is the incomplete one);
+        2. the engine's own plugin (named after an engine its declaration lists) beats one
+           that is not;
+        3. the plugin that declared the name first (entry points load in name order, after
+           the core; :func:`register_plugin` after them) keeps it: a newcomer never knocks
+           out a plugin already serving the name.
+        """
+        o1, o2 = self._overrides(p1, f1), self._overrides(p2, f2)
+        if o1 != o2:
+            keeper, culprit = (p2, p1) if o1 else (p1, p2)
+            cf = f1 if culprit == p1 else f2
+            if generic_builds(cf.name):
+                why = f"{culprit!r} overrides the name's generic meaning (its own kvcore_spec for a name the core's grammar builds)"
+            else:
+                why = f"{culprit!r} gives no spec for a name the core's grammar cannot build alone"
+            return keeper, culprit, why
+        own1, own2 = _is_engines_own(p1, f1), _is_engines_own(p2, f2)
+        if own1 != own2:
+            keeper, culprit = (p1, p2) if own1 else (p2, p1)
+            return keeper, culprit, f"{keeper!r} is the engine's own plugin (named after an engine it declares the name for)"
+        return p1, p2, f"{p1!r} declared it first"
+
+    def _overrides(self, plugin: str, fmt: KVFormat) -> bool:
+        has_spec = self._own_spec(plugin, fmt) is not None
+        return has_spec if generic_builds(fmt.name) else not has_spec
+
+    def _order_declarations(self, name: str) -> None:
+        """Put a name's declarations in precedence order (the engine's own plugins first,
+        then load order) and derive its owner and merged labels from that order, so the
+        answer does not depend on which other plugins are installed or load first."""
+        decls = self.declarations[name]
+        order = sorted(decls, key=lambda p: (not _is_engines_own(p, decls[p]), self._seq.get(p, 1 << 30)))
+        self.declarations[name] = {p: decls[p] for p in order}
+        self.format_owner[name] = order[0]
+        self.formats[name] = _merged([decls[p] for p in order])
+
     def _difference(self, p1: str, f1: KVFormat, p2: str, f2: KVFormat) -> str | None:
-        """How ``p2``'s declaration of a name differs from ``p1``'s, or None when they agree."""
+        """How ``p2``'s declaration of a name differs from ``p1``'s, or None when they agree.
+
+        A declaration is the :class:`KVFormat` less its labels (:data:`LABELS`), plus the
+        spec class the declaring plugin's ``kvcore_spec`` gives for the name (None: the
+        core's generic spec). Which one keeps the name when they differ: :meth:`_keeper`."""
         s1, s2 = _structure(f1), _structure(f2)
         if s1 != s2:
             keys = sorted(k for k in set(s1) | set(s2) if s1.get(k) != s2.get(k))
@@ -308,7 +384,7 @@ class PluginHost:
         if c1 is not c2:
 
             def what(p: str, c: Any) -> str:
-                return f"{p!r}'s kvcore_spec gives {c.__module__}.{c.__qualname__}" if c is not None else f"{p!r} uses the core's spec"
+                return f"{p!r} gives {c.__module__}.{c.__qualname__} (its kvcore_spec)" if c is not None else f"{p!r} uses the core's spec"
 
             return f"{what(p1, c1)}, {what(p2, c2)}"
         return None
@@ -335,9 +411,7 @@ class PluginHost:
                     del self.formats[fname]
                     del self.format_owner[fname]
                 else:
-                    if self.format_owner[fname] == name:
-                        self.format_owner[fname] = next(iter(decls))
-                    self.formats[fname] = _merged(list(decls.values()))
+                    self._order_declarations(fname)
             self.kernels = [k for k in self.kernels if self.kernel_owner.get(id(k)) != name]
             self.kernel_owner = {i: o for i, o in self.kernel_owner.items() if o != name}
             self.demos = {d: v for d, v in self.demos.items() if v[2] != name}
@@ -345,6 +419,7 @@ class PluginHost:
             if self.pm.has_plugin(name):
                 self.pm.unregister(name=name)
             self.info.pop(name, None)
+            self._seq.pop(name, None)
 
     # -- misbehaviour at run time -------------------------------------------------------
     def misbehaved(self, plugin: str, what: str, exc: BaseException | None = None) -> None:
@@ -355,7 +430,10 @@ class PluginHost:
             f"or set KVCORE_DISABLE_PLUGINS={plugin}; KVCORE_STRICT_PLUGINS=1 makes this an error."
         )
         if strict():
-            raise PluginError(msg) from exc
+            raise PluginError(
+                f"kvcore plugin {plugin!r} misbehaved: {what}. KVCORE_STRICT_PLUGINS=1 makes this an error (without it the "
+                f"plugin is skipped and the others answer); fix or uninstall it, or set KVCORE_DISABLE_PLUGINS={plugin}"
+            ) from exc
         key = f"{plugin}\0{what}"
         if key not in self._warned:
             self._warned.add(key)
@@ -378,6 +456,22 @@ def _impls(pm: pluggy.PluginManager, hook: str) -> list[Any]:
 
 def _call_impl(impl: Any, kwargs: Mapping[str, Any]) -> Any:
     return impl.function(*[kwargs[a] for a in impl.argnames])
+
+
+def generic_builds(name: str) -> bool:
+    """The core's grammar builds format ``name`` by itself (its generic spec reads every
+    axis): every name except the ``NP`` plane tuples, which need a plugin's ``kvcore_spec``."""
+    from kvcore.grammar import parse
+
+    try:
+        return not parse(name).has("NP")
+    except FormatError:
+        return False
+
+
+def _is_engines_own(plugin: str, fmt: KVFormat) -> bool:
+    """``plugin`` is named after an engine its declaration of ``fmt`` lists (case-insensitive)."""
+    return plugin.lower() in {e.lower() for e in fmt.engines}
 
 
 def _structure(fmt: KVFormat) -> dict[str, Any]:
@@ -534,6 +628,11 @@ def disable_plugins(*names: str) -> None:
         h._remove(n)
 
 
+def disabled_plugins() -> list[str]:
+    """The plugin names disabled by ``KVCORE_DISABLE_PLUGINS`` or :func:`disable_plugins`."""
+    return sorted(_env_list("KVCORE_DISABLE_PLUGINS") | host().disabled)
+
+
 def plugins() -> list[PluginInfo]:
     """What loaded (and what was skipped, with ``error`` set), in name order."""
     return sorted(host().info.values(), key=lambda i: (i.name != BUILTIN, i.name))
@@ -546,7 +645,8 @@ def formats() -> list[KVFormat]:
 
 
 def declarations(name: str) -> dict[str, KVFormat]:
-    """``{plugin: its declaration}`` for a format name, the first declarer first ({} if none)."""
+    """``{plugin: its declaration}`` for a format name, in precedence order: the engines' own
+    plugins first, then load order ({} if none); the first is :func:`format_owner`."""
     return dict(host().declarations.get(name, {}))
 
 
@@ -589,7 +689,9 @@ def get_format(name: str | KVFormat) -> KVFormat:
 
 
 def format_owner(name: str) -> str:
-    """The plugin that declared format ``name`` first (others may declare it identically)."""
+    """The plugin that owns format ``name``: of the plugins declaring it (identically), an
+    engine's own plugin (named after an engine its declaration lists) before the others,
+    then the first loaded. Stable whatever other plugins are installed."""
     return host().format_owner[name]
 
 
@@ -612,8 +714,10 @@ def hints(engine: str | None = None) -> list[tuple[str, Hint]]:
 
 def spec_for(fmt: KVFormat) -> Any:
     """The spec class for ``fmt``: the first answer of a ``kvcore_spec`` of a plugin that
-    declares the name (all declarers agree, see the module docstring); for a name no plugin
-    declares, of any plugin. None: the core's generic spec.
+    declares the name (all declarers agree, see the module docstring). For a name no plugin
+    declares, a plugin's spec answers only when the core's grammar cannot build the name
+    alone (``NP`` plane tuples): a spec never overrides what a name the grammar builds
+    means. None: the core's generic spec.
 
     Raises:
         PluginError: a ``kvcore_spec`` raised or returned something that is not a
@@ -627,6 +731,8 @@ def spec_for(fmt: KVFormat) -> Any:
     if decls:
         rank = {p: i for i, p in enumerate(decls)}
         impls = sorted((i for i in impls if i.plugin_name in rank), key=lambda i: rank[i.plugin_name])
+    elif generic_builds(fmt.name):
+        return None
     for impl in impls:
         try:
             cls = _call_impl(impl, {"format": fmt})
@@ -645,22 +751,30 @@ def spec_for(fmt: KVFormat) -> Any:
     return None
 
 
-def ask_detect(container: Any, engine: str, hints: dict[str, Any]) -> Any:
+def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callable[[Any, str], Any] | None = None) -> Any:
     """Ask each plugin's ``kvcore_detect`` for ``engine`` until one answers.
 
     The plugins that declare ``engine`` (a format listing it, a hint of it) are asked first,
-    then the others, each in pluggy's order. A plugin is skipped, with a warning naming it,
-    when its hook raises an exception that is not a :class:`~kvcore.KVCoreError`, returns
-    something that is not a :class:`~kvcore.Detection`, or returns a Detection over tensors
-    that are not views of the caller's memory. A ``KVCoreError`` (DetectionError,
-    AmbiguousLayoutError) is an answer from a plugin that declares the engine; from one that
-    does not, it is kept and raised only when no other plugin answers.
+    then the others, each in pluggy's order. Each plugin gets its own copy of ``hints``
+    (dicts, lists and sets copied all the way down): a plugin that edits them changes
+    nothing the next plugin, or the caller, sees. A plugin is skipped, with a warning
+    naming it, when its hook raises an exception that is not a :class:`~kvcore.KVCoreError`,
+    returns something that is not a :class:`~kvcore.Detection`, returns a Detection over
+    tensors that are not views of the caller's memory, or (with ``build``) returns a
+    Detection that does not build: a format name that does not parse or that no loaded
+    plugin registers, or tensors that do not fit the format. A ``KVCoreError`` (DetectionError,
+    AmbiguousLayoutError) is an answer from a plugin that declares the engine; from one
+    that does not, it is kept and raised only when no other plugin answers.
 
+    Args:
+        build: ``build(detection, plugin) -> layout``; an exception it raises means the
+            plugin's answer is unusable (the plugin is skipped as above).
     Returns:
         the Detection, or None when no plugin recognises the cache.
     Raises:
         DetectionError: quantized tensors (kvcore moves plain element types), a plugin's
-            error when it is the only answer, or the refusals when every answer was refused.
+            error when it is the only answer, or the refusals when every answer was refused
+            (naming each plugin and why; chained to the first refusal's error).
         PluginError: under ``KVCORE_STRICT_PLUGINS=1``, the first misbehaving plugin.
     """
     from kvcore.layout import Detection
@@ -669,12 +783,13 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any]) -> Any:
     h = host()
     impls = list(reversed(_impls(h.pm, "kvcore_detect")))
     impls.sort(key=lambda i: not h.serves(i.plugin_name, engine))  # stable: pluggy's order within each group
-    kwargs = {"kv_caches": container, "engine": engine, "hints": hints}
     held: list[tuple[str, KVCoreError]] = []
     refused: list[str] = []
+    first_cause: BaseException | None = None
     memory = None
     for impl in impls:
         p = impl.plugin_name
+        kwargs = {"kv_caches": container, "engine": engine, "hints": _own_copy(hints)}
         try:
             det = _call_impl(impl, kwargs)
         except KVCoreError as e:
@@ -686,6 +801,7 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any]) -> Any:
             why = f"kvcore_detect(engine={engine!r}) raised {type(e).__name__}: {e}"
             h.misbehaved(p, why, e)
             refused.append(f"{p}: {why}")
+            first_cause = first_cause or e
             continue
         if det is None:
             continue
@@ -707,6 +823,16 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any]) -> Any:
                 h.misbehaved(p, why)
                 refused.append(f"{p}: {why}")
                 continue
+            if build is not None:
+                try:
+                    build(det, p)
+                except Exception as e:  # noqa: BLE001 - a KVCoreError, or garbage fields the core could not read
+                    what = str(e) if isinstance(e, KVCoreError) else f"{type(e).__name__}: {e}"
+                    why = f"kvcore_detect(engine={engine!r}) returned a detection kvcore cannot use: {what}"
+                    h.misbehaved(p, why, e)
+                    refused.append(f"{p}: {why}")
+                    first_cause = first_cause or e
+                    continue
         if held:
             for q, e in held:
                 h.misbehaved(q, f"kvcore_detect raised {type(e).__name__} for engine {engine!r}, which it declares nothing for: {e}", e)
@@ -720,8 +846,24 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any]) -> Any:
             f"no kvcore plugin gave a usable answer for engine {engine!r}:\n  "
             + "\n  ".join(refused)
             + f"\ntensors:\n{describe_input(container)}"
-        )
+        ) from first_cause
     return None
+
+
+def _own_copy(x: Any, depth: int = 0) -> Any:
+    """A copy of a hints value that shares no dict, list or set with ``x`` (tuples and
+    frozensets rebuilt when they hold one); other objects (tensors, configs) are shared."""
+    if depth > 32:
+        return x
+    if isinstance(x, Mapping):
+        return {k: _own_copy(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_own_copy(v, depth + 1) for v in x]
+    if isinstance(x, set):
+        return {_own_copy(v, depth + 1) for v in x}
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_own_copy(v, depth + 1) for v in x)
+    return x
 
 
 def _tensors(container: Any) -> list[Any]:

@@ -41,9 +41,16 @@ def _index_tensor(x, what: str) -> torch.Tensor:
     """An integer index tensor from a tensor, list or numpy array, without casting: float,
     bool or unsigned-64 input is refused rather than truncated or wrapped.
 
+    A view carrying torch's lazy negation bit (``t._neg_view()``) is resolved to the values
+    it shows (a kernel reads the bytes, which hold the unnegated values).
+
     Raises:
-        TransferError: not integers, or on the meta device.
+        TransferError: not integers, not a dense strided tensor (sparse, nested), or on the
+            meta device.
     """
+    if isinstance(x, torch.Tensor) and (x.layout != torch.strided or x.is_nested):
+        kind = "nested" if x.is_nested else str(x.layout).replace("torch.", "")
+        raise TransferError(f"{what} is a {kind} tensor; pass a dense 1-D integer tensor (int64), e.g. t.to_dense()")
     if not isinstance(x, torch.Tensor):
         try:
             x = torch.as_tensor(x)
@@ -57,6 +64,8 @@ def _index_tensor(x, what: str) -> torch.Tensor:
         )
     if x.device.type == "meta":
         raise TransferError(f"{what} is on the meta device (no values); pass it on the CPU or the cache's device")
+    if x.is_neg():
+        x = x.resolve_neg()
     return x
 
 
@@ -112,24 +121,45 @@ def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: b
         slots = slots.clone()
         slots[:skip_prefix] = -1
     n_slots = layout.page_buffer_size
+    valid_range = f"valid 0..{n_slots - 1}: this cache has {n_slots} slots per layer; negative slots are padding and are skipped"
+    bad = False
     if t:
-        hi = int(slots.max())
-        if hi >= n_slots:
-            i = int(torch.nonzero(slots >= n_slots)[0])
-            raise TransferError(
-                f"slot_mapping[{i}] = {int(slots[i])} is out of range: this cache has {n_slots} slots per layer "
-                f"(valid 0..{n_slots - 1}; negative slots are padding and are skipped)"
-            )
+        bad = int(slots.max()) >= n_slots
     valid = slots[slots >= 0]
     nv = int(valid.numel())
-    if check_duplicates and nv > 1:
-        u = torch.unique(valid)
-        if u.numel() != nv:
-            srt, _ = torch.sort(valid)
-            dup = int(srt[1:][srt[1:] == srt[:-1]][0])
-            raise TransferError(f"slot {dup} appears more than once in slot_mapping; a scatter would write it twice")
+    if not bad and check_duplicates and nv > 1:
+        bad = int(torch.unique(valid).numel()) != nv
+    if bad:
+        raise TransferError(_first_bad_index(slots, n_slots, check_duplicates, "slot_mapping", "slot", valid_range))
     slots = torch.where(slots < 0, torch.full_like(slots, -1), slots)
     return slots, nv
+
+
+def _first_bad_index(values: torch.Tensor, n: int, check_duplicates: bool, arg: str, unit: str, valid_range: str) -> str:
+    """The message for the first index of ``values`` (what the caller passed, as ``arg``)
+    that is out of range (``>= n``) or, with ``check_duplicates``, repeats an earlier
+    in-range value; negative values are padding. Called only when one exists."""
+    v = values.detach().to("cpu", torch.int64)
+    oor = torch.nonzero(v >= n).flatten()
+    first_oor = int(oor[0]) if oor.numel() else None
+    first_dup = None
+    if check_duplicates:
+        ok = torch.nonzero((v >= 0) & (v < n)).flatten()
+        vals = v[ok]
+        if vals.numel() > 1:
+            srt, perm = torch.sort(vals, stable=True)
+            later = perm[1:][srt[1:] == srt[:-1]]  # positions (among ok) that repeat an earlier equal value
+            if later.numel():
+                first_dup = int(ok[int(later.min())])
+    if first_dup is not None and (first_oor is None or first_dup < first_oor):
+        val = int(v[first_dup])
+        earlier = int(torch.nonzero(v == val)[0])
+        return (
+            f"{arg}[{first_dup}] = {val} repeats {arg}[{earlier}]: a scatter would write {unit} {val} twice; each {unit} may "
+            f"appear once ({valid_range})"
+        )
+    i = first_oor if first_oor is not None else 0
+    return f"{arg}[{i}] = {int(v[i])} is out of range ({valid_range})"
 
 
 def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], single: bool, t: int, what: str) -> torch.Tensor:
@@ -416,12 +446,21 @@ def scatter(
     _plan_for(layout, layers).scatter(slot_mapping, src, skip_prefix=skip_prefix, validate=validate)
 
 
-def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = None) -> torch.Tensor:
+def slots_for_blocks(
+    layout: KVLayout, block_ids, *, num_tokens: int | None = None, check_duplicates: bool = False, skip_prefix: int = 0
+) -> torch.Tensor:
     """The slot mapping that covers whole blocks: ``block_id * block_size + [0, BS)``.
 
+    Args:
+        check_duplicates: refuse a block id given twice (what a scatter needs).
+        skip_prefix: the transfer leaves the first ``skip_prefix`` rows alone: the ids of
+            blocks wholly inside them are not checked (nothing of them moves), as a
+            transfer's skipped slots are not.
     Raises:
         TransferError: a block id outside ``0..num_blocks-1`` (negative ids are padding and
-            map to -1 slots), or a layout without blocks (fused NBBS).
+            map to -1 slots), a repeated block id (``check_duplicates``), or a layout
+            without blocks (fused NBBS). The message names the first offending index of
+            ``block_ids`` (``block_ids[1] = 1 repeats block_ids[0]``) and the valid range.
     """
     try:
         bs, nb = layout.block_size, layout.num_blocks
@@ -431,9 +470,18 @@ def slots_for_blocks(layout: KVLayout, block_ids, *, num_tokens: int | None = No
     if block_ids.dim() != 1:
         raise TransferError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
     b = block_ids.to(device=layout.device, dtype=torch.int64)
-    if b.numel() and int(b.max()) >= nb:
-        i = int(torch.nonzero(b >= nb)[0])
-        raise TransferError(f"block_ids[{i}] = {int(b[i])} is out of range: this cache has {nb} blocks (0..{nb - 1})")
+    chk = b
+    whole = skip_prefix // bs if isinstance(skip_prefix, int) and not isinstance(skip_prefix, bool) and skip_prefix > 0 else 0
+    if whole:
+        chk = b.clone()
+        chk[:whole] = -1  # wholly skipped blocks move nothing
+    bad = bool(chk.numel()) and int(chk.max()) >= nb
+    if not bad and check_duplicates:
+        live = chk[chk >= 0]
+        bad = live.numel() > 1 and int(torch.unique(live).numel()) != int(live.numel())
+    if bad:
+        valid_range = f"valid 0..{nb - 1}: this cache has {nb} blocks; negative block ids are padding and are skipped"
+        raise TransferError(_first_bad_index(chk, nb, check_duplicates, "block_ids", "block", valid_range))
     slots = (b[:, None] * bs + torch.arange(bs, device=b.device)[None, :]).flatten()
     slots = torch.where(b.repeat_interleave(bs) < 0, torch.full_like(slots, -1), slots)
     if num_tokens is not None:

@@ -168,8 +168,11 @@ def test_formats_json_and_filters(capsys):
     assert f["plugin"] == "clitest-plugin" and f["symbolic"] == "NL x [NB, BS, 1, 1, HS]"
     rc, out, _ = run(capsys, "formats", "--json", "--engine", ENGINE.upper())
     assert [x["name"] for x in json.loads(out)] == [FORMAT]
-    rc, out, err = run(capsys, "formats", "--json", "--engine", "nope")
-    assert rc == 0 and json.loads(out) == [] and "no registered format names engine 'nope'" in err and ENGINE in err
+    # an engine nothing declares is a usage error (exit 2, as `kvcore hints nope`), one line, nothing on stdout
+    for argv in (("formats", "--json", "--engine", "nope"), ("formats", "--engine", "nope")):
+        rc, out, err = run(capsys, *argv)
+        assert rc == 2 and out == "" and "no registered format names engine 'nope'" in err and ENGINE in err
+    assert run(capsys, "hints", "nope")[0] == 2
 
 
 def test_formats_of_an_engine_include_what_its_fixtures_detect_and_every_declaring_plugin(capsys):
@@ -300,6 +303,43 @@ def test_describe_derives_pbs_and_cs_and_reports_missing_sizes(capsys):
     assert d["concrete"] == "61 x [NB, BS, HS]" and d["missing_sizes"] == ["BS", "HS", "NB"] and "elements" not in d
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn", "uint8", "int8"])
+def test_describe_derives_split_head_sizes_from_the_dtype(capsys, dtype):
+    """Review item 14: a split-K name (HSC chunks of HSE elements) gets HSE = 16 bytes /
+    element size (vLLM's x) from --dtype, HSC = HS / HSE, for every element size; the
+    bytes agree with the unsplit name; the multi-plane name splits only its K plane."""
+    esz = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    x = 16 // esz
+    sizes = "NL=2,NB=8,BS=16,NH=4,HS=128"
+    rc, out, _ = run(capsys, "describe", "NL_X_NB_NH_HSC_BS_HSE", "--sizes", sizes, "--dtype", dtype, "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["concrete"] == f"2 x [8, 4, {128 // x}, 16, {x}]" and "missing_sizes" not in d
+    rc, out, _ = run(capsys, "describe", "NL_X_NB_NH_HS_BS", "--sizes", sizes, "--dtype", dtype, "--json")
+    assert json.loads(out)["bytes"] == d["bytes"] == 2 * 8 * 4 * 128 * 16 * esz
+    rc, out, _ = run(capsys, "describe", "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS", "--sizes", sizes, "--dtype", dtype)
+    assert rc == 0 and f"concrete   K: 2 x [8, 4, {128 // x}, 16, {x}] + V: 2 x [8, 4, 128, 16]" in out
+
+
+def test_describe_derives_whole_and_part_sizes_and_says_what_is_missing(capsys):
+    def concrete(name, sizes):
+        rc, out, _ = run(capsys, "describe", name, "--sizes", sizes, "--json")
+        assert rc == 0
+        d = json.loads(out)
+        return d["concrete"], d.get("missing_sizes")
+
+    assert concrete("NL_X_NB_NH_HSC_BS_HSE", "NL=1,NB=2,BS=16,NH=4,HSC=16,HSE=8") == ("1 x [2, 4, 16, 16, 8]", None)  # HS = 128
+    assert concrete("NL_X_NB_NH_HSC_BS_HSE", "NL=1,NB=2,BS=16,NH=4,HS=128,HSC=32") == ("1 x [2, 4, 32, 16, 4]", None)
+    assert concrete("NL_X_NB_NH_BSC_HS_BSE", "NL=1,NB=2,BS=16,NH=4,HS=64,BSE=4") == ("1 x [2, 4, 4, 64, 4]", None)
+    assert concrete("NL_X_NB_NH_BSC_HS_BSE", "NL=1,NB=2,BS=16,NH=4,HS=64,BSC=8") == ("1 x [2, 4, 8, 64, 2]", None)
+    assert concrete("NL_X_NB_NH_HSC_BS_HSE", "NL=1,NB=2,BS=16,NH=4,HS=128")[1] == ["HSC", "HSE"]
+    rc, out, _ = run(capsys, "describe", "NL_X_NB_NH_HSC_BS_HSE", "--sizes", "NL=1,NB=2,BS=16,NH=4,HS=128")
+    assert "HSE (elements per head chunk: give HSE=, or --dtype to derive it as 16 bytes / element size, vLLM's x)" in out
+    rc, out, _ = run(capsys, "describe", "--help")
+    flat = " ".join(out.split())  # argparse wraps the help
+    assert "HSE = 16 bytes / element size with --dtype (vLLM's x), HSC = HS/HSE, BSC = BS/BSE" in flat
+    assert "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS --sizes" in flat and "HSC/HSE a head's elements split in chunks" in flat
+
+
 def test_describe_shows_sources_of_a_registered_format(capsys):
     rc, out, _ = run(capsys, "describe", FORMAT)
     assert rc == 0
@@ -322,6 +362,11 @@ def test_describe_shows_sources_of_a_registered_format(capsys):
         (["NL_X_NB_BS_HS", "--sizes", "NL=0"], "must be positive"),
         (["NL_X_NB_BS_HS", "--sizes", "NL"], "KEY=VALUE"),
         (["NL_X_NB_BS_HS", "--dtype", "float99"], "unknown dtype"),
+        (["NL_X_NB_NH_HSC_BS_HSE", "--sizes", "HS=128,HSC=10,HSE=8"], "HSC=10 x HSE=8 = 80, but HS=128"),
+        (["NL_X_NB_NH_HSC_BS_HSE", "--sizes", "HS=100", "--dtype", "bfloat16"], "HS=100 is not a multiple of HSE=8 (16 bytes"),
+        (["NL_X_NB_NH_HSC_BS_HSE", "--sizes", "HS=128,HSC=12"], "HS=128 is not a multiple of HSC=12"),
+        (["NL_X_NB_NH_BSC_HS_BSE", "--sizes", "BS=16,BSE=3"], "BS=16 is not a multiple of BSE=3"),
+        (["K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS", "--sizes", "HS=128,K.HSE=6"], "K.HS=128 is not a multiple of K.HSE=6"),
     ],
 )
 def test_describe_bad_input_exits_2_with_the_reason(argv, message, capsys):
@@ -496,6 +541,70 @@ def test_doctor_reports_versions_devices_kernels(capsys):
     assert rc == 0 and "serving" in out and "compilers" in out and f"torch      {torch.__version__}" in out
 
 
+def test_doctor_has_a_row_for_every_registered_kernel_and_the_device_types_they_claim(capsys):
+    """Review item 12: every registered kernel has a row (the Triton kernel of kvcore-xpu
+    included, though no XPU is here), and every device type a kernel claims has a serving
+    row saying which kernels would serve it."""
+    rc, out, _ = run(capsys, "doctor", "--json")
+    d = json.loads(out)
+    registered = {k.name for k in kvcore.registry.kernels()}
+    assert {k["name"] for k in d["kernels"]} == registered
+    claimed = {t for k in kvcore.registry.kernels() for t in k.device_types if t != "meta"}
+    assert set(d["serving"]) == claimed
+    rc, text, _ = run(capsys, "doctor")
+    for name in registered:
+        assert any(line.split()[:1] == [name] for line in text.splitlines() if line.startswith("  ")), name
+    for dev in claimed:
+        assert any(line.startswith(f"  {dev} ") for line in text.splitlines()), dev
+    if "xpu" in {p.name for p in kvcore.plugins() if p.error is None}:
+        assert "triton-xpu" in registered and "triton-xpu" in d["serving"]["xpu"]["why"]
+
+
+def test_an_unknown_forced_kernel_names_the_registered_ones(capsys, monkeypatch):
+    """Review item 12: KVCORE_KERNEL naming no kernel says so and lists every registered
+    kernel (a transfer raises it; doctor shows it for the device); a kernel that exists but
+    does not serve the device says that instead."""
+    registered = sorted({k.name for k in kvcore.registry.kernels()})
+    lay = kvcore.build_layout("NL_X_TWO_NB_BS_NH_HS", [torch.zeros(2, 4, 4, 2, 8)])
+    monkeypatch.setenv("KVCORE_KERNEL", "nosuch")
+    want = f"KVCORE_KERNEL=nosuch: no kernel of that name is registered (registered kernels: {', '.join(registered)})"
+    for call in (lambda: kvcore.gather(lay, [1]), lambda: kvcore.scatter(lay, [1], torch.zeros(2, 1, 1, 16))):
+        with pytest.raises(kvcore.TransferError) as ei:
+            call()
+        assert str(ei.value).startswith(want) and "Unset KVCORE_KERNEL" in str(ei.value)
+    rc, out, _ = run(capsys, "doctor", "--json")
+    assert json.loads(out)["serving"]["cpu"]["why"].startswith(want)
+    monkeypatch.setenv("KVCORE_KERNEL", "native-cuda")
+    with pytest.raises(kvcore.TransferError, match="KVCORE_KERNEL=native-cuda does not serve device type 'cpu' .*kernels that serve"):
+        kvcore.gather(lay, [1])
+
+
+def test_doctor_wraps_long_lines_without_breaking_paths(capsys, monkeypatch):
+    """Review item 13: long explanations wrap at 100 columns under their label; a path (with
+    hyphens, longer than a line) is never broken, so it can be copied."""
+    from kvcore import kernels
+
+    path = "/opt/some-very-long/build-directory-with-hyphens/" + "x" * 90 + "/kvcore_native-cpu-torch2.13"
+    real = kernels.kernel_report
+
+    def report():
+        rows = real()
+        rows[0] = {**rows[0], "why": f"built at {path} (a long explanation of the kernel, " + "and more words " * 12 + ")"}
+        return rows
+
+    monkeypatch.setattr(kernels, "kernel_report", report)
+    monkeypatch.setenv("KVCORE_TEST_LONG_PATH", path)
+    monkeypatch.setenv("KVCORE_TEST_OTHER", "y" * 40)
+    rc, out, _ = run(capsys, "doctor")
+    assert rc == 0
+    lines = out.splitlines()
+    assert sum(path in line for line in lines) == 2  # whole, in the kernel row and in env
+    for line in lines:
+        if len(line) > 100:  # only a token longer than a line may pass the width, alone on its line
+            assert len(line.split()) <= 2 and any(path in tok for tok in line.split()), line
+    assert any(line.startswith("env        ") for line in lines)
+
+
 # -- demo, bench, check ---------------------------------------------------------------------
 
 
@@ -513,8 +622,13 @@ def test_demo_dispatches_with_the_remaining_arguments(capsys):
 def test_demo_listing_and_unknown_engine(capsys):
     rc, out, _ = run(capsys, "demo", "--list")
     assert rc == 0 and f"{ENGINE}" in out and "a test demo" in out and "[plugin clitest-plugin]" in out
-    rc, out, _ = run(capsys, "demo", "--help")
-    assert rc == 0 and "examples:" in out and ENGINE in out
+    for flag in ("--help", "-h"):  # review item 15: a usage line, options and runnable examples
+        rc, out, _ = run(capsys, "demo", flag)
+        assert rc == 0 and out.startswith("usage: kvcore demo [--engine NAME] [--list] [-h] [DEMO ARGS ...]\n")
+        assert "examples:" in out and ENGINE in out and "-h, --help" in out
+        examples = out.split("examples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        assert len(examples) >= 4 and all(e.strip().startswith("kvcore demo") for e in examples)
+        assert any("--pd" in e for e in examples) and any(e.split("#")[0].strip().endswith("--help") for e in examples)
     rc, out, err = run(capsys, "demo", "--engine", "no-such")
     assert rc == 2 and "no demo named 'no-such'" in err and ENGINE in err
 

@@ -615,21 +615,45 @@ def test_spec_classes_for_kvcore_formats_and_unknown_names():
         L.get_spec_class("NL_X_NB_BS_HS")([torch.zeros(2, 3, 4)], "NL_X_NBBS_ONE_HS")
 
 
-def test_attention_backends_put_the_registering_plugins_first(core_only):
-    name = "NL_X_NB_BS_NH_HS"
-    lmcache_label = L.get_spec_class(name).attention_backends
-    assert len(lmcache_label) == 1 and "SGLang" in lmcache_label[0]  # no plugin registers it here
-
+def _registers(name, engine, backends):
     class Registers:
         @kvcore.hookimpl
         def kvcore_register_formats(self, register):
-            register(kvcore.KVFormat(name=name, engines=["x"], attention_backends=["XBackend"]))
+            register(kvcore.KVFormat(name=name, engines=[engine], attention_backends=backends))
 
-    kvcore.register_plugin(Registers(), "registers-test")
-    assert L.get_spec_class(name).attention_backends == ("XBackend", *lmcache_label)
-    assert L.get_attention_backend(name) == "XBackend"
+    return Registers()
+
+
+def test_attention_backends_put_lmcaches_engine_first_whatever_else_is_installed(core_only):
+    """An LMCache member's first label is its LMCache engine's: that engine's plugin's
+    backend when installed, else LMCache's label; another engine's plugin (or a third
+    party) declaring the same name never changes it."""
+    name = "NL_X_NB_BS_NH_HS"  # LMCache: SGLang's per-component K or V views
+    lmcache_label = L.get_spec_class(name).attention_backends
+    assert len(lmcache_label) == 1 and "SGLang" in lmcache_label[0]  # no plugin registers it here
+    kvcore.register_plugin(_registers(name, "x", ["XBackend"]), "aaa-x")  # sorts first, another engine
+    assert L.get_spec_class(name).attention_backends == (*lmcache_label, "XBackend")
+    assert L.get_attention_backend(name) == lmcache_label[0]
+    kvcore.register_plugin(_registers(name, "sglang", ["SGLangBackend"]), "sglang")  # the engine's own plugin
+    assert L.get_spec_class(name).attention_backends == ("SGLangBackend", *lmcache_label, "XBackend")
+    kvcore.unregister_plugin("aaa-x")
+    assert L.get_attention_backend(name) == "SGLangBackend"
+    # a name no LMCache member has: the registry's owner's labels first
+    kvcore.register_plugin(_registers("TWO_X_NL_X_NB_NH_BS_HS", "y", ["YBackend"]), "y")
+    assert L.get_attention_backend("TWO_X_NL_X_NB_NH_BS_HS") == "YBackend"
     assert L.get_spec_class("NB_NH_NL_BS_CS").attention_backends == ()  # nobody: empty, "Unknown"
     assert L.get_attention_backend("NB_NH_NL_BS_CS") == "Unknown (NB_NH_NL_BS_CS)"
+
+
+def test_the_facade_gives_vllms_labels_for_vllm_layouts_shared_with_other_plugins():
+    """The in-tree plugins: transformers, LMDeploy and SGLang also declare some of vLLM's
+    LMCache members; the facade's label is vLLM's (LMCache's engine for the member)."""
+    if "vllm" not in {p.name for p in kvcore.plugins() if p.error is None}:
+        pytest.skip("the vLLM plugin is not installed")
+    got = {n: L.get_attention_backend(n) for n in ("NB_NL_TWO_BS_NH_HS", "NL_X_TWO_X_NB_BS_NH_HS", "NL_X_NB_BSV_BSS")}
+    vllm = {n: kvcore.registry.declarations(n)["vllm"].attention_backends[0] for n in got}
+    assert got == vllm
+    assert got["NB_NL_TWO_BS_NH_HS"] != "PagedAttentionCache" and got["NL_X_NB_BSV_BSS"] != "NSATokenToKVPool"
 
 
 @pytest.mark.parametrize(
@@ -914,3 +938,59 @@ def test_plane_tuples_of_different_dtypes_are_refused_not_misread():
     with pytest.raises(GeometryError, match="one dtype"):
         spec.head_size()
     assert L.get_concrete_engine_kv_shape(kv, "NL_X_NP_X_NB_BS_ONE_HS") == "Unknown (NL_X_NP_X_NB_BS_ONE_HS)"
+
+
+def test_every_name_the_facade_docs_and_messages_cite_exists():
+    """Review item 16: the facade's docstrings and messages cite kvcore names; every one
+    (``kvcore.x.y``, ``:func:`~kvcore.x``` and the facade's own ``:func:`name``` references)
+    resolves, so a rename elsewhere cannot leave stale text here."""
+    import importlib
+    import inspect
+    import re
+
+    src = inspect.getsource(L)
+    dotted = set(re.findall(r"\bkvcore(?:\.[A-Za-z_][A-Za-z0-9_]*)+", src))
+    roles = set(re.findall(r":(?:func|class|data|exc|mod):`~?([A-Za-z_][A-Za-z0-9_.]*)`", src))
+
+    def resolves(name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            try:
+                for a in parts[i:]:
+                    obj = getattr(obj, a)
+                return True
+            except AttributeError:
+                return False
+        obj = L
+        try:
+            for a in parts:
+                obj = getattr(obj, a)
+            return True
+        except AttributeError:
+            return False
+
+    missing = sorted(n for n in dotted | roles if not resolves(n.rstrip(".")))
+    assert missing == [] and len(dotted) > 5 and len(roles) > 5
+
+
+def test_multi_plane_detections_are_refused_by_the_accessors_with_the_way_forward():
+    """vllm-ascend pairs of unequal widths detect as multi-plane layouts; LMCache's one-width
+    accessors refuse them naming the planes and kvcore's layout API (which describes them)."""
+    if "vllm" not in {p.name for p in kvcore.plugins() if p.error is None}:
+        pytest.skip("the vLLM plugin is not installed")
+    kv = [(torch.randn(4, 16, 2, 128), torch.randn(4, 16, 2, 64)) for _ in range(2)]
+    for spec, roles in (("attention", ("K", "V")), ("mla", ("KV", "KPE"))):
+        fmt, nkv = L.normalize_kv_and_discover_format(kv, "vllm", {"kv_cache_spec": spec})
+        assert kvcore.parse_format(str(fmt)).roles == roles
+        s = L.get_spec(nkv, fmt)
+        for accessor in (s.num_layers, s.hidden_dim, s.num_blocks, s.concrete_shape_str, s.data_ptrs):
+            with pytest.raises(GeometryError, match=rf"multi-plane layout \(planes {roles[0]}, {roles[1]}.*kvcore.build_layout"):
+                accessor()
+        lay = kvcore.build_layout(str(fmt), nkv)
+        assert lay.num_layers == 2 and lay.staging_shapes(3) == {roles[0]: (2, 3, 256), roles[1]: (2, 3, 128)}
+        staged = kvcore.gather(lay, torch.tensor([5]))
+        assert torch.equal(staged[roles[1]][1, 0], kv[1][1][0, 5].reshape(-1))

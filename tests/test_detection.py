@@ -3,6 +3,8 @@ DetectionError message, ``kvcore.resolve`` and ``detect_per_layer``."""
 
 from __future__ import annotations
 
+import warnings
+
 import pydantic
 import pytest
 import torch
@@ -20,6 +22,11 @@ class ToyEngine:
 
     def __init__(self):
         self.calls = []
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for name in ("NL_X_NB_BS_HS", "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS"):
+            register(kvcore.KVFormat(name=name, engines=["toy"]))
 
     @hookimpl
     def kvcore_detect(self, kv_caches, engine, hints):
@@ -266,13 +273,287 @@ def test_a_crashing_or_misbehaving_detect_hook_is_a_detection_error(core_only):
 def test_a_detection_whose_tensors_do_not_fit_is_a_detection_error(core_only):
     class Liar:
         @hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name="NL_X_TWO_NB_BS_NH_HS"))
+
+        @hookimpl
         def kvcore_detect(self, kv_caches, engine, hints):
             return Detection(format="NL_X_TWO_NB_BS_NH_HS", kv_caches=list(kv_caches))  # these are rank 3
 
     kvcore.register_plugin(Liar(), name="liar")
     t = torch.zeros(NB, BS, HS)
-    for call in (lambda: kvcore.detect([t], "e"), lambda: kvcore.detect_per_layer([t], "e")):
-        with pytest.raises(DetectionError, match="do not fit it") as ei:
-            call()
+    for i, call in enumerate((lambda: kvcore.detect([t], "e"), lambda: kvcore.detect_per_layer([t], "e"))):
+        # the plugin's answer is unusable: it is named and skipped (a warning, once), and with
+        # no other answer the error names it, says why, and lists the tensors
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            with pytest.raises(DetectionError, match="liar: .*detected NL_X_TWO_NB_BS_NH_HS but the tensors do not fit it") as ei:
+                call()
+        assert [str(w.message)[:37] for w in rec] == (["kvcore plugin 'liar' misbehaved and w"] if i == 0 else [])
         assert "shape=[6, 4, 8]" in str(ei.value)
-        assert isinstance(ei.value.__cause__, kvcore.GeometryError)
+        assert isinstance(ei.value.__cause__.__cause__, kvcore.GeometryError)
+
+
+# -- review item 9: a {role: container} dict keeps its roles ----------------------------------
+
+KV_PLANES = "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS"
+
+
+class _PlanesEngine:
+    """Detects engine ``pl``: a multi-plane cache handed over as ``{role: per-layer list}``."""
+
+    def __init__(self):
+        self.got = []
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        register(kvcore.KVFormat(name=KV_PLANES, engines=["pl"]))
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != "pl":
+            return None
+        self.got.append((type(kv_caches).__name__, list(kv_caches) if hasattr(kv_caches, "keys") else len(kv_caches)))
+        if not isinstance(kv_caches, kvcore.Planes):
+            raise DetectionError("pl: pass the planes as a dict {role: per-layer list}")
+        return Detection(format=KV_PLANES, kv_caches={"K": kv_caches["K"], "V": kv_caches["V"]})
+
+
+@pytest.mark.parametrize("wrap", ["dict", "dict-V-first", "Planes"])
+def test_a_dict_of_plane_roles_reaches_the_detector_as_roles_never_as_layer_names(core_only, wrap):
+    """Review item 9: ``{"V": V, "K": K}`` was turned into a list of two 'layers' named V and
+    K (a plugin could only guess K from position, and staged V as K). A dict whose keys are
+    plane roles reaches kvcore_detect as a kvcore.Planes mapping, roles intact; no layer
+    names; the staged K plane holds K's values."""
+    plugin = _PlanesEngine()
+    kvcore.register_plugin(plugin, name="planes-plugin")
+    k = [torch.full((NB, BS, NH, HS), 1.0 + i) for i in range(2)]
+    v = [torch.full((NB, BS, NH, HS), 10.0 + i) for i in range(2)]
+    cache = {"dict": {"K": k, "V": v}, "dict-V-first": {"V": v, "K": k}, "Planes": kvcore.Planes(V=v, K=k)}[wrap]
+    lay = kvcore.detect(cache, "pl")
+    assert plugin.got == [("Planes", list(cache))]
+    assert lay.layer_names is None and lay.num_layers == 2
+    staged = kvcore.gather(lay, torch.tensor([0, 5]))
+    assert staged[0, 1, 1, 0].item() == 2.0 and staged[1, 0, 0, 0].item() == 10.0  # K is K, V is V
+    assert kvcore.detect_per_layer(cache, "pl")[0].format.name == KV_PLANES
+
+
+def test_layer_name_dicts_stay_layers_and_roles_with_digits_need_planes(core_only):
+    plugin = _PlanesEngine()
+    kvcore.register_plugin(plugin, name="planes-plugin")
+    k = [torch.zeros(NB, BS, NH, HS) for _ in range(2)]
+    # layer names (they carry a number) are layers, never roles
+    with pytest.raises(DetectionError, match="pass the planes"):
+        kvcore.detect({"layers.0": k[0], "layers.1": k[1]}, "pl")
+    assert plugin.got[-1] == ("list", 2)
+    # a role with a digit reads as a layer name in a plain dict; kvcore.Planes says it is a role
+    with pytest.raises(DetectionError, match="pass the planes"):
+        kvcore.detect({"K": k, "K2": k}, "pl")
+    assert plugin.got[-1] == ("list", 2)
+    with pytest.warns(kvcore.KVCorePluginWarning, match="KeyError: 'V'"), pytest.raises(DetectionError):
+        kvcore.detect(kvcore.Planes(K=k, K2=k), "pl")  # the plugin gets the roles (and has no V plane to read)
+    assert plugin.got[-1] == ("Planes", ["K", "K2"])
+    with pytest.raises(DetectionError, match="'k' is not one"):
+        kvcore.detect(kvcore.Planes(k=k), "pl")
+
+
+@pytest.mark.parametrize("keys", [("k", "v"), ("key", "value"), ("key_cache", "value_cache"), ("Keys", "Values", "Scales"), ("V", "k")])
+def test_a_dict_of_containers_keyed_neither_by_role_nor_by_layer_number_is_refused(core_only, keys):
+    """Review item 9, the rest of the class: ``{"k": [...], "v": [...]}`` read as two layers
+    named k and v paired layer 0's K with layer 1's K (wrong bytes, silently). Keys that are
+    not all upper-case roles and carry no layer number say nothing about what they are: the
+    door refuses them, naming both ways to say it, before any plugin is asked."""
+    plugin = _PlanesEngine()
+    kvcore.register_plugin(plugin, name="planes-plugin")
+    lists = {k: [torch.zeros(NB, BS, NH, HS) for _ in range(2)] for k in keys}
+    for call in (lambda: kvcore.detect(lists, "pl"), lambda: kvcore.detect_per_layer(lists, "pl")):
+        with pytest.raises(DetectionError, match="carry no layer number: each key reads either as a plane role or as a layer name"):
+            call()
+    assert plugin.got == []
+    # the same tensors under numbered layer names, or as upper-case roles, are read as such
+    with pytest.raises(DetectionError, match="pass the planes"):
+        kvcore.detect({f"layers.{i}": v for i, v in enumerate(lists.values())}, "pl")
+    assert plugin.got == [("list", len(keys))]
+    # a dict of tensors (not containers) without layer numbers stays a dict of layers, in order
+    assert normalize_container({"attn": torch.zeros(2, NB, BS, NH, HS), "cross": torch.zeros(2, NB, BS, NH, HS)})[1] == [
+        "attn",
+        "cross",
+    ]
+
+
+# -- review item 10: the ambiguity error says truthfully what decides -------------------------
+
+
+class _FourWays:
+    """Four readings of one contiguous ``[4, 4, 4, HS]`` tensor: (backend A or B) x (layout
+    NHD or HND), each placing bytes differently; versions as alternatives ("1/2" selects
+    both backends' readings, "3" only B's)."""
+
+    NAMES = {
+        ("A", "NHD"): "NL_X_NB_BS_NH_HS",
+        ("A", "HND"): "NL_X_NB_NH_BS_HS",
+        ("B", "NHD"): "NL_X_BS_NB_NH_HS",
+        ("B", "HND"): "NL_X_NH_NB_BS_HS",
+    }
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for name in self.NAMES.values():
+            register(kvcore.KVFormat(name=name, engines=["four"]))
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != "four":
+            return None
+        cands = []
+        for (backend, layout), fmt in self.NAMES.items():
+            sel = {"version": "1/2" if backend == "A" else "1/2/3", "backend": backend, "layout": layout}
+            if all(hints.get(h) is None or str(hints[h]) in str(val).split("/") for h, val in sel.items()):
+                cands.append(Candidate(fmt, list(kv_caches), decided_by=sel, label=f"{backend} {layout}"))
+        return resolve(cands, engine="four", geometry_hints={})
+
+
+def test_the_ambiguity_error_names_only_hints_that_decide_and_says_when_they_must_go_together(core_only):
+    """Review item 10: with more than two candidates "pass one of these hints" was untrue:
+    after naming version, backend and layout, passing layout alone still left 2, backend
+    alone 4. The error now says which hints decide alone, else which decide together (and
+    the values that select each reading), never a hint the caller gave; following it
+    decides."""
+    kvcore.register_plugin(_FourWays(), name="four")
+    t = [torch.zeros(4, 4, 4, 8)]  # NB = BS = NH: every reading fits
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four")
+    msg = str(ei.value)
+    assert "No one hint decides between these 4 layouts; pass these hints together: backend, layout" in msg
+    assert "Pass one of these" not in msg and ei.value.decide == [["backend", "layout"]]
+    assert set(ei.value.hints) == {"version", "backend", "layout"}
+    # the advice is true: backend and layout together decide, whatever the pair
+    for backend in "AB":
+        for layout in ("NHD", "HND"):
+            lay = kvcore.detect(t, "four", {"backend": backend, "layout": layout})
+            assert lay.format.name == _FourWays.NAMES[backend, layout]
+    # with layout given, two readings are left and backend alone decides; version does not
+    # (version 1 selects both), so it is not offered
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four", {"layout": "NHD"})
+    assert str(ei.value).endswith("Pass one of these hints to decide: backend") and ei.value.decide == [["backend"]]
+    assert "layout" not in ei.value.hints
+    # with backend given, two readings are left; layout decides
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four", {"backend": "B"})
+    assert str(ei.value).endswith("Pass one of these hints to decide: layout")
+    # version 3 selects only B's readings: the error says layout then
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "four", {"version": "3"})
+    assert str(ei.value).endswith("Pass one of these hints to decide: layout")
+
+
+class _Table:
+    """Readings of one contiguous ``[4, 4, 4, HS]`` tensor (NB = BS = NH: every template
+    fits), each selected by hint values (``"a/b"``: either); a reading stays while every
+    hint given is one of its values."""
+
+    def __init__(self, engine, readings):
+        self.engine, self.readings = engine, readings
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for fmt, _ in self.readings:
+            register(kvcore.KVFormat(name=fmt, engines=[self.engine]))
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != self.engine:
+            return None
+        cands = [
+            Candidate(fmt, list(kv_caches), decided_by=sel, label=fmt)
+            for fmt, sel in self.readings
+            if all(hints.get(h) is None or str(hints[h]) in str(v).split("/") for h, v in sel.items())
+        ]
+        return resolve(cands, engine=engine, geometry_hints={})
+
+
+_TABLES = {
+    # vLLM 0.26's packed K|V: two readings share backends ("FA"), the CPU one shares the layout
+    "overlapping-alternatives": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"backend": "FA/FLEX", "layout": "NHD"}),
+            ("NL_X_NB_NH_BS_HS", {"backend": "FA/AITER", "layout": "HND"}),
+            ("NL_X_BS_NB_NH_HS", {"backend": "CPU", "layout": "HND"}),
+        ],
+        [["backend", "layout"]],
+    ),
+    "one-hint-three-values": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"layout": "NHD", "version": "1/2"}),
+            ("NL_X_NB_NH_BS_HS", {"layout": "HND", "version": "2/3"}),
+            ("NL_X_BS_NB_NH_HS", {"layout": "BNHD", "version": "3"}),
+        ],
+        [["layout"]],
+    ),
+    "two-hints-each-alone": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"layout": "NHD", "backend": "A"}),
+            ("NL_X_NB_NH_BS_HS", {"layout": "HND", "backend": "B"}),
+            ("NL_X_BS_NB_NH_HS", {"layout": "BNHD", "backend": "C"}),
+        ],
+        [["layout"], ["backend"]],
+    ),
+    "three-hints-together": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"a": "1", "b": "1", "c": "1"}),
+            ("NL_X_NB_NH_BS_HS", {"a": "2", "b": "1", "c": "1"}),
+            ("NL_X_BS_NB_NH_HS", {"a": "1", "b": "2", "c": "1"}),
+            ("NL_X_NH_NB_BS_HS", {"a": "1", "b": "1", "c": "2"}),
+        ],
+        [["a", "b", "c"]],
+    ),
+    "nothing-decides": (
+        [
+            ("NL_X_NB_BS_NH_HS", {"a": "1/2"}),
+            ("NL_X_NB_NH_BS_HS", {"a": "2/3"}),
+            ("NL_X_BS_NB_NH_HS", {"a": "3/1"}),
+        ],
+        [],
+    ),
+}
+
+
+def _values(sel, key):
+    return str(sel[key]).split("/") if key in sel else []
+
+
+@pytest.mark.parametrize("table", list(_TABLES))
+def test_the_ambiguity_advice_is_true_for_every_value_a_reading_accepts(core_only, table):
+    """Review item 10, the whole class: whatever the readings' values (alternatives that
+    overlap, one hint with many values, hints that decide only together, hints that never
+    decide), the error's claim holds for *every* value that selects a reading: a hint said to
+    decide alone leaves exactly that reading whichever of its values is passed; hints said
+    to decide together do so for every combination; a hint not offered as deciding alone
+    has a value that leaves two readings; and when nothing decides, the error says so."""
+    import itertools
+
+    readings, want = _TABLES[table]
+    kvcore.register_plugin(_Table("tbl", readings), name="tbl")
+    t = [torch.zeros(4, 4, 4, 8)]
+    with pytest.raises(AmbiguousLayoutError) as ei:
+        kvcore.detect(t, "tbl")
+    err, msg = ei.value, str(ei.value)
+    assert err.decide == want, msg
+    last = msg.splitlines()[-1]
+    if not want:
+        assert last.startswith("These hints narrow it down but do not tell all 3 layouts apart, even together"), last
+    elif len(want[0]) == 1:
+        assert last == f"Pass one of these hints to decide: {', '.join(d[0] for d in want)}"
+    else:
+        assert last.startswith(
+            f"No one hint decides between these {len(readings)} layouts; pass these hints together: {', '.join(want[0])}"
+        )
+    for keys in want:
+        for fmt, sel in readings:
+            for combo in itertools.product(*(_values(sel, k) for k in keys)):
+                assert kvcore.detect(t, "tbl", dict(zip(keys, combo))).format.name == fmt, (keys, combo)
+    alone = {d[0] for d in want if len(d) == 1}
+    for key in set(err.hints) - alone:  # not offered alone: some value of it leaves two readings
+        vals = {v for _, sel in readings for v in _values(sel, key)}
+        assert any(sum(v in _values(sel, key) for _, sel in readings) > 1 for v in vals), key

@@ -390,7 +390,11 @@ def test_a_plugin_spec_reaching_past_storage_is_refused():
 
             self.table = replace(self.table, num_slots=self.table.num_slots + self.table.block_size)
 
-    class P:
+    class P:  # a spec answers for a name its plugin declares (never overriding a name it does not)
+        @kvcore.hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name="NL_X_NB_BS_HS"))
+
         @kvcore.hookimpl
         def kvcore_spec(self, format):
             return ShortSpec if format.name == "NL_X_NB_BS_HS" else None
@@ -414,6 +418,10 @@ def test_zero_size_axes_are_refused(axis):
 def test_a_spec_hook_must_return_a_spec_class_and_its_crashes_are_geometry_errors():
     class Returns42:
         @kvcore.hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name="NL_X_NB_BS_HS"))
+
+        @kvcore.hookimpl
         def kvcore_spec(self, format):
             return 42
 
@@ -427,6 +435,10 @@ def test_a_spec_hook_must_return_a_spec_class_and_its_crashes_are_geometry_error
             raise IndexError("tuple index out of range")
 
     class P:
+        @kvcore.hookimpl
+        def kvcore_register_formats(self, register):
+            register(kvcore.KVFormat(name="NL_X_NB_BS_HS"))
+
         @kvcore.hookimpl
         def kvcore_spec(self, format):
             return Crashing

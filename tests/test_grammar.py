@@ -1,6 +1,6 @@
 """The layout grammar: every LMCache ``EngineKVFormat`` name parses, renders and yields the
-facts of ``../shared/reference/lmcache_kv_format.md`` §1.2 (member table) and §1.3 (facts
-per member, newest ``csrc/engine_kv_format.h``); malformed names raise FormatError naming
+facts of LMCache's ``EngineKVFormat`` members (the enum and ``FormatFacts`` helpers of
+``csrc/engine_kv_format.h``, LMCache 0.5.6); malformed names raise FormatError naming
 the token."""
 
 from __future__ import annotations

@@ -324,11 +324,206 @@ def test_views_of_an_engine_objects_tensors_are_accepted_and_copies_refused(core
 
         return answer
 
-    kvcore.register_plugin(_Detects(unwrap(copy=False), "eng"), name="views")
+    kvcore.register_plugin(_Declares(unwrap(copy=False), "eng"), name="views")
     cache = _EngineCache()
     layout = kvcore.detect(cache, "eng")
     assert [t.data_ptr() for t in layout.kv_caches] == [layer.kv.data_ptr() for layer in cache.layers]
     kvcore.unregister_plugin("views")
-    kvcore.register_plugin(_Detects(unwrap(copy=True), "eng"), name="copies")
+    kvcore.register_plugin(_Declares(unwrap(copy=True), "eng"), name="copies")
     with pytest.warns(KVCorePluginWarning), pytest.raises(DetectionError, match="copies: .*not a view of the cache"):
         kvcore.detect(_EngineCache(), "eng")
+
+
+# -- review: a detection that cannot be used is the plugin's fault, not the caller's ----------
+
+
+class _Declares(_Detects):
+    """Like _Detects, but declares FMT (and NL_X_NB_BS_HS) for the engine (as the reviewer's plugins did for vllm):
+    it is asked among the engine's own plugins, first."""
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        for name in (FMT, "NL_X_NB_BS_HS"):
+            register(KVFormat(name=name, engines=[self.declares]))
+
+
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        (lambda kv: Detection(format="NOT_A_FORMAT_XX", kv_caches=kv), "unknown token 'NOT'"),
+        (lambda kv: Detection(format="NL_X_NB_BS_HS", kv_caches=kv), "detected NL_X_NB_BS_HS but the tensors do not fit it"),
+        # fits the tensors (an HND reading, other bytes) but no plugin registers it
+        (lambda kv: Detection(format="NL_X_TWO_NB_NH_BS_HS", kv_caches=kv), "a format no loaded plugin registers"),
+        (lambda kv: Detection(format=42, kv_caches=kv), "must be a format name"),
+        (lambda kv: Detection(format="NL_X_TWO_NB_BS_NH_HS", kv_caches=[t._neg_view() for t in kv]), "lazy negation bit"),
+    ],
+    ids=["unparseable-format", "format-that-does-not-fit", "unregistered-format", "format-not-a-name", "negated-views"],
+)
+def test_a_detection_that_does_not_build_is_named_and_skipped_and_the_right_plugin_answers(core_only, monkeypatch, answer, why):
+    """Review item 2: a plugin serving the engine whose Detection names a format that does
+    not parse, or one the tensors do not fit (3-D template for 5-D tensors), used to
+    pre-empt the right plugin with a FormatError/DetectionError that did not name it. Now it
+    is named and skipped with a warning and the other plugin answers; alone, the error names
+    it; under strict mode it is an error naming it."""
+    kvcore.register_plugin(_good_plugin(), name="good")
+    kvcore.register_plugin(_Declares(answer, declares="good"), name="bad")  # registered last: asked first
+    with pytest.warns(KVCorePluginWarning) as rec:
+        layout = kvcore.detect(_cache(), "good")
+    assert layout.format.name == FMT and layout.plugin == "good"
+    assert torch.equal(kvcore.gather(layout, [1])[1, 0, 0], _cache()[0][1, 0, 1].reshape(-1))
+    msgs = [str(r.message) for r in rec]
+    assert any("'bad' misbehaved and was skipped" in m and why in m for m in msgs), msgs
+    assert not any("KVCORE_DISABLE_PLUGINS=good" in m for m in msgs)
+    kvcore.unregister_plugin("good")
+    with (
+        pytest.raises(DetectionError, match=f"no kvcore plugin gave a usable answer.*\\n  bad: .*{why[:20]}"),
+    ):
+        kvcore.detect(_cache(), "good")
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match=f"'bad' misbehaved: .*{why[:20]}"):
+        kvcore.detect(_cache(), "good")
+
+
+def test_each_plugin_gets_its_own_copy_of_the_hints(core_only):
+    """Review item 4: a plugin that edits ``hints`` (top level or nested) changes nothing the
+    next plugin, or the caller, sees."""
+    seen: list = []
+
+    class Meddler:
+        @hookimpl
+        def kvcore_register_formats(self, register):
+            register(KVFormat(name=FMT, engines=["good"]))
+
+        @hookimpl(tryfirst=True)
+        def kvcore_detect(self, kv_caches, engine, hints):
+            seen.append(("meddler", repr(hints)))
+            hints["kv_cache_layout"] = "HND"
+            hints["nested"]["x"].append(99)
+            hints["nested"]["y"] = {"z"}
+            hints["nested"]["t"][0].append(4)  # a list inside a tuple
+            hints["nested"]["s"].add(9)
+            hints.pop("keep")
+            return None
+
+    class Witness:
+        @hookimpl
+        def kvcore_register_formats(self, register):
+            register(KVFormat(name=FMT, engines=["good"]))
+
+        @hookimpl
+        def kvcore_detect(self, kv_caches, engine, hints):
+            seen.append(("witness", repr(hints)))
+            return None
+
+    kvcore.register_plugin(_good_plugin(), name="good")
+    kvcore.register_plugin(Witness(), name="witness")
+    kvcore.register_plugin(Meddler(), name="meddler")
+
+    def fresh():
+        return {"keep": 1, "nested": {"x": [1, 2], "t": ([3],), "s": {1}}}
+
+    want = repr(fresh())
+    for call in (kvcore.detect, kvcore.detect_per_layer):
+        seen.clear()
+        hints = fresh()
+        call(_cache(), "good", hints=hints)
+        assert hints == fresh()
+        assert seen == [("meddler", want), ("witness", want)], call.__name__
+
+
+def _deep(t, n):
+    for _ in range(n):
+        t = [t]
+    return t
+
+
+@pytest.mark.parametrize(
+    "make, error, words",
+    [
+        (lambda t: [torch.nested.nested_tensor([t[0, 0], t[0, 1, :2]])], kvcore.GeometryError, "nested tensor"),
+        (lambda t: [t.to_sparse()], kvcore.GeometryError, "sparse_coo tensor"),
+        (lambda t: [t.to_sparse_csr() if t.dim() == 2 else t.flatten(0, 3).to_sparse_csr()], kvcore.GeometryError, "sparse_csr"),
+        (lambda t: [t.flatten(0, 3).to_sparse_bsr((2, 2))], kvcore.GeometryError, "sparse_bsr"),
+        (lambda t: [t.to_mkldnn() if torch.backends.mkldnn.is_available() else t.to_sparse()], kvcore.GeometryError, "mkldnn|sparse"),
+        (lambda t: kvcore.Planes(K=[t[0]], V=[t[1].to_sparse()]), kvcore.GeometryError, r"kv_caches\['V'\]\[0\] is a sparse_coo"),
+        (lambda t: [t._neg_view()], kvcore.GeometryError, "lazy negation bit"),
+        (lambda t: [torch.complex(t, t).conj()], kvcore.GeometryError, "lazy conjugation bit"),
+        (lambda t: [[[[[t]]]]], DetectionError, "nested more than 4 levels deep"),
+        (lambda t: {"model.layers.0": [[[[t]]]]}, DetectionError, "nested more than 4 levels deep"),
+        (lambda t: kvcore.Planes(K=[[[[t]]]]), DetectionError, "nested more than 4 levels deep"),
+        (lambda t: _deep(t, 10_000), DetectionError, "nested more than 4 levels deep"),
+    ],
+    ids=[
+        "nested",
+        "sparse-coo",
+        "sparse-csr",
+        "sparse-bsr",
+        "mkldnn",
+        "planes-sparse",
+        "neg-view",
+        "conj-view",
+        "depth-5",
+        "dict-depth-5",
+        "planes-depth-5",
+        "depth-10000",
+    ],
+)
+def test_input_no_layout_describes_is_refused_at_the_door_before_any_plugin(core_only, make, error, words):
+    """Review item 3: nested, sparse (any non-strided layout), negated/conjugated views and
+    unreasonable nesting are refused before any plugin is asked (a plugin that would crash
+    on them is never blamed), with a KVCoreError naming the path and what is wrong."""
+    asked = []
+
+    class Fragile:
+        @hookimpl
+        def kvcore_detect(self, kv_caches, engine, hints):
+            asked.append(engine)
+            return kv_caches[0].shape[7]  # would crash on anything
+
+    kvcore.register_plugin(Fragile(), name="fragile")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype/beta warnings for nested and sparse CSR tensors
+        bad = make(torch.zeros(2, NB, BS, NH, HS))
+        for call in (lambda: kvcore.detect(bad, "e"), lambda: kvcore.detect_per_layer(bad, "e")):
+            with pytest.raises(error, match=words) as ei:
+                call()
+            assert "kv_caches" in str(ei.value) and "misbehaved" not in str(ei.value)
+        if error is kvcore.GeometryError:  # build_layout refuses the same tensors
+            with pytest.raises(kvcore.GeometryError, match=words):
+                kvcore.build_layout(FMT, bad)
+    assert asked == []
+
+
+def test_a_container_that_contains_itself_is_refused_at_the_door(core_only):
+    t = torch.zeros(2, NB, BS, NH, HS)
+    loop: list = [t]
+    loop.append(loop)
+    looped_dict: dict = {"layers.0": t}
+    looped_dict["layers.1"] = looped_dict
+    inner: list = [t]
+    through_tuple = [inner]
+    inner.append((through_tuple,))  # the loop passes through a tuple and two lists
+    for bad, where in ((loop, r"kv_caches\[1\]"), (looped_dict, r"kv_caches\['layers.1'\]"), (through_tuple, r"kv_caches\[0\]\[1\]\[0\]")):
+        for call in (kvcore.detect, kvcore.detect_per_layer):
+            with pytest.raises(DetectionError, match=where + " contains itself"):
+                call(bad, "e")
+        with pytest.raises(kvcore.GeometryError, match="contains itself"):
+            kvcore.build_layout(FMT, bad)
+
+
+def test_an_engines_bound_layers_three_levels_deep_pass_the_door(core_only):
+    """vLLM binds each layer as a list per virtual engine holding a tensor, a (K, V) pair or a
+    Mamba state pair: ``{name: [(K, V)]}`` is three levels and reaches the plugins."""
+    got = []
+
+    class Sees:
+        @hookimpl
+        def kvcore_detect(self, kv_caches, engine, hints):
+            got.append(kv_caches)
+            return None
+
+    kvcore.register_plugin(Sees(), name="sees")
+    k, v = torch.zeros(NB, BS, NH, HS), torch.zeros(NB, BS, NH, HS)
+    with pytest.raises(DetectionError, match="no kvcore plugin recognises"):
+        kvcore.detect({"model.layers.0.attn": [(k, v)]}, "e")
+    assert got == [[[(k, v)]]]

@@ -34,6 +34,11 @@ class Twin:
     its strides (NHD or HND memory), or the tensor already in memory order as HND."""
 
     @hookimpl
+    def kvcore_register_formats(self, register):
+        for name in (NHD, HND):
+            register(kvcore.KVFormat(name=name, engines=["twin"]))
+
+    @hookimpl
     def kvcore_detect(self, kv_caches, engine, hints):
         if engine != "twin":
             return None

@@ -129,7 +129,10 @@ def test_a_spec_hook_answers_only_for_names_its_plugin_declares(core_only):
     kvcore.register_plugin(_Plugin("NL_X_NB_BS_HS"), name="owner")
     kvcore.register_plugin(Hijack(), name="hijack")
     assert registry.spec_for(kvcore.get_format("NL_X_NB_BS_HS")) is None  # declared by 'owner' only
-    assert registry.spec_for(KVFormat(name="NL_X_NBBS_ONE_HS")) is _OtherSpec  # a name nobody declares
+    # a name nobody declares: a spec never overrides what a name the grammar builds means...
+    assert registry.spec_for(KVFormat(name="NL_X_NBBS_ONE_HS")) is None
+    # ...and answers for one the grammar cannot build alone (NP plane tuples)
+    assert registry.spec_for(KVFormat(name="NL_X_NP_X_NB_BS_ONE_HS")) is _OtherSpec
 
 
 def test_same_name_twice_and_same_object_twice(core_only):
@@ -373,3 +376,120 @@ def test_duplicate_demo_names_both_plugins(core_only):
     with pytest.raises(PluginError, match="'same' is registered by two plugins: 'demo-a' and 'demo-b'"):
         kvcore.register_plugin(make("b"), name="demo-b")
     assert registry.demos()["same"][2] == "demo-a"
+
+
+# -- review: a newcomer never knocks out a plugin serving the name; labels are stable ---------
+
+SHARED = "NL_X_TWO_NB_BS_NH_HS"
+
+
+def _engine_plugin(modname: str, engine: str, backends: list[str], *, spec=None, extra: tuple[str, ...] = ()) -> types.ModuleType:
+    """A plugin module declaring SHARED (and ``extra``) for ``engine`` with ``backends``,
+    detecting ``engine``'s caches as SHARED; ``spec``: its own kvcore_spec for SHARED."""
+    mod = types.ModuleType(modname)
+
+    @hookimpl
+    def kvcore_register_formats(register):
+        for n in (SHARED, *extra):
+            register(KVFormat(name=n, engines=[engine], attention_backends=backends))
+
+    @hookimpl
+    def kvcore_detect(kv_caches, engine: str, hints):  # noqa: A002 - the hook's argument name
+        if engine != mod.ENGINE:
+            return None
+        return kvcore.resolve([kvcore.Candidate(SHARED, kv_caches)], engine=engine)
+
+    mod.ENGINE = engine
+    mod.kvcore_register_formats, mod.kvcore_detect = kvcore_register_formats, kvcore_detect
+    if spec is not None:
+        mod.kvcore_spec = hookimpl(lambda format: spec if format.name == SHARED else None)
+    return mod
+
+
+def _cache():
+    import torch
+
+    return [torch.zeros(2, 3, 4, 2, 8) for _ in range(2)]
+
+
+@pytest.mark.parametrize("newcomer", ["aaa", "zzz"])  # sorts (loads) before and after the engine's plugin
+def test_a_newcomer_overriding_a_names_generic_meaning_never_knocks_out_the_engines_plugin(fake_entry_points, monkeypatch, newcomer):
+    """The reviewer's case: an entry point ``aaa`` declares vLLM's name for its own engine
+    ``aaa`` (so it looks like an engine's own plugin) with a kvcore_spec of its own. It
+    overrides what the grammar builds: it is the one skipped, whatever the load order; the
+    engine's plugin keeps all its formats and answers; the warning names and advises
+    disabling only the newcomer; strict mode raises naming it."""
+    eng = _engine_plugin("kvcore_test_eng", "eng", ["ENG_BACKEND"], extra=("NL_X_NB_BS_HS",))
+    new = _engine_plugin(f"kvcore_test_{newcomer}", newcomer, ["NEW"], spec=_OtherSpec)
+    monkeypatch.setitem(sys.modules, "kvcore_test_eng", eng)
+    monkeypatch.setitem(sys.modules, f"kvcore_test_{newcomer}", new)
+    fake_entry_points([(newcomer, f"kvcore_test_{newcomer}"), ("eng", "kvcore_test_eng")])
+    with pytest.warns(KVCorePluginWarning) as rec:
+        names = sorted(f.name for f in kvcore.formats())
+    assert names == ["NL_X_NB_BS_HS", SHARED]
+    assert list(registry.declarations(SHARED)) == ["eng"] and registry.spec_for(kvcore.get_format(SHARED)) is None
+    [w] = [str(r.message) for r in rec]
+    assert f"'{newcomer}' declares format '{SHARED}' differently from plugin 'eng'" in w
+    assert "overrides the name's generic meaning" in w
+    assert f"KVCORE_DISABLE_PLUGINS={newcomer}" in w and "KVCORE_DISABLE_PLUGINS=eng" not in w
+    info = {i.name: i for i in kvcore.plugins()}
+    assert info[newcomer].error and info["eng"].error is None
+    layout = kvcore.detect(_cache(), "eng")
+    assert layout.format.name == SHARED and layout.plugin == "eng" and layout.spec.__class__ is kvcore.Spec
+    registry.reset()
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError) as ei:
+        kvcore.formats()
+    assert f"'{newcomer}' declares format" in str(ei.value) and f"KVCORE_DISABLE_PLUGINS={newcomer}" in str(ei.value)
+    assert "KVCORE_DISABLE_PLUGINS=eng" not in str(ei.value)
+
+
+def test_register_plugin_refuses_a_generic_declaration_while_an_override_holds_the_name(core_only):
+    """From code, the plugin being registered is refused (nothing is unloaded behind the
+    caller's back), naming the overriding plugin in the way."""
+    kvcore.register_plugin(_engine_plugin("kvcore_test_x1", "over", ["O"], spec=_OtherSpec), name="over")
+    with pytest.raises(PluginError, match=r"'eng' cannot be registered.*'over'.*overrides the name's generic meaning.*unregister 'over'"):
+        kvcore.register_plugin(_engine_plugin("kvcore_test_x2", "eng", ["E"]), name="eng")
+    assert list(registry.declarations(SHARED)) == ["over"] and "eng" not in {p.name for p in kvcore.plugins()}
+
+
+def test_two_different_specs_the_engines_own_plugin_then_the_first_loaded_keeps_the_name(core_only):
+    class Spec2(kvcore.Spec):
+        pass
+
+    kvcore.register_plugin(_engine_plugin("kvcore_test_a", "other", ["A"], spec=_OtherSpec), name="first")
+    with pytest.raises(PluginError, match="'first' declared it first"):
+        kvcore.register_plugin(_engine_plugin("kvcore_test_b", "nobody", ["B"], spec=Spec2), name="second")
+    with pytest.raises(PluginError, match=r"'eng' cannot be registered.*'eng' is the engine's own plugin.*unregister 'first'"):
+        kvcore.register_plugin(_engine_plugin("kvcore_test_c", "eng", ["C"], spec=Spec2), name="eng")
+
+
+@pytest.mark.parametrize("third", ["aaa_third", "zzz_third"])
+def test_the_engines_own_plugin_owns_a_shared_name_and_its_labels_come_first(fake_entry_points, monkeypatch, third):
+    """A third party re-declaring the engine's name identically (its own engine, backends)
+    coexists; whatever it is called (sorting before or after), the owner is the engine's
+    plugin, the merged labels list the engine's first, and a detection reports the plugin
+    that answered it."""
+    eng = _engine_plugin("kvcore_test_eng2", "eng", ["ENG_BACKEND"])
+    other = _engine_plugin(f"kvcore_test_{third}", "myeng", ["MY2"])  # named unlike its engine: not the engine's own
+    monkeypatch.setitem(sys.modules, "kvcore_test_eng2", eng)
+    monkeypatch.setitem(sys.modules, f"kvcore_test_{third}", other)
+    fake_entry_points([(third, f"kvcore_test_{third}"), ("eng", "kvcore_test_eng2")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fmt = kvcore.get_format(SHARED)
+    assert registry.format_owner(SHARED) == "eng" and list(registry.declarations(SHARED)) == ["eng", third]
+    assert fmt.engines == ["eng", "myeng"] and fmt.attention_backends == ["ENG_BACKEND", "MY2"]
+    assert kvcore.detect(_cache(), "eng").plugin == "eng"
+    assert kvcore.detect(_cache(), "myeng").plugin == third
+    import contextlib
+    import io
+    import json
+
+    from kvcore import cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["describe", SHARED, "--json"]) == 0
+    d = json.loads(buf.getvalue())
+    assert d["plugin"] == "eng" and d["attention_backends"][0] == "ENG_BACKEND"

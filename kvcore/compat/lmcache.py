@@ -18,7 +18,7 @@ changing its imports to this one module::
 Names, argument order, return values and the format facts follow LMCache 0.5.6 (its
 ``kv_format/specs/base.py`` ``KVFormatSpec``, ``specs/registry.py``, ``detection.py``,
 ``contiguity.py``, ``types.py`` and ``gpu_connector/utils.py``; the ``EngineKVFormat`` enum of
-``csrc/engine_kv_format.h``; ``../shared/reference/lmcache_kv_format.md`` summarises them).
+``csrc/engine_kv_format.h``).
 ``scripts/lmcache_facade_check.py`` runs LMCache's own unit tests for those modules against
 this facade with only the imports changed.
 
@@ -59,13 +59,26 @@ detection                      a shape rule per engine, for any sizes:     the e
                                padded; tight per-layer tensors accepted    in memory order says
                                under a blocks-first hint                   ``tensor_order="physical"``); strided views
                                                                            are described; layouts no installed plugin
-                                                                           describes (vLLM-RBLN, vLLM-Ascend tuples
-                                                                           of unequal widths, SGLang ``"unified"``
+                                                                           describes (vLLM-RBLN, SGLang ``"unified"``
                                                                            views) raise :class:`~kvcore.DetectionError`
-plane tuples                   accessors over the planes' summed byte      :class:`~kvcore.GeometryError`: one kvcore
-(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          layout holds one dtype and one width per
-                               elements)                                   plane; kvcore's multi-plane layouts (being
-                                                                           built in the core) will describe them
+plane tuples                   accessors over the planes' summed byte      the vLLM plugin detects vllm-ascend's
+(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          per-layer pairs of unequal widths as
+                               elements)                                   multi-plane layouts (``kv_cache_spec``
+                                                                           tells (K, V) from MLA (nope, rope)):
+                                                                           ``K=...+V=...`` / ``KV=...+KPE=...``,
+                                                                           each plane with its own width, dtype and
+                                                                           staging buffer. The spec accessors raise
+                                                                           :class:`~kvcore.GeometryError` for those
+                                                                           and for the ``NP`` name (a sum of widths
+                                                                           is no head size): use
+                                                                           ``kvcore.build_layout(fmt, kv)`` (README:
+                                                                           the layout grammar, multi-plane names)
+``attention_backends``         the spec file's own labels                  LMCache's engine for the member first: the
+                                                                           backends of that engine's kvcore plugin
+                                                                           (else LMCache's label), then other plugins'
+                                                                           labels; the first entry
+                                                                           (:func:`get_attention_backend`) does not
+                                                                           change with what else is installed
 ``block_stride_elems``         ``stride(0)`` for an allow-list of six      for every format whose dim 0 is the block
                                formats, ``ValueError`` for dim-0 padding   axis (NB or NBBS): kvcore's kernels read
                                elsewhere                                   the stride table
@@ -240,6 +253,15 @@ _LMCACHE_ALLOCATORS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "NL_X_TWO_X_NB_BS_NH_HS": ("vLLM-Ascend per-layer (K, V) tuples",),
         "NL_X_NP_X_NB_BS_ONE_HS": ("vLLM-Ascend MLA / DSA plane tuples",),
         "NL_X_NB_BS_NH_HS": ("SGLang per-component K or V views (kv_list_layout='unified')",),
+    }
+)
+
+#: The engine LMCache's spec file of each member is about (its ``attention_backends``), as
+#: the kvcore engine name: that engine's plugin gives the member's first backend label.
+_LMCACHE_ENGINE: Mapping[str, str] = MappingProxyType(
+    {
+        name: ("sglang" if labels[0].startswith("SGLang") else "trtllm" if labels[0].startswith("TensorRT-LLM") else "vllm")
+        for name, labels in _LMCACHE_ALLOCATORS.items()
     }
 )
 
@@ -459,8 +481,21 @@ def _layout(kv_caches: Any, fmt: Any) -> KVLayout:
 
 
 def _entries(kv_caches: Any, f: EngineKVFormat) -> int:
-    """Layers in a per-layer or K/V-list container, checking the nesting (not the geometry)."""
+    """Layers in a per-layer or K/V-list container, checking the nesting (not the geometry).
+
+    Raises:
+        GeometryError: a multi-plane format (LMCache's accessors describe one width and
+            dtype per layout; kvcore's layout API describes each plane), or a container not
+            nested as the format says.
+    """
     c = f.syntax.container
+    if c == "planes":
+        raise GeometryError(
+            f"format {f} is a multi-plane layout (planes {', '.join(p.role for p in f.syntax.planes)}, each with its own "
+            "tensors, width and dtype): LMCache's spec accessors describe one width per layout, so they do not answer for "
+            "it. Use kvcore's layout: layout = kvcore.build_layout(fmt, kv_caches) (layout.num_layers, layout.planes, "
+            "layout.staging_shapes(T), kvcore.gather(layout, slot_mapping))"
+        )
     try:
         if c == "kv_list":
             if len(kv_caches) != 2 or not isinstance(kv_caches[0], (list, tuple)) or not isinstance(kv_caches[1], (list, tuple)):
@@ -517,14 +552,36 @@ class _AttentionBackends:
 
 
 def _attention_backends(fmt: Any) -> tuple[str, ...]:
+    """The labels of ``fmt``, the representative first. For an LMCache member: the backends
+    the declaration of LMCache's engine for it lists (its own plugin's first), else
+    LMCache's label, then every other declaration's; so the first entry is the same
+    whatever else is installed (a third party declaring vLLM's name, another engine's
+    plugin sharing it). For another name: the registry's merged labels (its owner's first)."""
     from kvcore import registry
 
     name = str(fmt)
     try:
-        registered = tuple(registry.get_format(name).attention_backends)
+        registry.get_format(name)
+        decls = registry.declarations(name)
     except FormatError:
-        registered = ()
-    return registered + tuple(b for b in _LMCACHE_ALLOCATORS.get(name, ()) if b not in registered)
+        decls = {}
+    engine = _LMCACHE_ENGINE.get(name)
+    out: list[str] = []
+
+    def add(labels: Sequence[str]) -> None:
+        out.extend(b for b in labels if b not in out)
+
+    if engine is not None:
+        mine = sorted(
+            (p for p, d in decls.items() if engine in {e.lower() for e in d.engines}),
+            key=lambda p: p.lower() != engine,  # the engine's own plugin first, then others declaring it for the engine
+        )
+        for p in mine:
+            add(decls[p].attention_backends)
+        add(_LMCACHE_ALLOCATORS.get(name, ()))
+    for d in decls.values():
+        add(d.attention_backends)
+    return tuple(out)
 
 
 class KVFormatSpec:

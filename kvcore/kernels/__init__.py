@@ -114,8 +114,7 @@ def select_kernel(device_type: str, format_name: str, staging_device_type: str |
                 if not k.available():
                     raise TransferError(f"KVCORE_KERNEL={forced} is not available here: {k.why()}")
                 return k
-        names = ", ".join(k.name for k in cands) or "none"
-        raise TransferError(f"KVCORE_KERNEL={forced} does not serve {format_name} on {device_type}; kernels that do: {names}")
+        raise TransferError(forced_kernel_problem(forced, device_type, format_name, cands))
     for k in cands:
         ok = getattr(k, "accepts", None)
         sup = getattr(k, "supports", None)
@@ -124,6 +123,39 @@ def select_kernel(device_type: str, format_name: str, staging_device_type: str |
         if k.available() and (ok is None or ok(staging_device_type)):
             return k
     raise TransferError(f"no transfer kernel serves device type {device_type!r}")
+
+
+def forced_kernel_problem(forced: str, device_type: str, format_name: str, cands=None) -> str:
+    """Why ``KVCORE_KERNEL=forced`` cannot serve ``format_name`` on ``device_type``: no
+    kernel of that name is registered (listing those that are, and the plugins disabled or
+    failed to load, one of which may provide it), or the kernel does not claim the device
+    type or the format."""
+    from kvcore import registry
+
+    every = registry.kernels()
+    named = [k for k in every if k.name == forced]
+    if not named:
+        registered = ", ".join(sorted({k.name for k in every})) or "none"
+        msg = f"KVCORE_KERNEL={forced}: no kernel of that name is registered (registered kernels: {registered})"
+        off = registry.disabled_plugins()
+        failed = sorted(i.name for i in registry.plugins() if i.error)
+        if off:
+            msg += f"; disabled plugins (KVCORE_DISABLE_PLUGINS / kvcore.disable_plugins): {', '.join(off)}"
+        if failed:
+            msg += f"; plugins that failed to load: {', '.join(failed)}"
+        if off or failed:
+            msg += " -- the kernel's plugin may be one of them"
+        return msg + ". Unset KVCORE_KERNEL to let kvcore choose, or name a registered kernel"
+    k = named[0]
+    if device_type not in tuple(k.device_types):
+        return (
+            f"KVCORE_KERNEL={forced} does not serve device type {device_type!r} (it claims {', '.join(k.device_types)}); kernels "
+            f"that serve {format_name or 'this format'} on {device_type}: {', '.join(c.name for c in (cands or [])) or 'none'}"
+        )
+    return (
+        f"KVCORE_KERNEL={forced} does not serve format {format_name} (it moves {', '.join(k.formats or [])} only); kernels "
+        f"that serve it on {device_type}: {', '.join(c.name for c in (cands or [])) or 'none'}"
+    )
 
 
 def kernel_report() -> list[dict]:
@@ -162,7 +194,14 @@ def check_storages(table: StrideTable) -> None:
     """Refuse a transfer whose cache storage changed since the table was built (detection):
     every (layer, plane)'s storage must be the same storage, at the same address, of the
     same size. An engine that frees or re-creates its KV cache (sleep mode) needs a new
-    :func:`kvcore.detect`.
+    :func:`kvcore.detect`. Every kernel (the reference kernel, the native ones, a plugin's
+    through this function) runs it over every plane and layer before any write.
+
+    A storage freed and re-created **at the very same address with the same size** (the
+    allocator handing the freed block back) cannot be told from the original: torch exposes
+    no allocation generation. The transfer then moves the tensor's current bytes -- its own
+    memory, so nothing outside the cache is touched -- and the values are whatever the
+    engine wrote since; detect again after re-creating a cache.
 
     Raises:
         TransferError: naming the (layer, plane), the size and address then and now.

@@ -4,8 +4,10 @@ An example of an out-of-tree plugin: it uses only kvcore's public API (``kvcore`
 ``kvcore.testing``) and is found through its distribution's ``[project.entry-points.kvcore]``
 table. ``kvcore check trtllm`` runs the conformance suite on it.
 
-Engine facts (from ``../shared/reference/engine_layouts.md`` §3, read from the
-TensorRT-LLM repository):
+Engine facts (read from the TensorRT-LLM repository: ``cpp/tensorrt_llm/batch_manager/
+kvCacheManager.cpp`` ``WindowBlockManager::allocatePools``, ``cpp/tensorrt_llm/kernels/
+kvCacheUtils.h`` ``KVBlockArray::getKVLocalIdx``, ``tensorrt_llm/_torch/pyexecutor/
+resource_manager.py`` ``KVCacheManager.get_buffers``):
 
 * The C++ block manager allocates **one tensor per pool holding all of the pool's layers**:
   ``cacheShape = {numPrimaryBlocks, numLayers, kvFactor, blockSize}`` with

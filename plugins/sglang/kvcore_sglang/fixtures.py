@@ -6,7 +6,7 @@ extra page, shared storage) without importing SGLang; :data:`CASES` wraps them a
 ``kv_view`` built the way SGLang's attention code indexes the pool (``k_buffer[l][loc]``,
 ``kv_buffer[:, loc, l]`` for page_first host pools, ...), independently of kvcore.
 
-Sources (``../shared/reference/engine_layouts.md`` §2 and SGLang's ``mem_cache/``):
+Sources (SGLang's ``python/sglang/srt/mem_cache/``, wheels 0.5.3 and 0.5.23):
 
 * 0.5.3 ``memory_pool.py::MHATokenToKVPool._create_buffers``: per layer
   ``torch.zeros((size + page_size, head_num, head_dim), dtype=store_dtype)`` for K and

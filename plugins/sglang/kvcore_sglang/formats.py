@@ -1,7 +1,7 @@
 """Every layout SGLang allocates, as a kvcore format (the name is the shape template).
 
-Facts: ``../shared/reference/engine_layouts.md`` §2 (SGLang wheels 0.5.3 and 0.5.23),
-``lmcache_kv_format.md`` §3.4, and SGLang's ``python/sglang/srt/mem_cache/`` sources.
+Facts: SGLang's ``python/sglang/srt/mem_cache/`` sources (wheels 0.5.3 and 0.5.23) and
+LMCache 0.5.6's SGLang detection (``kv_format/detection.py``).
 
 Device pools are token-granular: one row per token slot, ``size + page_size`` rows, the
 extra page (slot 0's page) absorbing dummy writes of padded tokens.

@@ -8,8 +8,7 @@ the fp32 scales (token ``t``: bytes ``page_size*128 + [t*4, (t+1)*4)``).
 Sources: SGLang 0.5.3 ``python/sglang/srt/mem_cache/memory_pool.py::NSATokenToKVPool.__init__``
 (comment "buf[i, :page_size * head_dim] for fp8 data, buf[i, page_size * head_dim:]
 .view(float32) for scale"; ``index_head_dim`` must be 128, ``page_size`` 64 on CUDA);
-0.5.23 ``DSATokenToKVPool`` / ``index_key_cache.py::IndexKeyCache``
-(``../shared/reference/engine_layouts.md`` §2.3).
+0.5.23 ``DSATokenToKVPool`` / ``index_key_cache.py::IndexKeyCache``.
 
 A token has no single address pattern (its 128 key bytes and its 4 scale bytes live in
 two regions of the page): kvcore's core spec for ``NL_X_NB_BSV_BSS`` describes each token

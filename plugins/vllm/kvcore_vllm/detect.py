@@ -64,7 +64,7 @@ from kvcore.dtypes import dtype_name, fp8_dtype, is_fp8, rocm_build
 from kvcore_vllm.hints import LAYOUT_FAMILY, VllmHints, parse_hints
 from kvcore_vllm.pairs import ASCEND_SOURCE as _ASCEND
 from kvcore_vllm.pairs import PAIRS_FORMAT, PAIRS_KV_PLANES, PAIRS_MLA_PLANES
-from kvcore_vllm.rules import Reading, bare_candidates, candidates
+from kvcore_vllm.rules import ROCM_ONLY_BACKENDS, Reading, bare_candidates, candidates
 
 __all__ = ["detect_vllm"]
 
@@ -176,6 +176,14 @@ def _gfx94(tensors: list[torch.Tensor]) -> bool | None:
     return None
 
 
+#: backends whose fp8 cache is OCP on every platform they run on: B12X is CUDA (SM 12.x, vLLM 0.33
+#: ``b12x.py::B12xPagedAttentionBackend.supports_compute_capability``; ``current_platform.fp8_dtype()``
+#: float8_e4m3fn); ROCM_SEGMENTED_ATTN runs on RDNA only and takes fp8 on gfx12 only
+#: (``rocm_segmented_attn.py::RocmSegmentedAttentionBackend.supports_combination``), where
+#: ``platforms/rocm.py::RocmPlatform.fp8_dtype`` is float8_e4m3fn (FNUZ is gfx94x's).
+OCP_FP8_BACKENDS = ("B12X", "ROCM_SEGMENTED_ATTN")
+
+
 def _fp8_variants(h: VllmHints, tensors: list[torch.Tensor]) -> tuple[list[tuple[VllmHints, str]], list[str]]:
     """The hints to read the tensors with, one per fp8 element dtype the platform allows.
 
@@ -193,7 +201,10 @@ def _fp8_variants(h: VllmHints, tensors: list[torch.Tensor]) -> tuple[list[tuple
                 f"vLLM: cache_dtype={h.cache_dtype!r} stores fp8 {kind} but the dtype hint says {dtype_name(h.dtype)}; fix one of them"
             )
         return [(h, "")], []
-    if h.device_type == "rocm":
+    if h.attention_backend in OCP_FP8_BACKENDS:
+        return [(h.model_copy(update={"dtype": fp8_dtype(kind, fnuz=False)}), "")], []
+    if h.device_type == "rocm" or (h.device_type is None and h.attention_backend in ROCM_ONLY_BACKENDS):
+        # a ROCm-only backend ran on ROCm whatever process now holds the tensors (a copy, a description)
         platform: str | None = "rocm"
     elif h.device_type is not None:
         platform = "other"

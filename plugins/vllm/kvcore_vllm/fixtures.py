@@ -18,8 +18,10 @@ Allocation (:func:`allocate`)
   .permute(inverse order)``. From 0.13 the shape is built in kernel blocks (a manager block of
   ``block_size`` tokens split into ``block_size // kernel_block_size`` kernel blocks).
   fp8 cache dtypes are stored as ``uint8`` (``STR_DTYPE_TO_TORCH_DTYPE``).
-* **0.11, attention beside Mamba layers** (``::_update_hybrid_attention_mamba_layout``): a
-  ``(2, NB, ...)`` tensor is restrided in place to strides ``(hidden, 2*hidden, ...)``.
+* **attention beside Mamba layers** (``::_update_hybrid_attention_mamba_layout``, inherited by
+  ``cpu_model_runner.py::CPUModelRunner``): 0.11 / 0.13 restride every ``(2, NB, ...)`` tensor in
+  place to strides ``(hidden, 2*hidden, ...)`` (vLLM asserts ``shape[1] != 2``); 0.24 / 0.26 only
+  a backend whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``); 0.33 has no restride.
 * **0.13 - 0.26, cross-layer** (``vllm/v1/worker/kv_connector_model_runner_mixin.py::
   use_uniform_kv_cache`` / ``::allocate_uniform_kv_caches``): one ``int8`` buffer for all
   layers, logical shape ``(L,) + get_kv_cache_shape(...)`` viewed in the physical order
@@ -32,8 +34,9 @@ Allocation (:func:`allocate`)
   get_kv_cache_config_from_groups``): one ``int8`` buffer; each ``KVCacheTensor`` places layer
   ``l``'s block ``b`` at ``offset + l*layer_stride + b*block_stride`` bytes; a 5-D
   ``[L, B, H, N, C]`` byte view (``torch.as_strided``), then per-layer ``view_5d[l].view(dtype)``.
-  ``H``/``C`` come from the backend's ``customize_spec`` (ROCM_ATTN: ``H = 2`` head slots,
-  ``C = NH*HS*itemsize``; MLA: ``H = 1``, ``C = 576*itemsize``, 656 B for ``fp8_ds_mla``).
+  ``H``/``C`` come from the backend's ``customize_spec`` (ROCM_ATTN, its subclass
+  ROCM_SEGMENTED_ATTN and B12X: ``H = 2`` head slots, ``C = NH*HS*itemsize``; MLA: ``H = 1``,
+  ``C = 576*itemsize``, 656 B for ``fp8_ds_mla``).
   Kernel-block splitting divides the block stride by ``block_size // kernel_block_size``.
 * **TPU Pallas (<= 0.13)**: ``torch.zeros((NB, BS, 2*NH, ceil128(HS)))`` per layer.
 
@@ -43,7 +46,8 @@ Reading (:func:`kv_view`, the oracle)
 order (K = 0, V = 1) as ``[NB, BS, NH, *elem]``, built with the very operations the
 backend's ``forward`` uses (``unbind(0)``, ``unbind(1)``, ``kv_cache[:, 0]``,
 ``transpose(1, 2).split(head_size, -1)``, ``view(NB, NH, 2*BS, HS).chunk(2, dim=2)``,
-``PagedAttention.split_kv_cache``, ``squeeze(1)``), then only a ``permute`` to put the block,
+``PagedAttention.split_kv_cache``, ``squeeze(1)``, 0.33 B12X's ``unbind(1)`` and
+ROCM_SEGMENTED_ATTN's ``kv_cache[:, i]`` each ``.unflatten(-1, (NH, HS))``), then only a ``permute`` to put the block,
 token and head axes first. Writing into the view writes the cache.
 
 Byte records (:func:`allocate_records`, :func:`record_view`)
@@ -107,7 +111,11 @@ MLA_BACKENDS = ("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLA
 GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 ROCM_BACKENDS = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN")
 CPU_BACKENDS = ("TORCH_SDPA", "CPU_ATTN")
-BACKENDS = GPU_BACKENDS + ROCM_BACKENDS + CPU_BACKENDS + MLA_BACKENDS + ("PALLAS", "INDEXER")
+#: 0.33-only backends whose K and V live in two head slots read token-major: ``b12x.py::
+#: B12xPagedAttentionBackend`` (CUDA SM 12.x) and ``rocm_segmented_attn.py::RocmSegmentedAttentionBackend``
+#: (ROCm RDNA, a ``RocmAttentionBackend`` subclass).
+SLOT_BACKENDS = ("B12X", "ROCM_SEGMENTED_ATTN")
+BACKENDS = GPU_BACKENDS + ROCM_BACKENDS + CPU_BACKENDS + MLA_BACKENDS + SLOT_BACKENDS + ("PALLAS", "INDEXER")
 
 #: backends each era's wheel has (``vllm/v1/attention/backends/``).
 _ERA_BACKENDS = {
@@ -115,7 +123,26 @@ _ERA_BACKENDS = {
     "0.13": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "PALLAS", "INDEXER"} | set(MLA_BACKENDS),
     "0.24": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
     "0.26": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
-    "0.33": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
+    "0.33": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS) | set(SLOT_BACKENDS),
+}
+
+#: 0.33 B12X / ROCM_SEGMENTED_ATTN: what the backend runs with (``get_supported_kernel_block_sizes``,
+#: ``get_supported_head_sizes``, ``supported_dtypes``, ``supported_kv_cache_dtypes``); vLLM's selector
+#: refuses anything else. ``None``: any block size (ROCM_SEGMENTED_ATTN inherits ROCM_ATTN's ``MultipleOf(16)``,
+#: not enforced here as for ROCM_ATTN).
+SLOT_BACKEND_LIMITS: dict[str, dict[str, Any]] = {
+    "B12X": dict(
+        block_sizes=(64, 128),  # b12x.py _B12X_SUPPORTED_PAGE_SIZES
+        head_sizes=(64, 128, 192, 256),
+        dtypes=(torch.bfloat16,),
+        cache_dtypes=("auto", "bfloat16", "fp8", "fp8_e4m3"),
+    ),
+    "ROCM_SEGMENTED_ATTN": dict(
+        block_sizes=None,
+        head_sizes=(64, 128, 256),
+        dtypes=(torch.float16, torch.bfloat16),
+        cache_dtypes=("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"),
+    ),
 }
 
 _STORAGE = {
@@ -264,6 +291,8 @@ SUPPORTED_LAYOUTS_033 = {
     "FLEX_ATTENTION": ("LBNHC",),
     "CPU_ATTN": ("LBHNC",),
     "ROCM_ATTN": ("LHBNC", "LBHNC"),
+    "ROCM_SEGMENTED_ATTN": ("LHBNC", "LBHNC"),  # inherited from RocmAttentionBackend
+    "B12X": ("LBHNC", "BLHNC"),  # b12x.py::B12xPagedAttentionBackend.supported_kv_cache_layouts
     "ROCM_AITER_FA": ("LBHNC", "LHBNC"),
     "ROCM_AITER_UNIFIED_ATTN": ("LBHNC", "LHBNC"),
 }
@@ -281,7 +310,9 @@ def spec_033(backend: str, nh: int, hs: int, storage: torch.dtype, cache_dtype: 
         return 1, hs * esz
     if backend == "INDEXER":
         return 1, hs * esz
-    if backend == "ROCM_ATTN":  # rocm_attn.py::RocmAttentionBackend.customize_spec
+    if backend in ("ROCM_ATTN", "ROCM_SEGMENTED_ATTN", "B12X"):
+        # rocm_attn.py::RocmAttentionBackend.customize_spec (inherited by rocm_segmented_attn.py),
+        # b12x.py::B12xPagedAttentionBackend.customize_spec: num_head_slots=2, state_content_bytes = NH*HS*itemsize
         return 2, nh * hs * esz
     return nh, 2 * hs * esz  # (head_size + head_size_v) * dtype size
 
@@ -393,7 +424,10 @@ def allocate(
         dtype: the model dtype (``cache_dtype="auto"``).
         cache_dtype: vLLM's ``--kv-cache-dtype`` (``fp8*`` and ``*_ds_mla`` store uint8).
         cross_layer: 0.13-0.26 cross-layer buffer (``allocate_uniform_kv_caches``).
-        mamba_hybrid: 0.11 attention layers of a Mamba hybrid (restrided ``(2, NB, ...)``).
+        mamba_hybrid: attention layers of a Mamba hybrid (``_update_hybrid_attention_mamba_layout``):
+            0.11 / 0.13 restride a ``(2, NB, ...)`` tensor (``NB == 2`` trips vLLM's assert: a
+            GeometryError here), 0.24 / 0.26 a tensor whose block axis is dim 1 (``ROCM_ATTN``);
+            other tensors are left alone. Not in 0.33, nor with ``cross_layer``.
         byte_views: 0.33: keep the per-layer views int8 (C in bytes).
         block_padding: extra bytes per page (``page_size_padded``; MLA/indexer <= 0.26, 0.33).
         kernel_block_size: 0.13+: the attention kernel's block size when it is smaller than
@@ -404,7 +438,8 @@ def allocate(
     Returns:
         :class:`VllmKVCaches` keyed ``model.layers.{i}.self_attn.attn``.
     Raises:
-        GeometryError: an unknown backend/layout, or a combination vLLM does not allocate.
+        GeometryError: an unknown backend/layout, or a combination vLLM does not allocate
+            (B12X / ROCM_SEGMENTED_ATTN: a block size, head size or dtype the backend refuses).
     """
     era = era_of(version)
     b = backend.upper()
@@ -430,6 +465,15 @@ def allocate(
     )  # fmt: skip
     if b == "TORCH_SDPA" and cache_dtype.startswith("fp8") and not use_ipex:
         raise GeometryError("vLLM 0.11 TORCH_SDPA: FP8 KV cache requires intel_extension_for_pytorch (TorchSDPABackendImpl.__init__)")
+    if b in SLOT_BACKEND_LIMITS:
+        _check_slot_backend(b, kernel_block_size or block_size, head_size, dtype, cache_dtype)
+    if mamba_hybrid and (era == "0.33" or cross_layer or b == "PALLAS"):
+        raise GeometryError(
+            "mamba_hybrid: vLLM restrides attention beside Mamba layers in gpu_model_runner.py::"
+            "_update_hybrid_attention_mamba_layout (0.11-0.26, per-layer tensors of the GPU/CPU/ROCm runners); "
+            "0.33 lays every spec out in create_kv_cache_views, a cross-layer buffer holds one attention-only group, "
+            "and the TPU runner has no such step"
+        )
     if era == "0.33":
         return _allocate_033(
             out, names, b, lay, num_blocks, block_size, num_kv_heads, head_size, storage, device, cache_dtype, byte_views,
@@ -478,14 +522,48 @@ def allocate(
         else:
             raw = torch.zeros(per_layer * esz, dtype=torch.int8, device=device)
             t = raw.view(storage).view(tuple(shape[i] for i in order)).permute(*_inverse(order))
-        if mamba_hybrid:
-            if era != "0.11":
-                raise GeometryError("mamba_hybrid: _update_hybrid_attention_mamba_layout is vLLM 0.11's")
-            if t.shape[0] == 2:
-                hidden = _prod(t.shape[2:])
-                t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
+        if mamba_hybrid and _hybrid_restrides(era, b, t.shape, kbs, num_kv_heads, head_size, cache_dtype):
+            hidden = _prod(t.shape[2:])
+            t = t.as_strided(t.shape, (hidden, 2 * hidden, *t.stride()[2:]))
         out[n] = t
     return out
+
+
+def _check_slot_backend(b: str, kernel_bs: int, hs: int, dtype: torch.dtype, cache_dtype: str) -> None:
+    """vLLM 0.33 refuses B12X / ROCM_SEGMENTED_ATTN outside :data:`SLOT_BACKEND_LIMITS`
+    (the selector's ``supports_block_size`` / ``get_supported_kernel_block_sizes``,
+    ``supports_head_size``, ``supported_dtypes``, ``supported_kv_cache_dtypes``)."""
+    lim = SLOT_BACKEND_LIMITS[b]
+    if lim["block_sizes"] is not None and kernel_bs not in lim["block_sizes"]:
+        raise GeometryError(f"vLLM 0.33 {b} runs kernel blocks of {lim['block_sizes']} tokens, not {kernel_bs}")
+    if hs not in lim["head_sizes"]:
+        raise GeometryError(f"vLLM 0.33 {b}.get_supported_head_sizes() is {list(lim['head_sizes'])}, not {hs}")
+    if cache_dtype not in lim["cache_dtypes"]:
+        raise GeometryError(f"vLLM 0.33 {b} takes KV cache dtypes {lim['cache_dtypes']}, not {cache_dtype!r}")
+    if cache_dtype == "auto" and dtype not in lim["dtypes"]:
+        raise GeometryError(f"vLLM 0.33 {b} takes model dtypes {lim['dtypes']}, not {dtype}")
+
+
+def _hybrid_restrides(era: str, b: str, shape: tuple[int, ...], kbs: int, nh: int, hs: int, cache_dtype: str) -> bool:
+    """Whether ``gpu_model_runner.py::_update_hybrid_attention_mamba_layout`` restrides this
+    attention tensor: 0.11 / 0.13 when ``shape[0] == 2`` (vLLM asserts ``shape[1] != 2``, "Fail to
+    determine whether the layout is (2, num_blocks, ...) or (num_blocks, 2, ...)"); 0.24 / 0.26 when
+    ``backend.get_kv_cache_block_dim`` (the index of ``num_blocks`` in ``get_kv_cache_shape``) is 1.
+
+    Raises:
+        GeometryError: vLLM's assert (0.11 / 0.13, ``shape[:2] == (2, 2)``).
+    """
+    if era in ("0.11", "0.13"):
+        if shape[0] != 2:
+            return False
+        if shape[1] == 2:
+            raise GeometryError(
+                f"vLLM {era} _update_hybrid_attention_mamba_layout asserts shape[1] != 2 for {tuple(shape)}: "
+                "num_blocks == 2 beside Mamba layers does not start"
+            )
+        return True
+    sentinel = 1234567  # v1/attention/backend.py::AttentionBackend.get_kv_cache_block_dim
+    return kv_cache_shape(era, b, sentinel, kbs, nh, hs, cache_dtype).index(sentinel) == 1
 
 
 def allocate_dsv32(
@@ -633,6 +711,12 @@ def kv_view(
             v = t[plane_index].view(nb, nh, -1, hs).transpose(1, 2)
         else:
             v = _split_kv_cache(t, nh, hs)[plane_index]
+    elif b == "B12X":
+        # b12x.py::B12xPagedAttentionImpl._kv_cache_views: kv_cache.unbind(1), each .unflatten(-1, (NH, HS))
+        v = t.unbind(1)[plane_index].unflatten(-1, (nh, hs))
+    elif b == "ROCM_SEGMENTED_ATTN":
+        # rocm_segmented_attn.py::RocmSegmentedAttentionImpl._split_kv_cache: kv_cache[:, i].unflatten(-1, (NH, HS))
+        v = t[:, plane_index].unflatten(-1, (nh, hs))
     elif b == "ROCM_ATTN" and era == "0.33":
         # rocm_attn.py forward: split_kv_cache(kv_cache.transpose(0, 1), ...) of the [B, 2, N, H*hs] view
         v = _split_kv_cache(t.transpose(0, 1), nh, hs)[plane_index]
@@ -842,6 +926,7 @@ _PD = {"prefill_decode_attention": True}
 _IPEX = {"use_ipex": True}
 _NO_IPEX = {"use_ipex": False}
 _PD_OFF = {"prefill_decode_attention": False}
+_MAMBA = {"mamba_hybrid": True}
 
 #: ``PagedAttention.split_kv_cache``'s reading as a kvcore name: K ``(NB, NH, HS/x, BS, x)``
 #: and V ``(NB, NH, HS, BS)`` are two planes of their own orders. The same name serves every
@@ -917,6 +1002,25 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
     ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
     ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS", {}),
+    # K and V head slots read token-major: slot 0 = K [BS, NH, HS], slot 1 = V
+    ("0.33.0", "B12X", "LBHNC", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.33.0", "B12X", "BLHNC", False, "NB_NL_TWO_BS_NH_HS", {}),
+    ("0.33.0", "ROCM_SEGMENTED_ATTN", "LBHNC", False, "NL_X_NB_TWO_BS_NH_HS", {}),
+    ("0.33.0", "ROCM_SEGMENTED_ATTN", "LHBNC", False, "NL_X_TWO_NB_BS_NH_HS", {}),
+    # attention beside Mamba layers: (2, NB, ...) restrided so a block's K and V sides are adjacent
+    ("0.11.0", "FLASH_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
+    ("0.11.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {**_PD_OFF, **_MAMBA}),
+    ("0.11.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {**_PD, **_MAMBA}),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, "NL_X_NB_TWO_NH_BS_HS", {**_IPEX, **_MAMBA}),
+    ("0.11.0", "TORCH_SDPA", "NHD", False, SPLIT_K, {**_NO_IPEX, **_MAMBA}),
+    ("0.13.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.13.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
+    ("0.13.0", "ROCM_AITER_UNIFIED_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
+    ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.13.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
+    ("0.24.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
+    ("0.26.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
 )
 
 #: the formats of the rows whose parts live apart (multi-plane names: K and V differ).
@@ -932,6 +1036,8 @@ def case_name(version: str, backend: str, layout: str, cross: bool, extra: dict 
         tag = "-prefill_decode" if extra["prefill_decode_attention"] else "-unified"
     if extra.get("kernel_block_size"):
         tag += f"-kernel{extra['kernel_block_size']}"
+    if extra.get("mamba_hybrid"):
+        tag += "-mamba"
     return f"vllm-{era_of(version)}-{backend}-{layout}" + ("-cross" if cross else "") + tag
 
 
@@ -944,8 +1050,10 @@ def fixture_hints(version: str, backend: str, layout: str, cache_dtype: str, ele
         h["device_type"] = "cpu"
     if backend == "PALLAS":
         h["device_type"] = "tpu"
-    if backend in ROCM_BACKENDS:
+    if backend in ROCM_BACKENDS or backend == "ROCM_SEGMENTED_ATTN":
         h["device_type"] = "rocm"
+    if backend == "B12X":
+        h["device_type"] = "cuda"
     if cache_dtype == "auto" or backend in ROCM_BACKENDS:
         # on ROCm an fp8 cache's element dtype is the platform's (RocmPlatform.fp8_dtype(): FNUZ on gfx94x),
         # which vLLM knows and the uint8 bytes do not show
@@ -998,6 +1106,13 @@ def fixture_cases() -> list[FixtureCase]:
             torch.uint8,
         )
         cons: dict[str, Any] = {}
+        if backend in SLOT_BACKEND_LIMITS:
+            lim = SLOT_BACKEND_LIMITS[backend]
+            sizes.update(head_size=64, block_size=64 if lim["block_sizes"] else 16)
+            dtypes = tuple(lim["dtypes"]) + (torch.float8_e4m3fn,)  # fp8 / fp8_e4m3: uint8 storage of e4m3
+            cons["head_size_choices"] = lim["head_sizes"]
+            if lim["block_sizes"]:
+                cons["block_size_choices"] = lim["block_sizes"]
         if backend == "TORCH_SDPA":
             dtypes = (torch.bfloat16, torch.float16, torch.float32)  # fp8 needs IPEX; keep the matrix to model dtypes
         if backend in ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN") and era != "0.33":

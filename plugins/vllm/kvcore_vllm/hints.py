@@ -107,8 +107,13 @@ BACKEND_FAMILY = {
     "TRITON_ATTN": "TRITON_ATTN",
     "TRITON_ATTN_VLLM_V1": "TRITON_ATTN",
     "ROCM_ATTN": "ROCM_ATTN",
+    # 0.33 rocm_segmented_attn.py::RocmSegmentedAttentionBackend: RocmAttentionBackend's two head slots and
+    # layouts, read token-major (RocmSegmentedAttentionImpl._split_kv_cache), not by split_kv_cache
+    "ROCM_SEGMENTED_ATTN": "ROCM_SEGMENTED",
     "ROCM_AITER_UNIFIED_ATTN": "ROCM_AITER_UNIFIED",
     "TREE_ATTN": "FLASH_ATTN",
+    # 0.33 b12x.py::B12xPagedAttentionBackend (SM 12.x): K and V head slots, read token-major
+    "B12X": "B12X",
     "FLASHMLA": "MLA",
     "FLASHMLA_SPARSE": "MLA",
     "TRITON_MLA": "MLA",
@@ -223,8 +228,8 @@ class VllmHints(BaseModel):
             selects vLLM's CPU backend rules (any other value rules them out; without it
             they are considered for CPU tensors), ``tpu`` the Pallas rules, ``xpu`` forces
             NHD in 0.11-0.24, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x),
-            allows ``ROCM_ATTN``'s reading and ROCm's tiled DSA indexer pages
-            (:func:`kvcore_vllm.rules.platform_rocm`).
+            allows ``ROCM_ATTN``'s and ``ROCM_SEGMENTED_ATTN``'s readings and ROCm's tiled DSA indexer
+            pages, any value but ``cuda`` rules out ``B12X`` (:func:`kvcore_vllm.rules.platform_rocm`).
         kv_cache_spec: ``attention``, ``mla`` or ``mamba``: what vLLM's ``KVCacheSpec`` says
             the layers are, for per-layer lists (K/V pairs, MLA (nope, rope) pairs, a
             one-element list ``[kv_cache]`` as 0.11 / 0.13 bind it, or Mamba state);
@@ -599,7 +604,15 @@ def declared_hints() -> list[Any]:
             type="torch.dtype or name",
             values=[*DTYPES, *DTYPE_ALIASES],
         ),
-        Hint(engine="vllm", name="num_kv_heads", meaning="KV heads per tensor-parallel rank", type="int > 0", default="from the shapes"),
+        Hint(
+            engine="vllm",
+            name="num_kv_heads",
+            meaning="KV heads per tensor-parallel rank",
+            type="int > 0",
+            default="from the shapes; a 0.33 head slot [NB, 2, BS, NH*HS] (ROCM_ATTN, ROCM_SEGMENTED_ATTN, B12X) does not show it: "
+            "without it (or head_size) the slot's row is one head of NH*HS; 0.11 TORCH_SDPA's flat (2, NB, BS*NH*HS) row: any "
+            "two of block_size, num_kv_heads, head_size",
+        ),
         Hint(
             engine="vllm",
             name="block_size",
@@ -620,11 +633,12 @@ def declared_hints() -> list[Any]:
             name="device_type",
             meaning="the platform: cpu selects the CPU backend's rules (another value rules them out), tpu the Pallas rules, "
             "xpu forces NHD in 0.11-0.24 (platforms/xpu.py set_kv_cache_layout; not from 0.26), rocm makes an fp8 "
-            "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype), allows ROCM_ATTN's split_kv_cache reading and reads a DSA "
+            "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype), allows ROCM_ATTN's split_kv_cache and ROCM_SEGMENTED_ATTN's "
+            "token-major readings (any value but cuda rules out B12X) and reads a DSA "
             "indexer page (132 B records, block_size > 1, 0.24+) as ROCm's 16x16-byte key tiles (0.33 MXFP4 indexer pages "
             "on ROCm are aiter's and refused)",
             values=list(DEVICE_TYPES),
-            default="a backend of one platform only (ROCM_*, FLASHMLA*, CUTLASS_MLA, FLASHINFER*, CPU, PALLAS), use_ipex (CPU), "
+            default="a backend of one platform only (ROCM_*, FLASHMLA*, CUTLASS_MLA, FLASHINFER*, B12X, CPU, PALLAS), use_ipex (CPU), "
             "else the tensors' device and the torch build of the process holding them: accelerator tensors are not the CPU "
             "backend's, CPU tensors may be (its readings are then considered beside the GPU ones); tensors that say nothing "
             "(meta, a description) name this hint where it decides",

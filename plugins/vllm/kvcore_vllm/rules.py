@@ -7,7 +7,8 @@ A rule says what vLLM hands out and where its bytes live:
   optional zero-copy ``transform`` (e.g. 0.33 CPU's ``[B, H, N, C]`` -> ``[B, H, 2, N, D]``);
 * ``layouts``: per layout key, the **physical** axis order of the whole cache, ``NL``
   included. The key is ``NHD``/``HND`` (+ ``/cross`` for 0.13-0.2x cross-layer buffers,
-  ``/mamba`` for 0.11 attention restrided beside Mamba layers) for <= 0.26, a
+  ``/mamba`` for 0.11 / 0.13 ``(2, NB, ...)`` attention caches restrided beside Mamba layers:
+  :data:`HYBRID_SOURCE`; ``*`` for a backend with one physical order) for <= 0.26, a
   ``KVCacheLayout`` member for 0.33. The physical order *is* the kvcore
   format name: ``NL`` first gives a layer list ``NL_X_...``; ``NL`` inside gives the one
   cross-layer tensor (``NB_NL_TWO_BS_NH_HS``), rebuilt from the per-layer views that
@@ -81,8 +82,16 @@ ROCM_INDEXER_CROSS = "K=NB_NL_BSC_HSC_BSE_HSE+KS=NB_NL_BS_HS"
 
 #: backends that only run on ROCm / never on ROCm (vLLM 0.33 ``platforms/rocm.py``
 #: backend selection; FlashMLA, CUTLASS MLA and FlashInfer are NVIDIA libraries).
-ROCM_ONLY_BACKENDS = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "ROCM_AITER_MLA", "ROCM_AITER_MLA_SPARSE")
+ROCM_ONLY_BACKENDS = (
+    "ROCM_ATTN",
+    "ROCM_SEGMENTED_ATTN",
+    "ROCM_AITER_FA",
+    "ROCM_AITER_UNIFIED_ATTN",
+    "ROCM_AITER_MLA",
+    "ROCM_AITER_MLA_SPARSE",
+)
 NOT_ROCM_BACKENDS = (
+    "B12X",
     "FLASHMLA",
     "FLASHMLA_SPARSE",
     "CUTLASS_MLA",
@@ -151,6 +160,16 @@ _RIDX = (
     "(LAYOUT SHUFFLE when block_size > 1: [BS/16, 128/16, 16, 16] value tiles, then [BS] fp32 scales)"
 )
 _V4 = "vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py"
+_B12X = "vllm/v1/attention/backends/b12x.py"
+_RSEG = "vllm/v1/attention/backends/rocm_segmented_attn.py"
+#: vLLM 0.11 / 0.13 ``v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout``, called from
+#: ``_reshape_kv_cache_tensors`` when a model has attention and Mamba layers: every attention tensor whose
+#: ``shape[0] == 2`` is restrided in place to strides ``(hidden, 2*hidden, *strides[2:])`` (hidden =
+#: ``shape[2:].numel()``), so a block's K and V sides are adjacent. vLLM's CPU, ROCm and XPU runners
+#: inherit it (each platform's ``support_hybrid_kv_cache()`` is True). 0.24 / 0.26 restride only backends
+#: whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``'s ``(2, NB, ...)``, read by split_kv_cache from the
+#: planes' strides); 0.33 has no restride (``create_kv_cache_views``).
+HYBRID_SOURCE = "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (attention beside Mamba layers)"
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 
@@ -175,7 +194,9 @@ class Rule:
         gate: "gpu" (excluded when device_type is cpu/tpu), "cpu" (needs device_type cpu
             or a CPU backend), "tpu" (needs device_type tpu or PALLAS), "rocm" (needs
             device_type rocm, ROCM_ATTN, or tensors of a ROCm process: :func:`platform_rocm`),
-            "rocm?" (excluded only where the platform is known not to be ROCm), "" (any).
+            "rocm?" (excluded only where the platform is known not to be ROCm), "cuda" (an
+            NVIDIA-only backend: excluded for device_type other than cuda and where the platform
+            is known to be ROCm), "" (any).
         physical_ok: a tensor already permuted to a layout's physical order (the
             caller's ``tensor_order="physical"``) is a reading of this rule: offered for
             every memory-ordered tensor, marked ``order="physical"`` (the core decides,
@@ -193,6 +214,12 @@ class Rule:
             than the rule lists (a backend without ``get_kv_cache_stride_order`` has one
             physical order whatever ``get_kv_cache_layout()`` says: 0.26 FlexAttention is
             NHD only, 0.26 ROCm AITER HND only).
+        block_sizes: the tensor block sizes (kernel blocks) the backend runs with, where it
+            restricts them (0.33 B12X ``get_supported_kernel_block_sizes() == (64, 128)``);
+            empty: any.
+        head_sizes: the head sizes the backend accepts (``get_supported_head_sizes()``), checked
+            where the head size is known (a ``head_size`` hint, or one derived from
+            ``num_kv_heads``); empty: any.
     """
 
     label: str
@@ -211,6 +238,8 @@ class Rule:
     requires: tuple[tuple[str, bool], ...] = ()
     planes: str = ""
     only: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    block_sizes: tuple[int, ...] = ()
+    head_sizes: tuple[int, ...] = ()
 
 
 def _src(version: str, file: str) -> Source:
@@ -236,7 +265,8 @@ RULES: tuple[Rule, ...] = (
             _src("0.11.0", _FA + ", get_kv_cache_stride_order HND (0,1,3,2,4); forward kv_cache.unbind(0)"),
             _src("0.11.0", _FLEX + "; rocm_aiter_fa.py::AiterFlashAttentionBackend.get_kv_cache_shape (no stride order)"),
             _src("0.13.0", "vllm/v1/attention/backends/rocm_aiter_unified_attn.py::get_kv_cache_shape; forward unbind(0)"),
-            _src("0.11.0", "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (Mamba hybrids)"),
+            _src("0.11.0", HYBRID_SOURCE),
+            _src("0.13.0", HYBRID_SOURCE),
         ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "FLEX_ATTENTION", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "XPU"),
@@ -250,13 +280,16 @@ RULES: tuple[Rule, ...] = (
         families=("ROCM_ATTN",),
         rank=5,
         logical=_o("TWO NB BS NH HS"),
-        layouts={"*": _o("NL TWO NB BS NH HS")},
+        # beside Mamba layers (platforms/rocm.py support_hybrid_kv_cache() is True) the runner restrides the
+        # (2, NB, ...) tensor so a block's K and V are adjacent; unbind(0) reads it through the new strides
+        layouts={"*": _o("NL TWO NB BS NH HS"), "*/mamba": _o("NL NB TWO BS NH HS")},
         sources=(
             _src(
                 "0.11.0",
                 _ROCM + "::RocmAttentionImpl.forward: kv_cache.unbind(0) unless VLLM_V1_USE_PREFILL_DECODE_ATTENTION "
                 "(also under AITER unified attention)",
             ),
+            _src("0.11.0", HYBRID_SOURCE),
         ),
         gate="rocm",
         requires=(("prefill_decode_attention", False),),
@@ -381,16 +414,6 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLEX_ATTENTION",),
     ),
     Rule(
-        label="0.33 ROCm AITER views [NB, NH, BS, C], LBHNC / LHBNC",
-        eras=("0.33",),
-        families=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
-        rank=4,
-        logical=_o("NB NH BS CS"),
-        layouts={"LBHNC": _o("NL NB NH BS CS"), "LHBNC": _o("NL NH NB BS CS")},
-        sources=(_src("0.33.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py::supported_kv_cache_layouts (LBHNC, LHBNC)"),),
-        backends_label=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
-    ),
-    Rule(
         label="0.33 KVCacheLayout views [NB, NH, BS, C]",
         eras=("0.33",),
         families=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
@@ -407,6 +430,17 @@ RULES: tuple[Rule, ...] = (
         sources=(_src("0.33.0", _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache"),),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
+    ),
+    # after the generic views: among byte-identical readings the first names the group in messages
+    Rule(
+        label="0.33 ROCm AITER views [NB, NH, BS, C], LBHNC / LHBNC",
+        eras=("0.33",),
+        families=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
+        rank=4,
+        logical=_o("NB NH BS CS"),
+        layouts={"LBHNC": _o("NL NB NH BS CS"), "LHBNC": _o("NL NH NB BS CS")},
+        sources=(_src("0.33.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py::supported_kv_cache_layouts (LBHNC, LHBNC)"),),
+        backends_label=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
     ),
     Rule(
         label="CPU 0.11 TORCH_SDPA without IPEX (2, NB, BS*NH*HS) read by split_kv_cache",
@@ -430,8 +464,13 @@ RULES: tuple[Rule, ...] = (
         families=("CPU",),
         rank=3,
         logical=_o("TWO NB NH BS HS"),
-        layouts={"*": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.11.0", _CPU + "::_IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)"),),
+        # beside Mamba layers: CPUModelRunner inherits GPUModelRunner's restride (platforms/cpu.py
+        # support_hybrid_kv_cache() is True): per block the K side's (NH, BS, HS), then the V side's
+        layouts={"*": _o("NL TWO NB NH BS HS"), "*/mamba": _o("NL NB TWO NH BS HS")},
+        sources=(
+            _src("0.11.0", _CPU + "::_IPEXPagedAttention.split_kv_cache: view(num_blocks, num_kv_heads, -1, head_size)"),
+            _src("0.11.0", HYBRID_SOURCE + "; v1/worker/cpu_model_runner.py::CPUModelRunner(GPUModelRunner)"),
+        ),
         transform="paged_ipex",
         gate="cpu",
         requires=(("use_ipex", True),),
@@ -490,13 +529,64 @@ RULES: tuple[Rule, ...] = (
         planes="split_kv",
     ),
     Rule(
+        label="ROCm 0.33 ROCM_SEGMENTED_ATTN K/V head slots [NB, 2, BS, NH*HS] read token-major",
+        eras=("0.33",),
+        families=("ROCM_SEGMENTED",),
+        rank=4,
+        # RocmSegmentedAttentionImpl._split_kv_cache: kv_cache[:, 0] / kv_cache[:, 1], each .unflatten(-1, (NH, HS)):
+        # slot 0 holds the block's K as [BS, NH, HS] rows, slot 1 its V
+        logical=_o("NB TWO BS NH HS"),
+        # LBHNC: a block's K slot beside its V slot; LHBNC: every block's K slot, then every block's V slot
+        layouts={"LBHNC": _o("NL NB TWO BS NH HS"), "LHBNC": _o("NL TWO NB BS NH HS")},
+        sources=(
+            _src(
+                "0.33.0",
+                _RSEG + "::RocmSegmentedAttentionBackend(RocmAttentionBackend): inherits rocm_attn.py::customize_spec "
+                "(num_head_slots=2, state_content_bytes = NH*HS*dtype size) and supported_kv_cache_layouts (LHBNC, LBHNC); "
+                "RocmSegmentedAttentionImpl._split_kv_cache: kv_cache[:, 0].unflatten(-1, (NH, HS)), kv_cache[:, 1] likewise "
+                "(do_kv_cache_update: triton_reshape_and_cache_flash)",
+            ),
+        ),
+        transform="head_slots_nhd",
+        gate="rocm",
+        backends_label=("ROCM_SEGMENTED_ATTN",),
+        head_sizes=(64, 128, 256),  # RocmSegmentedAttentionBackend.get_supported_head_sizes
+    ),
+    Rule(
+        label="0.33 B12X K/V head slots [NB, 2, BS, NH*HS] read token-major",
+        eras=("0.33",),
+        families=("B12X",),
+        rank=4,
+        # B12xPagedAttentionImpl._kv_cache_views: kv_cache.unbind(1), each .unflatten(-1, (NH, HS))
+        logical=_o("NB TWO BS NH HS"),
+        layouts={"LBHNC": _o("NL NB TWO BS NH HS"), "BLHNC": _o("NB NL TWO BS NH HS")},
+        sources=(
+            _src(
+                "0.33.0",
+                _B12X + "::B12xPagedAttentionBackend.customize_spec (num_head_slots=2, state_content_bytes = NH*HS*dtype "
+                "size), supported_kv_cache_layouts (LBHNC, BLHNC); B12xPagedAttentionImpl._kv_cache_views: "
+                "kv_cache.unbind(1), unflatten(-1, (NH, HS)) (do_kv_cache_update: reshape_and_cache_flash)",
+            ),
+        ),
+        transform="head_slots_nhd",
+        gate="cuda",  # supports_compute_capability: SM 12.0 / 12.1 only
+        backends_label=("B12X",),
+        block_sizes=(64, 128),  # get_supported_kernel_block_sizes() == _B12X_SUPPORTED_PAGE_SIZES
+        head_sizes=(64, 128, 192, 256),  # get_supported_head_sizes
+    ),
+    Rule(
         label="CPU 0.13 (2, NB, NH, BS, HS)",
         eras=("0.13",),
         families=("CPU",),
         rank=5,
         logical=_o("TWO NB NH BS HS"),
-        layouts={"HND": _o("NL TWO NB NH BS HS")},
-        sources=(_src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape; forward unbind(0)"),),
+        # beside Mamba layers: CPUModelRunner inherits GPUModelRunner._update_hybrid_attention_mamba_layout
+        # (platforms/cpu.py support_hybrid_kv_cache() is True): strides (hidden, 2*hidden, BS*HS, HS, 1)
+        layouts={"HND": _o("NL TWO NB NH BS HS"), "HND/mamba": _o("NL NB TWO NH BS HS")},
+        sources=(
+            _src("0.13.0", _CPU + "::CPUAttentionBackend.get_kv_cache_shape; forward unbind(0)"),
+            _src("0.13.0", HYBRID_SOURCE + "; v1/worker/cpu_model_runner.py::CPUModelRunner(GPUModelRunner)"),
+        ),
         gate="cpu",
         backends_label=("CPU_ATTN",),
     ),
@@ -721,23 +811,52 @@ def _t_kv_rows(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     return torch.as_strided(t, (b, nh, 2, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
 
 
-def _t_paged(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # 0.11 CPU: (2, B, N*H*D) -> V's view (2, B, H, D, N); needs block_size and heads or head_size
-    two, b, flat = t.shape
-    n = h.block_size
-    if n is None or flat % n or t.stride(2) != 1:
+def flat_geometry(flat: int, h: VllmHints) -> tuple[int, int, int] | None:
+    """``(block_size, num_kv_heads, head_size)`` of vLLM 0.11 TORCH_SDPA's flat row
+    (``cpu_attn.py::_PagedAttention.get_kv_cache_shape``: ``(2, NB, BS*NH*HS)``, ``flat``
+    elements per block and side) from the hints: any two of the three fix the third
+    (``flat`` divided by their product). None when fewer than two are given, when the third
+    is not a whole number, or when all three are given and their product is not ``flat``
+    (:func:`flat_misfit` says which)."""
+    n, nh, d = h.block_size, h.num_kv_heads, h.head_size
+    if sum(x is not None for x in (n, nh, d)) < 2:
         return None
-    per = flat // n
-    if h.num_kv_heads and h.head_size:
-        nh, d = h.num_kv_heads, h.head_size
-    elif h.num_kv_heads:
-        nh, d = h.num_kv_heads, per // h.num_kv_heads
-    elif h.head_size:
-        nh, d = per // h.head_size, h.head_size
+    if n is None:
+        n, rest = divmod(flat, nh * d)
+    elif nh is None:
+        nh, rest = divmod(flat, n * d)
+    elif d is None:
+        d, rest = divmod(flat, n * nh)
     else:
+        rest = flat - n * nh * d
+    if rest or not (n and nh and d):
         return None
-    if nh * d != per:
+    return n, nh, d
+
+
+def flat_misfit(flat: int, h: VllmHints) -> str | None:
+    """Why the hints cannot split 0.11 TORCH_SDPA's flat row of ``flat`` elements (two or
+    three of block_size, num_kv_heads, head_size given), or None."""
+    given = {k: v for k, v in (("block_size", h.block_size), ("num_kv_heads", h.num_kv_heads), ("head_size", h.head_size)) if v}
+    if len(given) < 2 or flat_geometry(flat, h) is not None:
         return None
+    said = " * ".join(f"{k}={v}" for k, v in given.items())
+    prod = 1
+    for v in given.values():
+        prod *= v
+    if len(given) == 3:
+        return f"{said} = {prod}, but each block holds {flat} elements per side (block_size*num_kv_heads*head_size); fix a hint"
+    other = next(k for k in ("block_size", "num_kv_heads", "head_size") if k not in given)
+    return f"{said} = {prod} does not divide the {flat} elements per block and side (block_size*num_kv_heads*head_size): no whole {other} fits; fix a hint"
+
+
+def _t_paged(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.11 CPU: (2, B, N*H*D) -> V's view (2, B, H, D, N); needs two of block_size, num_kv_heads, head_size
+    two, b, flat = t.shape
+    g = flat_geometry(flat, h)
+    if g is None or t.stride(2) != 1:
+        return None
+    n, nh, d = g
     return torch.as_strided(t, (two, b, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
 
 
@@ -768,23 +887,40 @@ def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     return torch.as_strided(t, (b, two, nh, d, n), (t.stride(0), t.stride(1), d * n, n, 1), t.storage_offset())
 
 
+def _slot_heads(t: torch.Tensor, c: int, h: VllmHints) -> int | None:
+    """The KV heads of a 0.33 head slot of ``c`` elements (``C = NH*HS``): ``num_kv_heads``,
+    else ``C // head_size``, else one head of ``C`` (the slot's bytes do not depend on how
+    its row splits into heads; pass ``num_kv_heads`` for the head geometry). ``head_size``
+    is in elements: an int8 byte view divides by the element size of ``dtype``."""
+    if h.num_kv_heads:
+        return h.num_kv_heads if c % h.num_kv_heads == 0 else None
+    if h.head_size:
+        el = h.element_dtype() if t.dtype == torch.int8 else None
+        width = h.head_size * (torch.empty(0, dtype=el).element_size() if el is not None else 1)
+        return c // width if c % width == 0 else None
+    return 1
+
+
+def _t_head_slots_nhd(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    # 0.33 B12X / ROCM_SEGMENTED_ATTN: [NB, 2, BS, C], C = NH*HS, each slot read token-major:
+    # kv_cache.unbind(1) (kv_cache[:, i]) then .unflatten(-1, (NH, HS)) -> [NB, 2, BS, NH, HS]
+    b, two, n, c = t.shape
+    if two != 2 or (c > 1 and t.stride(3) != 1):
+        return None
+    nh = _slot_heads(t, c, h)
+    if nh is None:
+        return None
+    d = c // nh
+    return torch.as_strided(t, (b, two, n, nh, d), (t.stride(0), t.stride(1), t.stride(2), d, 1), t.storage_offset())
+
+
 def _t_paged_ipex(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     # 0.11 CPU with IPEX: (2, B, N*H*D) -> (2, B, H, N, D) (_IPEXPagedAttention.split_kv_cache)
     two, b, flat = t.shape
-    n = h.block_size
-    if n is None or flat % n or t.stride(2) != 1:
+    g = flat_geometry(flat, h)
+    if g is None or t.stride(2) != 1:
         return None
-    per = flat // n
-    if h.num_kv_heads and h.head_size:
-        nh, d = h.num_kv_heads, h.head_size
-    elif h.num_kv_heads:
-        nh, d = h.num_kv_heads, per // h.num_kv_heads
-    elif h.head_size:
-        nh, d = per // h.head_size, h.head_size
-    else:
-        return None
-    if nh * d != per:
-        return None
+    n, nh, d = g
     return torch.as_strided(t, (two, b, nh, n, d), (t.stride(0), t.stride(1), n * d, d, 1), t.storage_offset())
 
 
@@ -870,6 +1006,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, VllmHints], torch.Tensor | None]] 
     "pallas": _t_pallas,
     "paged5": _t_paged5,
     "head_slots": _t_head_slots,
+    "head_slots_nhd": _t_head_slots_nhd,
     "paged_ipex": _t_paged_ipex,
 }
 
@@ -1085,7 +1222,9 @@ def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None, cpu: bool | Non
         return False  # the CPU backend's readings stand beside the GPU ones wherever the platform may be CPU (platform_cpu)
     if rule.gate == "tpu" and not (dev == "tpu" or fam == "PALLAS"):
         return False
-    if rule.gate == "rocm" and not (dev == "rocm" or fam == "ROCM_ATTN" or (dev is None and rocm)):
+    if rule.gate == "rocm" and not (dev == "rocm" or fam in ("ROCM_ATTN", "ROCM_SEGMENTED") or (dev is None and rocm)):
+        return False
+    if rule.gate == "cuda" and ((dev is not None and dev != "cuda") or rocm):
         return False
     if rule.gate == "rocm?" and (rocm is False or dev in ("cpu", "tpu")):
         return False
@@ -1121,6 +1260,8 @@ def _sizes_ok(
     rule: Rule, sz: dict[str, int], t: torch.Tensor, esz: int, h: VllmHints, kernel_split: bool = False, rocm: bool | None = None
 ) -> bool:
     isz = t.element_size()
+    if rule.block_sizes and sz.get("BS") not in rule.block_sizes:
+        return False
     if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
         # 0.13+: the manager's block_size may be split into kernel blocks of the tensor's BS
         # (gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views)
@@ -1165,6 +1306,8 @@ def _sizes_ok(
             return False
         width //= 2
     if h.head_size is not None and width != h.head_size and rule.transform != "pallas":
+        return False
+    if rule.head_sizes and (h.head_size is not None or h.num_kv_heads is not None) and width not in rule.head_sizes:
         return False
     return True
 
@@ -1215,8 +1358,8 @@ def _reading(
     if kernel_split and "BS" in sz and sz["BS"] != h.block_size:
         note += f" (block_size {h.block_size} is the manager's: the kernel reads blocks of {sz['BS']} tokens)"
     decided = {"vllm_version": "/".join(rule.eras), "attention_backend": backends_label(rule, families)}
-    if key != "*":
-        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)")
+    if key not in ("*", "*/mamba"):
+        decided["kv_cache_layout"] = key.replace("/cross", " (cross-layer)").replace("/mamba", " (beside Mamba layers)")
     if rule.planes:
         kv = _planes(rule, order, views, tokens)
         if kv is None:
@@ -1433,6 +1576,11 @@ def _candidates(
                 missing = _missing_hints(rule, t0, h)
                 if rule_needs is not None and missing:
                     rule_needs.append(f"{rule.label}: needs {' and '.join(missing)}")
+                misfit = flat_misfit(t0.shape[2], h) if rule.transform in ("paged", "paged_ipex") and t0.shape[0] == 2 else None
+                if misfit and rejected is not None and not all(a for _, a in keys.values()):
+                    why = f"{rule.label}: {misfit}"
+                    if why not in rejected:
+                        rejected.append(why)
                 continue
         else:
             views = src
@@ -1466,13 +1614,33 @@ def _candidates(
 
 def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
     """The hints a rule's transform needs and did not get (only the flat CPU layouts need any:
-    0.11 TORCH_SDPA's ``(2, NB, BS*NH*HS)``, with or without IPEX)."""
+    0.11 TORCH_SDPA's ``(2, NB, BS*NH*HS)``, with or without IPEX: two of block_size,
+    num_kv_heads and head_size, :func:`flat_geometry`)."""
     if rule.transform not in ("paged", "paged_ipex") or t.shape[0] != 2:
         return []
-    out = [] if h.block_size is not None else ["block_size"]
-    if h.head_size is None and h.num_kv_heads is None:
-        out.append("head_size (or num_kv_heads)")
-    return out
+    names = ("block_size", "num_kv_heads", "head_size")
+    missing = [k for k in names if getattr(h, k) is None]
+    if len(missing) <= 1:
+        return []
+    return [f"{' or '.join(missing)} (two of block_size, num_kv_heads, head_size split the flat BS*NH*HS row)"]
+
+
+def _bare_view(rule: Rule, order: Sequence[str], t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
+    """One whole cross-layer tensor ``t`` as the axes of ``order`` (a view, never a copy), or
+    None. A rule without a transform takes the tensor as it is; a head-slot rule (0.33 B12X
+    BLHNC) also takes vLLM's ``[NB, NL, 2, BS, NH*HS]`` (the slot's row split into heads as
+    :func:`_t_head_slots_nhd` does) beside the split form ``[NB, NL, 2, BS, NH, HS]``."""
+    if not rule.transform:
+        return t if len(order) == t.dim() else None
+    if rule.transform != "head_slots_nhd" or tuple(order[-2:]) != ("NH", "HS"):
+        return None
+    if t.dim() == len(order):
+        return t
+    if t.dim() != len(order) - 1 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return None
+    c = t.shape[-1]
+    nh = _slot_heads(t, c, h)
+    return None if nh is None else t.unflatten(-1, (nh, c // nh))
 
 
 #: The most layers a single tensor is read as (a whole cross-layer buffer, its layer axis one
@@ -1507,10 +1675,13 @@ def bare_candidates(
         return out
     rocm, cpu = platform_rocm(h, [t]), platform_cpu(h, [t])
     for rule in RULES:
-        if rule.transform or rule.planes or not _rule_ok(rule, h, rocm, cpu):
+        if rule.planes or not _rule_ok(rule, h, rocm, cpu):
             continue
         for key, order in rule.layouts.items():
-            if order[0] == "NL" or len(order) != t.dim():
+            if order[0] == "NL":
+                continue
+            x = _bare_view(rule, order, t, h)
+            if x is None:
                 continue
             fams, against = layout_families(rule, key, h, layout_source) if check_layout else (_rule_families(rule, key, h), {})
             if not fams:
@@ -1518,11 +1689,11 @@ def bare_candidates(
                     continue
                 fams = _rule_families(rule, key, h)
             tokens = _fmt_tokens(order)
-            sz = _sizes(tokens, t)
+            sz = _sizes(tokens, x)
             if sz is None:
                 continue
-            dtype, esz = _element_dtype(t, h, rule)
-            if not _sizes_ok(rule, sz, t, esz, h, rocm=rocm):
+            dtype, esz = _element_dtype(x, h, rule)
+            if not _sizes_ok(rule, sz, x, esz, h, rocm=rocm):
                 continue
             if sz["NL"] > MAX_BARE_LAYERS:
                 if rejected is not None and not against:
@@ -1539,7 +1710,7 @@ def bare_candidates(
             params = {"scale_bytes": BLOCKED_SCALE_RECORDS[sz["HS"]]} if rule.blocked else {}
             cand = Candidate(
                 format=physical_name(order),
-                kv_caches=t,
+                kv_caches=x,
                 dtype=dtype,
                 params=params,
                 note=f"vLLM {rule.label}, layout {key}: the whole cross-layer buffer",

@@ -18,6 +18,7 @@ from kvcore_vllm.fixtures import (
     MATRIX,
     MLA_BACKENDS,
     MULTI_PLANE,
+    SLOT_BACKEND_LIMITS,
     SPLIT_K,
     allocate,
     allocate_dsv32,
@@ -32,20 +33,42 @@ import kvcore
 GEOMS = [(nh, bs, nb) for nh in (1, 2, 8) for bs in (16, 64) for nb in (2, 3) if not (bs == 64 and nb == 3)]
 
 
+def _head_size(backend: str) -> int:
+    """576 for an MLA latent, the smallest head size B12X / ROCM_SEGMENTED_ATTN take (64), else 16."""
+    return 576 if backend in MLA_BACKENDS else 64 if backend in SLOT_BACKEND_LIMITS else 16
+
+
+def _engine_refuses(row, bs: int, nb: int) -> str | None:
+    """Why vLLM never allocates ``row`` at this geometry (the fixture raises GeometryError), or None."""
+    version, backend, *_, extra = row
+    if backend == "B12X" and bs not in SLOT_BACKEND_LIMITS["B12X"]["block_sizes"]:
+        return "B12X runs kernel blocks of 64 or 128 tokens (b12x.py _B12X_SUPPORTED_PAGE_SIZES)"
+    if extra.get("mamba_hybrid") and nb == 2 and version[:4] in ("0.11", "0.13"):
+        return "_update_hybrid_attention_mamba_layout asserts shape[1] != 2: NB == 2 beside Mamba layers does not start"
+    return None
+
+
 def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
     version, backend, layout, cross, fmt, extra = row
+    why = _engine_refuses(row, bs, nb)
+    if why:
+        with pytest.raises(kvcore.GeometryError):  # the fixture refuses it as vLLM does
+            allocate(version, backend, layout, num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=nh,
+                     head_size=_head_size(backend), dtype=dtype, **extra)  # fmt: skip
+        pytest.skip(why)
     kw = dict(extra)
     block = kw.pop("block_size", bs)
     if kw.get("kernel_block_size"):
         kw["kernel_block_size"] = bs
         block = bs * 4
     mla = backend in MLA_BACKENDS
+    hs = _head_size(backend)
     kv = allocate(
         version, backend, layout, num_layers=layers, num_blocks=nb, block_size=block, num_kv_heads=1 if mla else nh,
-        head_size=576 if mla else 16, dtype=dtype, cross_layer=cross, **kw,
+        head_size=hs, dtype=dtype, cross_layer=cross, **kw,
     )  # fmt: skip
     h = fixture_hints(version, backend, layout, "auto", dtype, extra)
-    h.update(block_size=block, num_kv_heads=1 if mla else nh, head_size=576 if mla else 16)
+    h.update(block_size=block, num_kv_heads=1 if mla else nh, head_size=hs)
     return kv, h
 
 
@@ -225,6 +248,46 @@ def test_torch_sdpa_ipex_or_not_is_never_guessed(semantic):
     semantic(lay, fp8, kv_view)
 
 
+@pytest.mark.parametrize("ipex", [True, False])
+@pytest.mark.parametrize(
+    "given",
+    [
+        ("num_kv_heads", "head_size"),
+        ("block_size", "head_size"),
+        ("block_size", "num_kv_heads"),
+        ("block_size", "num_kv_heads", "head_size"),
+    ],
+    ids=lambda g: "+".join(g),
+)
+@pytest.mark.parametrize(("bs", "nh", "hs"), [(16, 4, 32), (1, 2, 64), (3, 1, 16)])
+def test_torch_sdpa_flat_row_any_two_of_three(ipex, given, bs, nh, hs, semantic):
+    """0.11 TORCH_SDPA's (2, NB, BS*NH*HS): any two of block_size, num_kv_heads, head_size fix the
+    third (cpu_attn.py::_PagedAttention.get_kv_cache_shape); the split is the one vLLM reads."""
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=ipex, num_layers=2, num_blocks=5, block_size=bs, num_kv_heads=nh, head_size=hs)
+    _random_fill(kv)
+    geo = {"block_size": bs, "num_kv_heads": nh, "head_size": hs}
+    hints = {"vllm_version": "0.11.0", "attention_backend": "TORCH_SDPA", "use_ipex": ipex, **{k: geo[k] for k in given}}
+    lay = kvcore.detect(kv, "vllm", hints)
+    assert lay.format.name == ("NL_X_TWO_NB_NH_BS_HS" if ipex else SPLIT_K)
+    assert (lay.block_size, lay.num_heads, lay.head_size) == (bs, nh, hs)
+    _slot_rows_match(lay, kv, [0, bs * 5 - 1, bs * 2 + bs // 2])
+    semantic(lay, kv, kv_view)
+
+
+def test_torch_sdpa_flat_row_refuses_what_does_not_divide():
+    kv = allocate("0.11.0", "TORCH_SDPA", "NHD", use_ipex=True, num_layers=2, num_blocks=5, block_size=16, num_kv_heads=4, head_size=32)
+    base = {"vllm_version": "0.11.0", "attention_backend": "TORCH_SDPA", "use_ipex": True}
+    with pytest.raises(kvcore.DetectionError, match=r"num_kv_heads=3 \* head_size=32 = 96 does not divide the 2048") as ei:
+        kvcore.detect(kv, "vllm", {**base, "num_kv_heads": 3, "head_size": 32})
+    assert "block_size" in str(ei.value) and not isinstance(ei.value, kvcore.AmbiguousLayoutError)
+    with pytest.raises(kvcore.DetectionError, match="does not divide"):
+        kvcore.detect(kv, "vllm", {**base, "block_size": 24, "head_size": 32})
+    with pytest.raises(kvcore.DetectionError, match=r"block_size=16 \* num_kv_heads=4 \* head_size=16 = 1024, but each block holds 2048"):
+        kvcore.detect(kv, "vllm", {**base, "block_size": 16, "num_kv_heads": 4, "head_size": 16})
+    with pytest.raises(kvcore.DetectionError, match="needs block_size or num_kv_heads"):  # one of three: not enough
+        kvcore.detect(kv, "vllm", {**base, "head_size": 32})
+
+
 # -- real caches that were refused ------------------------------------------------------------
 
 
@@ -336,9 +399,12 @@ def test_kernel_blocks_need_dense_pages():
 SPLIT_ROWS = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] in MULTI_PLANE]
 
 
-def test_the_seven_split_rows():
+def test_the_split_rows():
     """0.11 ROCM_ATTN with the variable on, ROCM_ATTN 0.13 / 0.24 / 0.26, 0.33 LBHNC and LHBNC,
-    0.11 TORCH_SDPA without IPEX: every allocation vLLM reads through split_kv_cache."""
+    0.11 TORCH_SDPA without IPEX: every allocation vLLM reads through split_kv_cache; and those of
+    them that sit beside Mamba layers restrided (0.11 / 0.13 every (2, NB, ...) tensor, 0.24 / 0.26
+    ROCM_ATTN, whose block dim is 1). 0.33 ROCM_SEGMENTED_ATTN shares ROCM_ATTN's head slots but
+    reads them token-major: not a split row."""
     ids = {case_name(*r[:4], r[5]) for r in MATRIX if r[4] in MULTI_PLANE}
     assert ids == {
         "vllm-0.11-ROCM_ATTN-NHD-prefill_decode",
@@ -348,6 +414,11 @@ def test_the_seven_split_rows():
         "vllm-0.33-ROCM_ATTN-LBHNC",
         "vllm-0.33-ROCM_ATTN-LHBNC",
         "vllm-0.11-TORCH_SDPA-NHD-noipex",
+        "vllm-0.11-ROCM_ATTN-NHD-prefill_decode-mamba",
+        "vllm-0.11-TORCH_SDPA-NHD-noipex-mamba",
+        "vllm-0.13-ROCM_ATTN-NHD-mamba",
+        "vllm-0.24-ROCM_ATTN-NHD-mamba",
+        "vllm-0.26-ROCM_ATTN-NHD-mamba",
     }
 
 

@@ -77,7 +77,8 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
     """Only what the tensors cannot show: that they are as vLLM allocated them (a contiguous
     tensor is also an HND/NHD cache already permuted into memory order), the device family,
     the backend where two backends of one device read one shape differently, run-time
-    settings (IPEX, the 0.11 ROCm variable), a padded head, 0.33's one-head MLA view."""
+    settings (IPEX, the 0.11 ROCm variable), a padded head, 0.33's one-head MLA view, the heads of a
+    0.33 head slot."""
     hints = {k: full[k] for k in ("device_type", "use_ipex", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION") if k in full}
     hints.setdefault("device_type", "cuda")  # the platform: CPU tensors may also be vLLM CPU's (platform_cpu)
     hints["tensor_order"] = "allocated"
@@ -87,9 +88,11 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
         hints["head_size"] = full["head_size"]
     if "0.33-FLASHMLA" in name:
         hints["head_size"] = 576  # [NB, 1, BS, 576]: one MHA head of 288 or an MLA latent of 576
-    if "ROCM" in name:
+    if "ROCM" in name or "B12X" in name:
+        # 0.33 head slots [NB, 2, BS, NH*HS]: two packed K|V heads too (the backend decides), and the slot's
+        # row does not show how many heads it holds
         hints.update(attention_backend=full["attention_backend"], vllm_version=full["vllm_version"])
-        if "ROCM_ATTN" in name:
+        if "ROCM_ATTN" in name or "ROCM_SEGMENTED_ATTN" in name or "B12X" in name:
             hints["num_kv_heads"] = sizes["num_heads"]
     return hints
 
