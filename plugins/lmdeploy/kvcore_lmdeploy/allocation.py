@@ -13,9 +13,9 @@ versions       ``CacheEngine`` allocation
 =============  ==============================================================================
 0.6.0-0.6.3    ``allocate_gpu_cache``: per layer ``torch.empty((num_blocks, *block_shape))`` for
                K and V (0.6.2+: and the ``(*block_shape[:-1], 2)`` scale/zero tensors)
-0.6.4-0.10.x   ``_allocate_cache``: one ``torch.empty((num_layers, num_blocks, *shape))`` per
+0.6.4-0.11.0   ``_allocate_cache``: one ``torch.empty((num_layers, num_blocks, *shape))`` per
                kind; ``gpu_cache = list(zip(*caches))`` (per-layer views)
-0.11+          ``allocate_caches``: ``mem_pool = torch.zeros((NL, NB, sum(aligned sizes)),
+0.11.1+        ``allocate_caches``: ``mem_pool = torch.zeros((NL, NB, sum(aligned sizes)),
                uint8)``; each ``CacheDesc`` is ``remain[:, :, :size].view(dtype).view((NL, NB,
                *shape))``, the next starting at the 256-byte-aligned size; 0.14 allocates
                ``kernel_block_size`` blocks (``num_blocks * block_size // kernel_block_size``)
@@ -32,7 +32,7 @@ import torch
 
 from kvcore import GeometryError
 
-__all__ = ["CacheConfig", "Allocation", "allocate", "generation", "block_shapes", "cache_descs", "ALIGNMENT", "version_tuple"]
+__all__ = ["CacheConfig", "Allocation", "allocate", "generation", "block_shapes", "cache_descs", "nz_310p", "ALIGNMENT", "version_tuple"]
 
 #: ``CacheDesc.alignment`` (0.11.1-0.14.0)
 ALIGNMENT = 256
@@ -52,7 +52,10 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def generation(version: str) -> str:
-    """``"per_layer"`` (0.6.0-0.6.3), ``"cross_layer"`` (0.6.4-0.10.x) or ``"pool"`` (0.11+).
+    """``"per_layer"`` (0.6.0-0.6.3), ``"cross_layer"`` (0.6.4-0.11.0) or ``"pool"`` (0.11.1+).
+
+    0.11.0's ``CacheEngine._allocate_cache`` still allocates one ``torch.empty`` per kind; the
+    uint8 pool (``allocate_caches``) is 0.11.1's.
 
     Raises:
         GeometryError: a version before 0.6.0 (not described here).
@@ -62,7 +65,7 @@ def generation(version: str) -> str:
         raise GeometryError(f"LMDeploy {version}: versions before 0.6.0 are not described by kvcore-lmdeploy")
     if v < (0, 6, 4):
         return "per_layer"
-    if v < (0, 11, 0):
+    if v < (0, 11, 1):
         return "cross_layer"
     return "pool"
 
@@ -79,9 +82,11 @@ class CacheConfig:
         head_dim: ``ModelConfig.head_dim`` (K and V unless ``k_head_dim`` / ``v_head_dim``).
         dtype: ``ModelConfig.dtype``.
         quant_policy: 0, 4, 8 (all), 16, 17, 42 (0.14+).
-        device_type: ``cuda`` (NHD blocks) or ``camb`` (HND blocks).
+        device_type: ``cuda`` (NHD blocks), ``camb`` (HND blocks), ``ascend`` (NHD; 310P:
+            NZ blocks, 0.8.0-0.11.0) or ``maca`` (0.6.2-0.6.3: HND; 0.10+: NHD).
         k_head_dim, v_head_dim: ``ModelConfig.k_head_dim`` / ``v_head_dim`` (default head_dim).
         kernel_block_size: ``CacheConfig.kernel_block_size`` (0.14+; default block_size).
+        soc_version: the Ascend chip (``SocVersion.device_name()``), ``"Ascend910B"`` by default.
     """
 
     num_layers: int
@@ -95,6 +100,7 @@ class CacheConfig:
     k_head_dim: int | None = None
     v_head_dim: int | None = None
     kernel_block_size: int | None = None
+    soc_version: str = "Ascend910B"
 
     @property
     def k_dim(self) -> int:
@@ -117,12 +123,27 @@ def _check(cfg: CacheConfig, version: str) -> None:
         raise GeometryError(f"LMDeploy {version} has no quant_policy {cfg.quant_policy} (fp8 / TurboQuant are 0.14+)")
     if cfg.quant_policy in (4, 8) and v < (0, 6, 2):
         raise GeometryError(f"LMDeploy {version}'s PyTorch engine has no int4/int8 KV cache (0.6.2+)")
-    if cfg.quant_policy and cfg.device_type == "camb":
+    if cfg.device_type not in ("cuda", "camb", "ascend", "maca"):
+        raise GeometryError(f"device_type {cfg.device_type!r}: PytorchEngineConfig.device_type is cuda, ascend, maca or camb")
+    if cfg.quant_policy and cfg.device_type in ("camb", "maca"):
         raise GeometryError("LMDeploy quantises the KV cache on cuda and ascend only (PytorchEngineConfig.__post_init__)")
+    if cfg.quant_policy in (16, 17) and cfg.device_type != "cuda":
+        raise GeometryError("LMDeploy 0.14.0 CacheEngine.__init__: FP8 quantization is only supported on CUDA device")
     if cfg.device_type == "camb" and v < (0, 7, 0):
         raise GeometryError(f"LMDeploy {version} has no camb backend")
-    if cfg.device_type not in ("cuda", "camb"):
-        raise GeometryError(f"device_type {cfg.device_type!r}: these fixtures model cuda (NHD) and camb (HND)")
+    if cfg.device_type == "maca" and not ((0, 6, 2) <= v < (0, 6, 4) or v >= (0, 10, 0)):
+        raise GeometryError(
+            f"LMDeploy {version} on maca: 0.6.4-0.9.x allocate split-K blocks (num_heads, head_size // 16, block_size, 16) "
+            "(backends/dlinfer/maca/op_backend.py), not modelled here; 0.6.0-0.6.1 have no maca backend"
+        )
+    if cfg.device_type == "maca" and v < (0, 6, 4) and cfg.k_dim == 576:
+        raise GeometryError("LMDeploy 0.6.2 maca splits a 576-element K (num_heads, 36, block_size, 16): not modelled here")
+    if cfg.device_type == "ascend":
+        if v < (0, 7, 0):
+            raise GeometryError(f"LMDeploy {version} on ascend allocates (block_size, num_heads * head_size) blocks: not modelled here")
+        fam = "310P" if cfg.soc_version.startswith("Ascend310P") else "910" if cfg.soc_version.startswith("Ascend910") else None
+        if fam is None or (fam == "310P" and v >= (0, 11, 1)):
+            raise GeometryError(f"LMDeploy {version}'s ascend backend does not run {cfg.soc_version} (SocVersion)")
     if cfg.kernel_block_size is not None and v < (0, 14, 0):
         raise GeometryError(f"LMDeploy {version} has no kernel_block_size (0.14+)")
     kb = cfg.kernel_block
@@ -139,13 +160,33 @@ def _check(cfg: CacheConfig, version: str) -> None:
         raise GeometryError(f"ModelConfig.dtype {cfg.dtype} is not a model dtype LMDeploy runs")
 
 
-def block_shapes(cfg: CacheConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def nz_310p(cfg: CacheConfig, version: str) -> bool:
+    """Whether LMDeploy ``version`` allocates Ascend 310P "NZ" blocks for ``cfg``
+    (0.8.0-0.11.0 ``AscendOpsBackend.get_k_block_shape``: ``SocVersion.is_Ascend310P()``)."""
+    v = version_tuple(version)
+    return cfg.device_type == "ascend" and cfg.soc_version.startswith("Ascend310P") and (0, 8, 0) <= v < (0, 11, 1)
+
+
+def _order(cfg: CacheConfig, version: str) -> str:
+    """``NHD``, ``HND`` or ``NZ``: the backend's ``get_k_block_shape`` for ``version``."""
+    if cfg.device_type == "camb":
+        return "HND"
+    if cfg.device_type == "maca" and version_tuple(version) < (0, 6, 4):
+        return "HND"  # 0.6.2 MacaOpsBackend.get_k_block_shape: (num_heads, block_size, head_size)
+    if nz_310p(cfg, version):
+        return "NZ"
+    return "NHD"
+
+
+def block_shapes(cfg: CacheConfig, version: str = "0.14.0") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """K and V block shapes: ``CacheEngine._get_key_block_shape_impl`` /
     ``_get_value_block_shape_impl`` (int4 and TurboQuant-K pack ``head_size // 2``;
     TurboQuant-V ``head_size // 4``, 0.14.0) passed to the backend's
     ``get_k_block_shape`` / ``get_v_block_shape``: ``(block_size, num_heads, head_size)``
-    on CUDA (``backends/cuda/op_backend.py``), ``(num_heads, block_size, head_size)`` on
-    Cambricon (``backends/dlinfer/camb/op_backend.py``).
+    on CUDA (``backends/cuda/op_backend.py``), Ascend 910 and MACA 0.10+;
+    ``(num_heads, block_size, head_size)`` on Cambricon (``backends/dlinfer/camb/op_backend.py``)
+    and MACA 0.6.2; ``((num_heads * head_size + 15) // 16, block_size, 16)`` on Ascend 310P,
+    0.8.0-0.11.0 (``backends/dlinfer/ascend/op_backend.py::AscendOpsBackend.get_k_block_shape``).
 
     Raises:
         GeometryError: a head size the engine's asserts refuse.
@@ -164,27 +205,35 @@ def block_shapes(cfg: CacheConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
             raise GeometryError(f"head_size {vd} is not a multiple of 4: TurboQuant packs four 2-bit V codes per byte")
         vd //= 4
     bs, nh = cfg.kernel_block, cfg.num_kv_heads
-    if cfg.device_type == "camb":
+    order = _order(cfg, version)
+    if order == "HND":
         return (nh, bs, kd), (nh, bs, vd)
+    if order == "NZ":
+        return ((nh * kd + 15) // 16, bs, 16), ((nh * vd + 15) // 16, bs, 16)
     return (bs, nh, kd), (bs, nh, vd)
 
 
-def _value_dtype(cfg: CacheConfig) -> torch.dtype:
+def _value_dtype(cfg: CacheConfig, version: str = "0.14.0") -> torch.dtype:
+    """``CacheEngine.__init__``'s ``kv_cache_dtype`` (0.11.1+: the K/V ``CacheDesc`` dtype)."""
     if cfg.quant_policy == 16:
         return torch.float8_e4m3fn
     if cfg.quant_policy == 17:
         return torch.float8_e5m2
     if cfg.quant_policy in (4, 8, 42):
+        # cuda: uint8; ascend / npu: int8 -- until 0.11.0, whose _allocate_cache uses kv_cache_dtype;
+        # 0.11.1+ get_k_cache_desc / get_v_cache_desc use uint8 whatever the device
+        if cfg.device_type == "ascend" and version_tuple(version) < (0, 11, 1):
+            return torch.int8
         return torch.uint8
     return cfg.dtype
 
 
-def cache_descs(cfg: CacheConfig) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def cache_descs(cfg: CacheConfig, version: str = "0.14.0") -> list[tuple[tuple[int, ...], torch.dtype]]:
     """``(shape, dtype)`` of each per-block cache, in LMDeploy's order: K, V, then the
     quant descs (``get_quant_cache_descs``: ``shape[:-1] + [2]`` in the model dtype;
     TurboQuant's V ``[1]``; none for fp8)."""
-    ks, vs = block_shapes(cfg)
-    vdt = _value_dtype(cfg)
+    ks, vs = block_shapes(cfg, version)
+    vdt = _value_dtype(cfg, version)
     out = [(ks, vdt), (vs, vdt)]
     if cfg.quant_policy in (4, 8, 42):
         out.append(((*ks[:-1], 2), cfg.dtype))
@@ -215,7 +264,8 @@ class Allocation:
 
 
 def slice_pool(mem_pool: torch.Tensor, cfg: CacheConfig) -> list[torch.Tensor]:
-    """0.11.1-0.14.0 ``CacheEngine.allocate_caches``' slicing loop over ``mem_pool``."""
+    """0.11.1-0.14.0 ``CacheEngine.allocate_caches``' slicing loop over ``mem_pool`` (a
+    ``CacheDesc`` of size 0 -- MLA's V -- is an empty view and takes no bytes)."""
     num_layers, num_blocks = int(mem_pool.shape[0]), int(mem_pool.shape[1])
     caches = []
     remain_pool = mem_pool
@@ -253,7 +303,7 @@ def allocate(version: str, cfg: CacheConfig, device: Any = "cpu") -> Allocation:
     _check(cfg, version)
     gen = generation(version)
     nl = cfg.num_layers
-    descs = cache_descs(cfg)
+    descs = cache_descs(cfg, version)
     if gen == "per_layer":  # 0.6.0-0.6.3 CacheEngine.allocate_gpu_cache
         gpu_cache = []
         for _ in range(nl):

@@ -21,7 +21,14 @@ on CUDA / default / Ascend / MACA (0.10+); ``(NH, BS, HS)`` -- HND -- on Cambric
 ``(mse_norm, qjl_norm)`` and V 2-bit (``HS/4`` bytes) with one norm. fp8 (0.14,
 ``quant_policy`` 16 / 17) is the unquantised layout with fp8 elements (its scales are
 per-tensor attributes of the attention module, not cache memory). MLA models keep K of
-``kv_lora_rank + qk_rope_head_dim`` with one head and a V of head size 0.
+``kv_lora_rank + qk_rope_head_dim`` with one head and a V of head size 0: the K latents are
+the cache (``NL_X_NB_BS_ONE_HS``; cross-layer ``NL_NB_BS_ONE_HS``); quantised (int8 / int4),
+the latent codes ``KV`` beside LMDeploy's ``k_scales_zeros`` (``KSZ``) and
+``v_scales_zeros`` (``VSZ``) tensors (V is a view of the latent's first ``kv_lora_rank``
+elements, ``models/deepseek_v2.py``; its scales are cache memory the attention kernels read).
+Ascend 310P (0.8.0-0.11.0) keeps each block "NZ": ``((NH*HS+15)//16, BS, 16)``, a block's
+``[BS, NH*HS]`` rows cut into 16-element column chunks, chunk-major -- for a head size that
+is a multiple of 16, ``[NB, NH, HS/16, BS, 16]``: ``K=NL_X_NB_NH_HSC_BS_HSE+V=...``.
 """
 
 from __future__ import annotations
@@ -43,12 +50,20 @@ __all__ = [
     "planes_name",
     "INT_ROLES",
     "TURBO_ROLES",
+    "MLA_ROLES",
+    "X_MLA",
+    "MLA_QUANT",
+    "X_MLA_QUANT",
+    "NZ",
+    "X_NZ",
 ]
 
 #: side-plane roles: int4/int8 ``(scale, zero)`` pairs; TurboQuant norms (K: mse, qjl; V: one)
 INT_ROLES = ("K", "V", "KSZ", "VSZ")
 TURBO_ROLES = ("K", "V", "KN", "VN")
-_BLOCK = {"NHD": "NB_BS_NH_HS", "HND": "NB_NH_BS_HS"}
+#: quantised MLA: the latent codes (``gpu_cache[l][0]``) and the two scale/zero tensors (entries 2, 3)
+MLA_ROLES = ("KV", "KSZ", "VSZ")
+_BLOCK = {"NHD": "NB_BS_NH_HS", "HND": "NB_NH_BS_HS", "NZ": "NB_NH_HSC_BS_HSE", "MLA": "NB_BS_ONE_HS"}
 
 
 def planes_name(roles: tuple[str, ...], order: str = "NHD", cross_layer: bool = False) -> str:
@@ -67,6 +82,11 @@ X_NHD = planes_name(("K", "V"), cross_layer=True)
 X_HND = planes_name(("K", "V"), "HND", cross_layer=True)
 X_QUANT = planes_name(INT_ROLES, cross_layer=True)
 X_TURBO = planes_name(TURBO_ROLES, cross_layer=True)
+X_MLA = "NL_NB_BS_ONE_HS"
+MLA_QUANT = planes_name(MLA_ROLES, "MLA")
+X_MLA_QUANT = planes_name(MLA_ROLES, "MLA", cross_layer=True)
+NZ = planes_name(("K", "V"), "NZ")
+X_NZ = planes_name(("K", "V"), "NZ", cross_layer=True)
 
 
 def _src(version: str, file: str) -> Source:
@@ -94,6 +114,21 @@ SOURCES = {
         "0.9.2",
         "lmdeploy/pytorch/configurations/deepseek_v2.py::DeepseekV2ModelConfigBuilder.build (k_head_dim 576, v_head_dim 0, 1 KV head)",
     ),
+    "mla_quant": _src(
+        "0.9.2",
+        "lmdeploy/pytorch/models/deepseek_v2.py::DeepseekV2Attention.forward (k_cache past_key_value[0], v_cache its [..., "
+        ":kv_lora_rank], k_scales_zeros / v_scales_zeros past_key_value[2] / [3]); kernels/cuda/fill_kv_cache.py::fill_kv_cache "
+        "(BLOCK_DV = 0 when V shares K's memory)",
+    ),
+    "nz": _src(
+        "0.9.2",
+        "lmdeploy/pytorch/backends/dlinfer/ascend/op_backend.py::AscendOpsBackend.get_k_block_shape (Ascend310P: "
+        "((num_heads * head_size + 15) // 16, block_size, 16)); ascend/utils.py::nd_to_nz_spec (the NZ order)",
+    ),
+    "maca": _src(
+        "0.6.2",
+        "lmdeploy/pytorch/backends/dlinfer/maca/op_backend.py::MacaOpsBackend.get_k_block_shape ((num_heads, block_size, head_size))",
+    ),
 }
 
 FORMATS = [
@@ -101,22 +136,63 @@ FORMATS = [
         name=NHD,
         engines=["lmdeploy"],
         attention_backends=["cuda", "default", "ascend", "maca"],
-        description="LMDeploy CacheEngine.gpu_cache: per layer (k, v), each [NB, BS, NH, HS] (bf16/fp16/fp32; fp8 from 0.14)",
+        description="LMDeploy CacheEngine.gpu_cache: per layer (k, v), each [NB, BS, NH, HS] (bf16/fp16/fp32; fp8 from 0.14, CUDA "
+        "only); Ascend 910, MACA 0.10+",
         sources=[SOURCES["0.6.0"], SOURCES["0.9.2"], SOURCES["0.11.1"], SOURCES["cuda"]],
     ),
     KVFormat(
         name=HND,
         engines=["lmdeploy"],
-        attention_backends=["camb"],
-        description="LMDeploy CacheEngine.gpu_cache on Cambricon: per layer (k, v), each [NB, NH, BS, HS]",
-        sources=[SOURCES["camb"], SOURCES["0.9.2"]],
+        attention_backends=["camb", "maca"],
+        description="LMDeploy CacheEngine.gpu_cache on Cambricon (0.7+) and MACA 0.6.2-0.6.3: per layer (k, v), each [NB, NH, BS, HS]",
+        sources=[SOURCES["camb"], SOURCES["0.9.2"], SOURCES["maca"]],
     ),
     KVFormat(
         name=MLA,
         engines=["lmdeploy"],
         attention_backends=["cuda"],
-        description="LMDeploy MLA (DeepSeek-V2/V3): per layer K [NB, BS, 1, kv_lora_rank+rope]; V has head size 0 (not stored)",
+        description="LMDeploy MLA (DeepSeek-V2/V3): per layer K [NB, BS, 1, kv_lora_rank+rope] (model dtype; fp8 with "
+        "quant_policy 16/17, 0.14); V has head size 0 (not stored)",
         sources=[SOURCES["mla"], SOURCES["0.9.2"]],
+    ),
+    KVFormat(
+        name=X_MLA,
+        engines=["lmdeploy"],
+        attention_backends=["cuda"],
+        description="LMDeploy MLA cross-layer K latents [NL, NB, BS, 1, kv_lora_rank+rope]: 0.6.4-0.11.0 full_gpu_cache[0], "
+        "0.11.1+ cut from the uint8 pool (V has head size 0)",
+        sources=[SOURCES["mla"], SOURCES["0.9.2"], SOURCES["0.11.1"]],
+    ),
+    KVFormat(
+        name=MLA_QUANT,
+        engines=["lmdeploy"],
+        attention_backends=["cuda"],
+        description="LMDeploy MLA int8/int4 (quant_policy 8/4): per layer uint8 latent codes KV [NB, BS, 1, D or D/2] and "
+        "k/v (scale, zero) pairs KSZ, VSZ [NB, BS, 1, 2] in the model dtype (V reads the latent codes with VSZ)",
+        sources=[SOURCES["mla"], SOURCES["mla_quant"], SOURCES["0.6.2"], SOURCES["fill"]],
+    ),
+    KVFormat(
+        name=X_MLA_QUANT,
+        engines=["lmdeploy"],
+        attention_backends=["cuda"],
+        description="LMDeploy MLA int8/int4 cross-layer latent codes KV and KSZ, VSZ [NL, NB, BS, 1, *] "
+        "(0.6.4-0.11.0 full_gpu_cache, 0.11.1+ the uint8 pool)",
+        sources=[SOURCES["mla_quant"], SOURCES["0.9.2"], SOURCES["0.14.0"]],
+    ),
+    KVFormat(
+        name=NZ,
+        engines=["lmdeploy"],
+        attention_backends=["ascend"],
+        description="LMDeploy on Ascend 310P (0.8.0-0.11.0): per layer (k, v), each [NB, (NH*HS+15)//16, BS, 16] NZ blocks, "
+        "read per head as [NB, NH, HS/16, BS, 16] (head size a multiple of 16)",
+        sources=[SOURCES["nz"], SOURCES["0.9.2"]],
+    ),
+    KVFormat(
+        name=X_NZ,
+        engines=["lmdeploy"],
+        attention_backends=["ascend"],
+        description="LMDeploy on Ascend 310P (0.8.0-0.11.0) cross-layer full_gpu_cache K, V [NL, NB, NH, HS/16, BS, 16]",
+        sources=[SOURCES["nz"], SOURCES["0.9.2"]],
     ),
     KVFormat(
         name=QUANT,

@@ -15,16 +15,28 @@ Fields (all optional; aliases in brackets):
   scale/zero tensors, the element dtype and (int4 / TurboQuant) the packed widths; picks
   the pool's slices.
 * ``device_type`` [``device``]: ``PytorchEngineConfig.device_type`` -- ``cuda``,
-  ``ascend``, ``maca``, ``camb``. Decides the block order: ``camb`` allocates
-  ``(NH, BS, HS)`` blocks (HND), every other backend ``(BS, NH, HS)`` (NHD). Without it a
-  tensor on a ``cuda`` or ``npu`` device is NHD and one on ``mlu`` HND (the backend that
-  allocated it); a CPU tensor (LMDeploy's host swap cache, a copy) needs this hint,
-  ``block_size`` or ``num_kv_heads`` where the two readings differ.
+  ``ascend``, ``maca``, ``camb``. Decides the block order (``backends/*/op_backend.py::
+  get_k_block_shape``): ``cuda`` ``(BS, NH, HS)`` (NHD); ``camb`` ``(NH, BS, HS)`` (HND);
+  ``ascend`` NHD on Ascend 910, but 0.8.0-0.11.0 on Ascend 310P the "NZ" blocks
+  ``((NH*HS+15)//16, BS, 16)`` (``soc_version`` decides); ``maca`` HND in 0.6.2-0.6.3, split-K
+  (not described) in 0.6.4-0.9.x, NHD from 0.10 (``lmdeploy_version`` decides). Without it a
+  tensor on a ``cuda`` device is read as the CUDA backend's (MetaX MACA tensors are ``cuda``
+  tensors too: pass ``device_type='maca'``), one on ``npu`` as Ascend's and one on ``mlu`` as
+  Cambricon's; a CPU tensor (LMDeploy's host swap cache, a copy) needs this hint,
+  ``block_size`` or ``num_kv_heads`` where the readings differ. fp8 KV (``quant_policy``
+  16 / 17) is CUDA only (0.14.0 ``CacheEngine.__init__`` asserts it), int4 / int8 /
+  TurboQuant CUDA and Ascend only (``PytorchEngineConfig.__post_init__``).
+* ``soc_version``: the Ascend chip, as LMDeploy's ``SocVersion.device_name()`` reads it
+  (``torch_npu.npu.get_device_name()``, e.g. ``Ascend910B3``, ``Ascend310P3``; ``910B`` and
+  ``310P`` are accepted). Only for ``device_type='ascend'``: 0.8.0-0.11.0 allocate NZ blocks on
+  ``Ascend310P*`` and NHD blocks on ``Ascend910*``.
 * ``block_size`` [``cache_block_seq_len``]: ``CacheConfig.block_size`` (tokens per block;
   TurboMind calls it ``cache_block_seq_len``). From 0.14 the manager's block may be split
   into kernel blocks: the tensors hold ``kernel_block_size`` tokens per block (a power of
   2, at least 16, dividing ``block_size``; camb: both 16), so a ``block_size`` that is such
-  a multiple of theirs is read as the manager's. The 0.11+ pool's bytes do not show its
+  a multiple of theirs is read as the manager's. The layout's blocks are then the
+  **kernel** blocks (``layout.block_size`` is the kernel block, ``gather_blocks`` takes
+  kernel block ids); :mod:`kvcore_lmdeploy.blocks` takes the manager's block ids. The 0.11+ pool's bytes do not show its
   block: with ``block_size`` alone every kernel block it allows is a reading, and when two
   of them (with the policies) fill the pool's bytes per block alike -- int8 in 16-token
   blocks and int4 in 32-token blocks, say -- detection raises ``AmbiguousLayoutError``
@@ -40,9 +52,12 @@ Fields (all optional; aliases in brackets):
   scales and zeros.
 * ``tensor_order``: kvcore's generic hint (``allocated`` / ``physical``). LMDeploy
   allocates every tensor contiguous, so both readings are the same here.
-* ``lmdeploy_version``: layouts are read from the tensors; for the 0.11+ pool the version
-  narrows the readings (before 0.14: no kernel blocks, no fp8 / TurboQuant policies; before
-  0.11 there is no pool).
+* ``lmdeploy_version``: the release that allocated the cache. Every other hint and the
+  tensors are checked against it (a contradiction is a :class:`kvcore.DetectionError`):
+  int4 / int8 from 0.6.2; fp8 and TurboQuant, and kernel blocks, from 0.14.0; Cambricon from
+  0.7; the cross-layer ``full_gpu_cache`` tuple 0.6.4-0.11.0 and the uint8 pool from 0.11.1;
+  Ascend 310P's NZ blocks 0.8.0-0.11.0; MACA's block order per release (above). For
+  a ``CacheEngine`` of 0.6.0-0.6.4 it also decides how an MQA model's heads are split.
 
 Precedence: ``quant_policy`` and ``device_type`` select readings outright; size hints drop
 readings whose axes disagree; then the tensors' shapes, dtypes and devices. Readings still
@@ -63,7 +78,7 @@ from kvcore import DetectionError
 from kvcore.detection import tensor_order
 from kvcore.dtypes import parse_dtype
 
-__all__ = ["LMDeployHints", "parse_hints", "declared_hints", "QUANT_POLICIES", "DEVICE_TYPES", "MODEL_DTYPES"]
+__all__ = ["LMDeployHints", "parse_hints", "declared_hints", "soc_family", "QUANT_POLICIES", "DEVICE_TYPES", "MODEL_DTYPES"]
 
 #: ``lmdeploy.messages.QuantPolicy`` (0.14.0): NONE, INT4, INT8, FP8, FP8_E5M2, TURBO_QUANT.
 #: Up to 0.12.3 ``quant_policy`` is a plain ``Literal[0, 4, 8]``.
@@ -92,6 +107,7 @@ class LMDeployHints(BaseModel):
     dtype: Any = None
     tensor_order: str | None = None
     lmdeploy_version: str | None = None
+    soc_version: str | None = None
 
     @field_validator("quant_policy", mode="before")
     @classmethod
@@ -137,6 +153,22 @@ class LMDeployHints(BaseModel):
     def _version(cls, v: Any) -> Any:
         return None if v is None else str(v)
 
+    @field_validator("soc_version", mode="before")
+    @classmethod
+    def _soc(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        s = str(v).strip()
+        if s.lower().startswith("ascend"):
+            s = s[len("ascend") :]
+        s = "Ascend" + s.upper()
+        if soc_family(s) is None:
+            raise ValueError(
+                f"soc_version {v!r}: LMDeploy's ascend backend names Ascend910* and Ascend310P* chips "
+                "(backends/dlinfer/ascend/op_backend.py::SocVersion), e.g. 'Ascend910B3' or 'Ascend310P3'"
+            )
+        return s
+
     # -- derived -----------------------------------------------------------------------
     def k_dim(self) -> int | None:
         """The model's K head size (``k_head_dim``, else ``head_dim``)."""
@@ -146,16 +178,34 @@ class LMDeployHints(BaseModel):
         """The model's V head size (``v_head_dim``, else ``head_dim``)."""
         return self.v_head_dim if self.v_head_dim is not None else self.head_dim
 
-    def block_fits(self, bs: int) -> bool:
+    def soc(self) -> str | None:
+        """``"310P"``, ``"910"`` or None (no ``soc_version``)."""
+        return None if self.soc_version is None else soc_family(self.soc_version)
+
+    def block_fits(self, bs: int, kernel_blocks: bool = True) -> bool:
         """Whether a tensor with ``bs`` tokens per block fits ``kernel_block_size`` /
         ``block_size`` (0.14 ``CacheEngine.allocate_caches``: the manager's block_size is a
-        multiple of the kernel block the tensors hold)."""
+        multiple of the kernel block the tensors hold). ``kernel_blocks=False`` (a release
+        before 0.14): the tensors hold ``block_size`` tokens per block."""
         if self.kernel_block_size is not None:
             return bs == self.kernel_block_size
         if self.block_size is not None:
+            if not kernel_blocks:
+                return bs == self.block_size
             # 0.14 PytorchEngineConfig.__post_init__: kernel_block_size is >= 16, a power of 2 dividing block_size
             return bs == self.block_size or (bs >= 16 and bs & (bs - 1) == 0 and self.block_size % bs == 0)
         return True
+
+
+def soc_family(name: str) -> str | None:
+    """``"310P"`` for ``Ascend310P*``, ``"910"`` for ``Ascend910*``, else None: the prefixes
+    ``SocVersion.is_Ascend310P`` / ``is_Ascend910`` (0.10.2+; 0.8.0 / 0.9.2 ``is_Ascend910B``)
+    test."""
+    if name.startswith("Ascend310P"):
+        return "310P"
+    if name.startswith("Ascend910"):
+        return "910"
+    return None
 
 
 def parse_hints(hints: Mapping[str, Any] | None) -> LMDeployHints:
@@ -208,9 +258,12 @@ def declared_hints() -> list[Any]:
             engine="lmdeploy",
             name="device_type",
             aliases=["device"],
-            meaning="PytorchEngineConfig.device_type: camb allocates (NH, BS, HS) blocks (HND), cuda/ascend/maca (BS, NH, HS) (NHD)",
+            meaning="PytorchEngineConfig.device_type: the backend whose get_k_block_shape allocated the blocks: cuda (BS, NH, HS) "
+            "(NHD); camb (NH, BS, HS) (HND); ascend NHD, or 0.8.0-0.11.0 on Ascend 310P NZ ((NH*HS+15)//16, BS, 16) "
+            "(soc_version decides); maca HND in 0.6.2-0.6.3, NHD from 0.10 (lmdeploy_version decides). fp8 KV is cuda only",
             values=list(DEVICE_TYPES),
-            default="the tensors' torch device (cuda/npu: NHD, mlu: HND); CPU tensors need it where NHD and HND differ",
+            default="the tensors' torch device (cuda: the CUDA backend, npu: Ascend, mlu: Cambricon); CPU tensors need it "
+            "where the readings differ",
             source="lmdeploy/pytorch/backends/*/op_backend.py::get_k_block_shape",
         ),
         Hint(
@@ -277,8 +330,23 @@ def declared_hints() -> list[Any]:
         Hint(
             engine="lmdeploy",
             name="lmdeploy_version",
-            meaning="layouts are read from the tensors' shapes, dtypes and strides; for the 0.11+ pool a version before "
-            "0.14 rules out kernel blocks and the fp8 / TurboQuant policies",
+            meaning="the release that allocated the cache; every hint and the tensors are checked against it: int4/int8 "
+            "from 0.6.2, fp8 / TurboQuant / kernel blocks from 0.14.0, camb from 0.7, the cross-layer full_gpu_cache "
+            "tuple 0.6.4-0.11.0, the uint8 pool from 0.11.1, Ascend 310P NZ blocks 0.8.0-0.11.0, MACA's block order "
+            "(0.6.2-0.6.3 HND, 0.10+ NHD), and a 0.6.0-0.6.4 CacheEngine's MQA head split",
             type="version string",
+            default="read from the tensors; where two releases allocate the same tensors differently (MACA), "
+            "AmbiguousLayoutError names this hint",
+            source="SOURCES.md (per release)",
+        ),
+        Hint(
+            engine="lmdeploy",
+            name="soc_version",
+            meaning="the Ascend chip (SocVersion.device_name(): torch_npu.npu.get_device_name(), e.g. Ascend910B3, "
+            "Ascend310P3); LMDeploy 0.8.0-0.11.0 allocate NZ blocks ((NH*HS+15)//16, BS, 16) on Ascend310P*, "
+            "(BS, NH, HS) on Ascend910*",
+            type="Ascend device name",
+            default="both readings where the tensors fit both (AmbiguousLayoutError names this hint)",
+            source="lmdeploy/pytorch/backends/dlinfer/ascend/op_backend.py::AscendOpsBackend.get_k_block_shape (0.8.0-0.11.0)",
         ),
     ]

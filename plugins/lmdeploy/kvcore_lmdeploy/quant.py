@@ -17,6 +17,10 @@ Facts (identical in 0.6.2, 0.9.2, 0.11.1, 0.12.3 and 0.14.0):
   scale`` -- the same value; ``_dequant_int4`` takes byte ``d % (HS/2)`` shifted by
   ``4 * (d // (HS/2))``, masked with ``0xF``.
 
+MLA (DeepSeek, 0.6.2+): the latent ``[.., 1, kv_lora_rank + rope]`` is quantised per token
+like one head (``fill_kv_cache``'s K path); V is the latent's first ``kv_lora_rank`` codes
+read with ``v_scales_zeros`` (see :func:`dequantize_staged`).
+
 TurboQuant (``quant_policy`` 42) is not reconstructed here: its codes index Lloyd-Max
 codebooks in a Hadamard-rotated domain (``kernels/cuda/turbo_quant.py``); kvcore moves its
 bytes, planes and norms, and claims nothing about their values.
@@ -88,17 +92,42 @@ def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor, policy: int) -> 
     return (c.float() - zero) * scale
 
 
-def dequantize_staged(layout, staged: dict, policy: int) -> dict[str, torch.Tensor]:
-    """Dequantise a gathered int4/int8 LMDeploy layout: ``{"K": [NL, T, NH, HS], "V": ...}``
-    float32 from the staging dict (``K``/``V`` uint8 ``[NL, T, NH*W]``, ``KSZ``/``VSZ``
-    ``[NL, T, NH*2]``; one layer: without the ``NL`` axis).
+def dequantize_staged(layout, staged: dict, policy: int, *, kv_lora_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """Dequantise a gathered int4/int8 LMDeploy layout, float32.
+
+    * K/V layouts (planes ``K``, ``V``, ``KSZ``, ``VSZ``): ``{"K": [NL, T, NH, HS], "V": ...}``
+      from ``K``/``V`` uint8 ``[NL, T, NH*W]`` and ``KSZ``/``VSZ`` ``[NL, T, NH*2]``.
+    * MLA (planes ``KV``, ``KSZ``, ``VSZ``): ``{"KV": [NL, T, 1, HS]}``, the latents read with
+      ``k_scales_zeros`` (the attention kernels' K); with ``kv_lora_rank``, also ``"V": [NL,
+      T, 1, kv_lora_rank]``: DeepSeek's V is ``k_cache[..., :kv_lora_rank]``
+      (``models/deepseek_v2.py``) read with ``v_scales_zeros`` -- the latent codes dequantised
+      with ``VSZ`` (int4: the kernel unpacks all the bytes of the view,
+      ``flatten_kv_cache.py::_flatten_kv_cache_quant`` with ``HEAD_DIM_V = 2 * bytes``), first
+      ``kv_lora_rank`` elements. LMDeploy's ``fill_kv_cache`` never writes ``v_scales_zeros``
+      for MLA (``BLOCK_DV = 0``: V shares K's memory), so V holds what that memory holds.
+
+    One layer's staging (no ``NL`` axis) works the same.
 
     Raises:
         GeometryError: the layout is not LMDeploy's int quantised layout, or a plane is missing.
     """
     roles = {p.role for p in layout.planes}
+    if roles == {"KV", "KSZ", "VSZ"}:
+        missing = sorted(roles - set(staged))
+        if missing:
+            raise GeometryError(f"the staging dict lacks plane(s) {missing}")
+        codes = staged["KV"].unflatten(-1, (1, -1))
+        out = {"KV": dequantize(codes, staged["KSZ"].unflatten(-1, (1, 2)), policy)}
+        if kv_lora_rank is not None:
+            width = out["KV"].shape[-1]
+            if not 0 < kv_lora_rank <= width:
+                raise GeometryError(f"kv_lora_rank {kv_lora_rank} is not within the latent's {width} elements")
+            out["V"] = dequantize(codes, staged["VSZ"].unflatten(-1, (1, 2)), policy)[..., :kv_lora_rank]
+        return out
     if roles != {"K", "V", "KSZ", "VSZ"}:
-        raise GeometryError(f"dequantize_staged needs the planes K, V, KSZ, VSZ (int4/int8); the layout has {sorted(roles)}")
+        raise GeometryError(
+            f"dequantize_staged needs the planes K, V, KSZ, VSZ (int4/int8) or KV, KSZ, VSZ (MLA int4/int8); the layout has {sorted(roles)}"
+        )
     missing = sorted(roles - set(staged))
     if missing:
         raise GeometryError(f"the staging dict lacks plane(s) {missing}")

@@ -86,19 +86,36 @@ def test_cpu_copies_need_the_device_type_or_a_size_hint():
 
 
 def test_tensor_device_is_the_backend():
-    """A meta tensor says nothing; a cuda tensor was filled by the CUDA backend (NHD), and a
-    device_type hint naming another backend contradicts it."""
-    from kvcore_lmdeploy.detect import _orders
+    """A meta tensor says nothing; a cuda tensor was filled by the CUDA backend (NHD), an npu
+    tensor by Ascend's, and a device_type hint naming another backend contradicts it."""
+    from kvcore_lmdeploy.detect import _readings, _window
     from kvcore_lmdeploy.hints import parse_hints
 
     alloc = allocate("0.9.2", CacheConfig(1, 2, 4, 4, 8), device="meta")
     with pytest.raises(AmbiguousLayoutError):
         kvcore.detect(alloc.gpu_cache, engine="lmdeploy")
     on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    assert _orders(on_gpu, parse_hints({})) == ["NHD"]
-    assert _orders(SimpleNamespace(device=torch.device("mlu", 0)) if hasattr(torch, "mlu") else on_gpu, parse_hints({}))
+    h = parse_hints({})
+    every = _window(h, "gpu_cache")
+    assert _readings(on_gpu, h, every) == [("NHD", {"device_type": "cuda"})]
+    on_npu = (
+        SimpleNamespace(device=torch.device("npu", 0)) if hasattr(torch, "npu") else SimpleNamespace(device=SimpleNamespace(type="npu"))
+    )
+    assert _readings(on_npu, h, every) == [
+        ("NHD", {"device_type": "ascend", "soc_version": "Ascend910", "lmdeploy_version": "0.7.0-0.7.x, 0.8.0+"}),
+        ("NZ", {"device_type": "ascend", "soc_version": "Ascend310P", "lmdeploy_version": "0.8.0-0.11.0"}),
+    ]
+    assert _readings(
+        on_npu, parse_hints({"lmdeploy_version": "0.12.3"}), _window(parse_hints({"lmdeploy_version": "0.12.3"}), "gpu_cache")
+    ) == [("NHD", {"device_type": "ascend"})]
+    assert _readings(on_npu, parse_hints({"soc_version": "Ascend910B3"}), every) == [("NHD", {"device_type": "ascend"})]
     with pytest.raises(DetectionError, match="device_type='camb' but the tensors are on a cuda device"):
-        _orders(on_gpu, parse_hints({"device_type": "camb"}))
+        _readings(on_gpu, parse_hints({"device_type": "camb"}), every)
+    # MetaX MACA tensors are cuda tensors: the hint is taken, and MACA's blocks depend on the release
+    assert _readings(on_gpu, parse_hints({"device_type": "maca"}), every) == [
+        ("HND", {"device_type": "maca", "lmdeploy_version": "0.6.2-0.6.3"}),
+        ("NHD", {"device_type": "maca", "lmdeploy_version": "0.10.0+"}),
+    ]
 
 
 @pytest.mark.parametrize(("policy", "dtype"), [(16, torch.float8_e4m3fn), (17, torch.float8_e5m2)])
