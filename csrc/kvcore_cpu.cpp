@@ -490,23 +490,30 @@ std::string TensorGuard::init(const std::vector<at::Tensor>& tensors, const std:
 }
 
 std::string TensorGuard::check() const {
+  // Per call, on the host, for every guarded tensor: read the TensorImpl's fields directly
+  // (no dim wrapping, no Storage copies), the cheap comparisons first; the message is built
+  // only for the refused row.
   for (const Row& r : rows_) {
-    const c10::Storage& st = r.tensor.storage();
-    const uintptr_t ptr = reinterpret_cast<uintptr_t>(st.data_ptr().get());
-    const int64_t nb = static_cast<int64_t>(st.nbytes());
-    if (st.unsafeGetStorageImpl() != r.impl || ptr != r.ptr || nb != r.nbytes)
-      return cat(who_, "the storage of ", r.label, " was ",
-                 nb == 0 ? "freed" : (st.unsafeGetStorageImpl() != r.impl ? "replaced" : "reallocated or resized"),
+    const c10::TensorImpl* ti = r.tensor.unsafeGetTensorImpl();
+    const c10::StorageImpl* si = ti->unsafe_storage().unsafeGetStorageImpl();
+    const uintptr_t ptr = reinterpret_cast<uintptr_t>(si->data());
+    const int64_t nb = static_cast<int64_t>(si->nbytes());
+    if (si != r.impl || ptr != r.ptr || nb != r.nbytes)
+      return cat(who_, "the storage of ", r.label, " was ", nb == 0 ? "freed" : (si != r.impl ? "replaced" : "reallocated or resized"),
                  " after the layout was detected (", r.nbytes, " bytes at ", hex(r.ptr), ", now ", nb, " bytes at ", hex(ptr),
                  "); nothing was moved. Detect the cache again");
     if (r.ndim < 0) continue;
-    const at::Tensor& t = r.tensor;
-    bool same = t.dim() == r.ndim && t.storage_offset() == r.offset;
-    for (int64_t d = 0; same && d < r.ndim; ++d) same = t.size(d) == r.sizes[d] && t.stride(d) == r.strides[d];
-    if (!same)
+    const c10::IntArrayRef sz = ti->sizes(), sd = ti->strides();
+    const size_t nd = static_cast<size_t>(r.ndim);
+    const bool same = sz.size() == nd && ti->storage_offset() == r.offset &&
+                      (nd == 0 || (std::memcmp(sz.data(), r.sizes.data(), nd * sizeof(int64_t)) == 0 &&
+                                   std::memcmp(sd.data(), r.strides.data(), nd * sizeof(int64_t)) == 0));
+    if (!same) {
+      const at::Tensor& t = r.tensor;
       return cat(who_, r.label, " changed shape, strides or offset in place after the layout was detected (was shape ",
                  c10::IntArrayRef(r.sizes), " stride ", c10::IntArrayRef(r.strides), " offset ", r.offset, ", now shape ", t.sizes(),
                  " stride ", t.strides(), " offset ", t.storage_offset(), "); nothing was moved. Detect the cache again");
+    }
   }
   return std::string();
 }
