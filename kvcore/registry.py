@@ -705,8 +705,20 @@ def demos() -> dict[str, tuple[Any, str, str]]:
 
 
 def hints(engine: str | None = None) -> list[tuple[str, Hint]]:
-    """Declared hints as ``(plugin, Hint)``, for ``engine`` or all, in declaration order."""
-    return [(p, h) for p, h in host().hints if engine is None or h.engine == engine]
+    """Declared hints as ``(plugin, Hint)``, for ``engine`` or all, in declaration order.
+
+    kvcore's generic ``tensor_order`` hint (:func:`kvcore.hints.tensor_order_hint`), which
+    detection accepts for every engine, is listed after an engine's own hints (plugin
+    ``kvcore``) where the engine's plugins do not declare it themselves."""
+    from kvcore.hints import tensor_order_hint
+
+    rows = [(p, h) for p, h in host().hints if engine is None or h.engine == engine]
+    engines = dict.fromkeys(h.engine for _, h in rows)
+    for e in engines:
+        if not any(h.engine == e and h.name == "tensor_order" for _, h in rows):
+            last = max(i for i, (_, h) in enumerate(rows) if h.engine == e)
+            rows.insert(last + 1, ("kvcore", tensor_order_hint(e)))
+    return rows
 
 
 # -- hooks called one plugin at a time -------------------------------------------------------

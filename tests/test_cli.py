@@ -240,10 +240,12 @@ def test_hints_lists_an_engines_declared_hints_with_meaning_and_values(capsys):
         assert "accepts: int > 0" in out
         rc, out, _ = run(capsys, "hints", ENGINE, "--json")
         rows = json.loads(out)
-        assert [r["name"] for r in rows] == ["kv_cache_layout", "block_size"] and rows[0]["plugin"] == "clitest-hints"
+        # the engine's own hints in declaration order, then kvcore's generic tensor_order (every engine accepts it)
+        assert [r["name"] for r in rows] == ["kv_cache_layout", "block_size", "tensor_order"] and rows[0]["plugin"] == "clitest-hints"
+        assert rows[2]["plugin"] == "kvcore" and rows[2]["values"] == ["allocated", "physical"]
         assert kvcore.hints(ENGINE)[0][1].values == ["NHD", "HND"]
         rc, out, _ = run(capsys, "hints")
-        assert rc == 0 and any(line.split()[:2] == [ENGINE, "2"] for line in out.splitlines())
+        assert rc == 0 and any(line.split()[:2] == [ENGINE, "3"] for line in out.splitlines())
         rc, out, err = run(capsys, "hints", "no-such-engine")
         assert rc == 2 and out == "" and "no plugin declares hints for engine 'no-such-engine'" in err and ENGINE in err
     finally:
