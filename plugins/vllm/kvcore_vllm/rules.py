@@ -1223,7 +1223,10 @@ def _rule_ok(rule: Rule, h: VllmHints, rocm: bool | None = None, cpu: bool | Non
         return False  # the CPU backend's readings stand beside the GPU ones wherever the platform may be CPU (platform_cpu)
     if rule.gate == "tpu" and not (dev == "tpu" or fam == "PALLAS"):
         return False
-    if rule.gate == "rocm" and not (dev == "rocm" or fam in ("ROCM_ATTN", "ROCM_SEGMENTED") or (dev is None and rocm)):
+    # VLLM_V1_USE_PREFILL_DECODE_ATTENTION is read by ROCm's backend only (envs.py; rocm_attn.py): a caller who
+    # states it on puts ROCm's readings beside the others wherever the device is not stated
+    pda_on = h.prefill_decode_attention is True and dev is None
+    if rule.gate == "rocm" and not (dev == "rocm" or fam in ("ROCM_ATTN", "ROCM_SEGMENTED") or (dev is None and rocm) or pda_on):
         return False
     if rule.gate == "cuda" and ((dev is not None and dev != "cuda") or rocm):
         return False

@@ -106,6 +106,31 @@ def test_prefill_decode_flag_parsed_as_vllm_does(value, split, monkeypatch, sema
         assert kvcore.detect(kv, "vllm", hints).format.name == fmt
 
 
+def test_prefill_decode_flag_on_puts_rocms_reading_beside_the_others(semantic):
+    """The variable is read by ROCm's backend only (0.11 rocm_attn.py): stated on, with the
+    device and backend unstated, ROCm's split reading stands beside FlashAttention's NHD
+    reading of the same CPU-held tensor -- an ambiguity naming the hints that decide, never
+    FlashAttention's reading by default; each deciding hint gives the engine's bytes."""
+    g = dict(num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
+    kv = allocate("0.11.0", "ROCM_ATTN", "NHD", prefill_decode_attention=True, **g)
+    base = {"vllm_version": "0.11.0", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": True, "kv_cache_layout": "NHD"}
+    with pytest.raises(kvcore.AmbiguousLayoutError) as e:
+        kvcore.detect(kv, "vllm", base)
+    assert ["attention_backend"] in e.value.decide
+    lay = kvcore.detect(kv, "vllm", {**base, "attention_backend": "ROCM_ATTN"})
+    assert lay.format.name == SPLIT_K
+    semantic(lay, kv, kv_view)
+    # on ROCm the AITER backends read the same tensor by unbind(0): the device alone does not decide
+    with pytest.raises(kvcore.AmbiguousLayoutError) as e:
+        kvcore.detect(kv, "vllm", {**base, "device_type": "rocm"})
+    assert e.value.decide == [["attention_backend"]]
+    # off (vLLM's default): ROCm reads unbind(0), the same bytes as FlashAttention's NHD
+    kv_off = allocate("0.11.0", "ROCM_ATTN", "NHD", prefill_decode_attention=False, **g)
+    lay = kvcore.detect(kv_off, "vllm", {**base, "VLLM_V1_USE_PREFILL_DECODE_ATTENTION": False})
+    assert lay.format.name == "NL_X_TWO_NB_BS_NH_HS"
+    semantic(lay, kv_off, kv_view)
+
+
 @pytest.mark.parametrize(
     ("value", "version", "ok"),
     [("HND", "0.26.0", True), ("NHD", "0.11.0", True), ("BLHNC", "0.33.0", True), ("HND", "0.33.0", True)]
