@@ -52,8 +52,9 @@ import torch
 
 from kvcore import registry
 from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError
-from kvcore.inputs import check_container
-from kvcore.layout import Detection, KVLayout, build_layout
+from kvcore.inputs import check_container, tensor_paths
+from kvcore.layout import Detection, KVLayout, _build_layout
+from kvcore.spec import record_callers
 
 __all__ = [
     "detect",
@@ -421,6 +422,8 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         )
     if det.format is None:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
+    # the caller's own tensors (often views themselves): a transfer refuses once one is re-pointed or reshaped
+    record_callers(layout.spec.stride_table(), tensor_paths(kv_caches))
     if names is not None:
         if det.layer_ids is not None and all(0 <= i < len(names) for i in layout.layer_ids):
             layout.layer_names = tuple(names[i] for i in layout.layer_ids)
@@ -448,7 +451,7 @@ def _check_order_statement(container: Any, hints: Mapping[str, Any]) -> None:
 
 def _build(det: Detection, engine: str, shown: Any, what: str) -> KVLayout:
     try:
-        return build_layout(
+        return _build_layout(
             det.format,
             det.kv_caches,
             dtype=det.dtype,
@@ -542,6 +545,10 @@ def detect_per_layer(
                     f"says they are entries {ids} of the {len(idxs)} it was given"
                 )
             layout.layer_ids = tuple(idxs[j] for j in ids)
+            record_callers(
+                layout.spec.stride_table(),
+                [(p, t) for i in idxs for p, t in tensor_paths(container[i], f"kv_caches[{keys[i]!r}]" if as_dict else f"kv_caches[{i}]")],
+            )
             if names is not None:
                 layout.layer_names = tuple(names[i] for i in layout.layer_ids)
             for i in layout.layer_ids:
@@ -703,7 +710,7 @@ def resolve(
     rejected: list[str] = []
     for c in candidates:
         try:
-            lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
+            lay = _build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
         except GeometryError as e:
             log.debug("candidate %s rejected: %s", c.format, e)
             rejected.append(f"{c.name()}: {e}")

@@ -33,7 +33,7 @@ import torch
 
 from kvcore.errors import DetectionError, GeometryError, KVCoreError
 
-__all__ = ["MAX_DEPTH", "check_container", "check_tensor"]
+__all__ = ["MAX_DEPTH", "check_container", "check_tensor", "tensor_paths"]
 
 #: Container levels (list, tuple, dict) allowed above a tensor: the deepest container a
 #: format name spells is two (``TWO_X_NL_X_...``), an engine's bound layers three
@@ -105,3 +105,27 @@ def check_container(
             )
         inner = (*above, id(x))
         stack.extend((v, depth + 1, p, inner) for p, v in reversed(items))
+
+
+def tensor_paths(container: Any, what: str = "kv_caches") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested dict/list/tuple container with its path (``kv_caches['layer.0'][1]``),
+    in container order; an object that is no container (an engine's cache object) yields
+    nothing. Guards against a container holding itself."""
+    out: list[tuple[str, torch.Tensor]] = []
+    stack: list[tuple[Any, str, tuple[int, ...]]] = [(container, what, ())]
+    while stack:
+        x, path, above = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append((path, x))
+            continue
+        if isinstance(x, (str, bytes)) or id(x) in above:
+            continue
+        if isinstance(x, Mapping):
+            items = [(f"{path}[{k!r}]", v) for k, v in x.items()]
+        elif isinstance(x, (list, tuple)):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(x)]
+        else:
+            continue
+        inner = (*above, id(x))
+        stack.extend((v, p, inner) for p, v in reversed(items))
+    return out

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict
 from kvcore.errors import FormatError, GeometryError, KVCoreError
 from kvcore.formats import KVFormat
 from kvcore.grammar import parse
-from kvcore.inputs import check_container
-from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable
+from kvcore.inputs import check_container, tensor_paths
+from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable, record_callers
 
 __all__ = ["PageBufferShapeDesc", "KVLayout", "Detection", "build_layout"]
 
@@ -566,7 +566,42 @@ def build_layout(
             are nested deeper than a format's container, or a plugin's spec failed on them.
         PluginError: a ``kvcore_spec`` hook raised or returned something that is not a
             Spec subclass (the message names the plugin).
+
+    Every tensor of ``kv_caches`` that holds bytes the layout addresses is recorded
+    (:func:`kvcore.spec.record_callers`): a transfer refuses, before any byte moves, once
+    one of them was re-pointed (``set_``, ``.data =``) or reshaped in place, even when it
+    is a view of a buffer kvcore's own views keep alive.
     """
+    layout = _build_layout(
+        format,
+        kv_caches,
+        dtype=dtype,
+        params=params,
+        layer_ids=layer_ids,
+        layer_names=layer_names,
+        note=note,
+        engine=engine,
+        aliases=aliases,
+    )
+    record_callers(layout.spec.stride_table(), tensor_paths(kv_caches))
+    return layout
+
+
+def _build_layout(
+    format: KVFormat | str,
+    kv_caches: Any,
+    *,
+    dtype: torch.dtype | dict[str, torch.dtype] | None = None,
+    params: dict[str, Any] | None = None,
+    layer_ids: Sequence[int] | None = None,
+    layer_names: Sequence[str] | None = None,
+    note: str = "",
+    engine: str | None = None,
+    aliases: dict[int, int] | None = None,
+) -> KVLayout:
+    """:func:`build_layout` without recording ``kv_caches`` as the caller's tensors (the
+    detectors' candidates are a plugin's views; :func:`kvcore.detect` records the caller's
+    own tensors once a reading is chosen)."""
     from kvcore import registry
 
     if isinstance(format, str):

@@ -33,6 +33,8 @@ __all__ = [
     "StagingBuffer",
     "StrideTable",
     "TensorState",
+    "caller_problem",
+    "record_callers",
     "Spec",
     "walk_leaves",
     "classic_table",
@@ -259,6 +261,101 @@ def _geo_text(g) -> str:
     return f"shape {list(g[0])} stride {list(g[1])} offset {g[2]}"
 
 
+def caller_problem(state: TensorState) -> str | None:
+    """What changed in a caller's tensor (:attr:`StrideTable.callers`) since the layout was
+    built, or None: its storage (another ``StorageImpl``, address or size: ``set_``,
+    ``.data =``, a ``resize_`` that grew it, ``untyped_storage().resize_(0)``), then its
+    shape, strides or storage offset (``resize_``, ``as_strided_``, ``transpose_``,
+    ``set_`` onto the same storage at another offset)."""
+    t = state.tensor
+    st = t.untyped_storage()
+    cdata, ptr, nbytes = state.storage
+    if st._cdata != cdata or st.data_ptr() != ptr or st.nbytes() != nbytes:
+        how = (
+            "re-pointed to other memory (set_, .data =)"
+            if st._cdata != cdata
+            else ("freed" if st.nbytes() == 0 else "reallocated or resized")
+        )
+        return (
+            f"was {how} since the layout was detected (was {nbytes} bytes at {ptr:#x}, now {st.nbytes()} bytes at "
+            f"{st.data_ptr():#x}): kvcore's views still address the old memory, which that tensor no longer shows"
+        )
+    now = _geometry(t)
+    if now != state.geometry:
+        return (
+            "changed shape, strides or offset in place since the layout was detected (resize_, as_strided_, transpose_, "
+            f"set_; was {_geo_text(state.geometry)}, now {_geo_text(now)}): the layout no longer describes it"
+        )
+    return None
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` of the elements ``t`` shows ((0, 0) when it shows none)."""
+    if t.numel() == 0:
+        return (0, 0)
+    esz = t.element_size()
+    lo = t.data_ptr()
+    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * esz + esz
+
+
+def record_callers(table: StrideTable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Record the caller's own tensors ``(path, tensor)`` in ``table.callers`` (in place;
+    tables derived later keep them), so every transfer compares their storage and geometry
+    with what they were (:func:`kvcore.kernels.check_storages`, the C++ guard's rows from
+    :func:`kvcore.kernels.guard_rows`) and refuses once the caller re-pointed or reshaped one.
+
+    A plane tensor's base (:attr:`TensorState.base`) that a recorded caller's tensor is
+    itself a view of is no longer compared: the caller's tensor is.
+
+    Kept: tensors on a storage the planes address whose bytes overlap a (layer, plane)'s
+    addressed bytes (the label names the first such (layer, plane)); not kept: a plane's own
+    tensor (already guarded), tensors holding none of the table's bytes (another group's
+    layers, a Mamba state), meta or non-strided tensors, repeats of one object.
+    """
+    from kvcore.kernels import plane_span
+
+    ranges: dict[int, list[tuple[int, int, int, str]]] = {}
+    own: set[int] = set()
+    for p in table.planes:
+        span = max(plane_span(table, p), 1)
+        for li, (t, off) in enumerate(p.bases):
+            own.add(id(t))
+            if t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            lo = st.data_ptr() + off
+            ranges.setdefault(st._cdata, []).append((lo, lo + span, li, p.role))
+    callers = list(table.callers)
+    seen = own | {id(s.tensor) for _, s in callers}
+    for where, t in tensors:
+        if id(t) in seen or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        if getattr(t, "is_nested", False) or t.layout != torch.strided:
+            continue
+        st = t.untyped_storage()
+        rs = ranges.get(st._cdata)
+        if not rs:
+            continue
+        lo, hi = _extent(t)
+        hit = next(((li, role) for a, b, li, role in rs if a < hi and lo < b), None)
+        if hit is None:
+            continue
+        seen.add(id(t))
+        state = TensorState(t, _geometry(t), (st._cdata, st.data_ptr(), st.nbytes()))
+        callers.append((f"{where} (layer {hit[0]} plane {hit[1]})", state))
+    object.__setattr__(table, "callers", tuple(callers))
+    # A plane tensor's base that a caller's tensor is itself a view of (vLLM: the flat buffer
+    # the caller's per-layer views are cut from) is no longer compared: the caller's own
+    # tensor is, and re-pointing that buffer changes neither it nor kvcore's views. This
+    # keeps the per-call guard at one row per plane tensor and per caller's tensor.
+    under = {id(s.tensor._base) for _, s in callers if s.tensor._base is not None}
+    under -= {id(t) for _, t in tensors}  # a tensor the caller passed itself stays compared
+    states = table.tensor_states
+    for k, st in list(states.items()):
+        if st.base is not None and id(st.base) in under:
+            states[k] = replace(st, base=None, base_geometry=None)
+
+
 @dataclass(frozen=True)
 class StrideTable:
     """Everything a transfer kernel needs, and nothing about format names.
@@ -288,6 +385,16 @@ class StrideTable:
             ``as_strided_``, ``set_``) or the tensor it views was re-pointed to other
             memory (:func:`kvcore.kernels.check_storages`). Derived tables keep their
             parent's.
+        callers: ``(label, TensorState)`` for each of the caller's own tensors (what was
+            passed to :func:`kvcore.detect`, :func:`kvcore.detect_per_layer` or
+            :func:`kvcore.build_layout`) that holds bytes the planes address and is not
+            itself a plane's tensor, recorded by :func:`record_callers`: its storage
+            (``StorageImpl``, address, size) and geometry as they were. A caller's tensor
+            is often a view itself (vLLM's per-layer caches are views of one buffer), so
+            re-pointing it (``set_``, ``.data =``, ``resize_``) changes neither kvcore's
+            views nor the buffer they view; only this record sees it. The label names the
+            tensor's path and the (layer, plane) it holds. Derived tables keep their
+            parent's.
     """
 
     num_layers: int
@@ -298,6 +405,7 @@ class StrideTable:
     buffers: tuple[StagingBuffer, ...]
     snapshot: tuple[tuple[int, int, int], ...] = field(default=(), compare=False, repr=False)
     tensor_states: Mapping[int, TensorState] = field(default_factory=dict, compare=False, repr=False)
+    callers: tuple[tuple[str, TensorState], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.snapshot:

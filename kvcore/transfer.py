@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcore.errors import GeometryError, TransferError
-from kvcore.kernels import TransferPlan, select_kernel, staging_conflict
+from kvcore.kernels import TransferPlan, check_storages, select_kernel, staging_conflict
 from kvcore.layout import KVLayout
 from kvcore.plan import _plan_for
 
@@ -162,6 +162,26 @@ def _first_bad_index(values: torch.Tensor, n: int, check_duplicates: bool, arg: 
     return f"{arg}[{i}] = {int(v[i])} is out of range ({valid_range})"
 
 
+def _check_dense(x: torch.Tensor, what: str, want: tuple[int, ...]) -> None:
+    """Refuse a staging tensor the kernels cannot address as dense strided memory, before
+    anything reads its shape or strides (a nested tensor has neither): a nested tensor
+    (``torch.nested``), a sparse or other non-strided one (``x.layout`` not ``torch.strided``).
+
+    Raises:
+        TransferError: naming ``what``, its kind and the dense shape ``want`` expected.
+    """
+    if getattr(x, "is_nested", False):
+        raise TransferError(
+            f"{what} is a nested tensor (torch.nested, ragged rows): staging buffers are dense strided tensors; pass a dense "
+            f"tensor of shape {list(want)} (layout.allocate_staging makes one)"
+        )
+    if x.layout != torch.strided:
+        raise TransferError(
+            f"{what} is a {str(x.layout).replace('torch.', '')} tensor: staging buffers are dense (torch.strided); pass a dense "
+            f"tensor of shape {list(want)} (t.to_dense() makes one)"
+        )
+
+
 def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], single: bool, t: int, what: str) -> torch.Tensor:
     if not isinstance(staging, torch.Tensor):
         if isinstance(staging, Mapping):
@@ -170,9 +190,8 @@ def _check_staging(layout: KVLayout, staging: torch.Tensor, layers: list[int], s
                 f"(here {layout.staging_shape(t, layers[0] if single else layers)}); pass that tensor"
             )
         raise TransferError(f"{what} must be a torch.Tensor, got {type(staging).__name__}")
-    if staging.layout != torch.strided:
-        raise TransferError(f"{what} is a {staging.layout} tensor; staging buffers are dense (torch.strided)")
     want = layout.staging_shape(t, layers[0] if single else layers)
+    _check_dense(staging, what, want)
     if tuple(staging.shape) != want:
         lay = "[kv_size, T, NH*HS]" if single else "[kv_size, NL, T, NH*HS]"
         raise TransferError(f"{what} has shape {tuple(staging.shape)}, expected {want} ({lay} for this layout and {t} tokens)")
@@ -251,9 +270,8 @@ def _check_plane_staging(layout: KVLayout, staging, layers: list[int], single: b
         x, label = staging[b.key], f"{what}[{b.key!r}]"
         if not isinstance(x, torch.Tensor):
             raise TransferError(f"{label} must be a torch.Tensor, got {type(x).__name__}")
-        if x.layout != torch.strided:
-            raise TransferError(f"{label} is a {x.layout} tensor; staging buffers are dense (torch.strided)")
         want = shapes[b.key]
+        _check_dense(x, label, want)
         if tuple(x.shape) != want:
             lay = "[T, NH_p*HS_p]" if single else "[NL, T, NH_p*HS_p]"
             raise TransferError(f"{label} has shape {tuple(x.shape)}, expected {want} ({lay} for plane {b.key} and {t} tokens)")
@@ -295,6 +313,7 @@ def _run_planes(layout: KVLayout, slots: torch.Tensor, nv: int, staging, layers,
     table = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
     why = staging_conflict(table, bufs, "out" if gather else "src")
     if why:
+        check_storages(table)  # a cache re-pointed since detection is the cause to name, not the overlap it fakes
         raise TransferError(why)
     bufs, back = _resolve_neg_conj(bufs, gather)
     plan = TransferPlan(table=table, slots=slots, staging=bufs, num_valid=nv)
@@ -333,6 +352,7 @@ def _run(layout: KVLayout, slot_mapping, staging, layers, skip_prefix: int, gath
     table_all = layout.stride_table(None if sel == list(range(layout.num_layers)) else sel)
     why = staging_conflict(table_all, {"kv": st4}, "out" if gather else "src")
     if why:
+        check_storages(table_all)  # a cache re-pointed since detection is the cause to name, not the overlap it fakes
         raise TransferError(why)
     st4, back = _resolve_neg_conj(st4, gather)
     runs = [(0, len(sel))] if gather else _write_once(layout, sel)

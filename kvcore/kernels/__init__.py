@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvcore.errors import TransferError
-from kvcore.spec import StrideTable
+from kvcore.spec import StrideTable, caller_problem
 
 __all__ = [
     "TransferKernel",
@@ -235,9 +235,14 @@ def check_tensor_states(table: StrideTable) -> None:
     and a write would land in memory the caller's tensor no longer shows (see
     :class:`~kvcore.spec.TensorState`). :func:`check_storages` runs it.
 
-    Not seen: a tensor the table does not hold or view (a caller's tensor that is itself a
-    view of another, re-pointed while its base is kept: the detector's view is of the
-    base), and memory freed under an unchanged storage (an engine unmapping it).
+    Then every caller's tensor the table records (:attr:`~kvcore.spec.StrideTable.callers`:
+    what was passed to :func:`kvcore.detect` and friends, often a view itself, e.g. vLLM's
+    per-layer views of one buffer): its storage (``StorageImpl``, address, size) and its
+    shape, strides and offset must be as recorded; re-pointing it (``set_``, ``.data =``,
+    ``resize_``) leaves kvcore's own views and their base untouched, so only this sees it.
+
+    Not seen: a tensor neither passed by the caller nor held or viewed by the table, and
+    memory freed under an unchanged storage (an engine unmapping it).
 
     Raises:
         TransferError: naming the (layer, plane), what changed, then and now.
@@ -256,13 +261,19 @@ def check_tensor_states(table: StrideTable) -> None:
             why = st.problem()
             if why is not None:
                 raise TransferError(f"the tensor of layer {li} plane {p.role} {why}; nothing was moved. Detect the cache again")
+    for label, st in table.callers:
+        why = caller_problem(st)
+        if why is not None:
+            raise TransferError(f"the caller's tensor {label} {why}; nothing was moved. Detect the cache again")
 
 
 def guard_rows(tables: Sequence[tuple[str, StrideTable]]) -> tuple[list[torch.Tensor], list[str], torch.Tensor]:
     """The C++ plans' guard (``TensorGuard``, ``csrc/kvcore_ops.h``) for ``(label prefix,
     table)`` pairs: every distinct tensor the tables address with its storage and geometry
-    as the table recorded them, and every tensor such a tensor is a view of with the view's
-    storage and its own geometry. Returns ``(tensors, labels, snapshot)``, the snapshot
+    as the table recorded them, every tensor such a tensor is a view of with the view's
+    storage and its own geometry, and every caller's tensor the tables record
+    (:attr:`~kvcore.spec.StrideTable.callers`) with its storage and geometry. One row per
+    tensor object (deduplicated across tables). Returns ``(tensors, labels, snapshot)``, the snapshot
     int64 ``[N, 4 + 2 * D]``: ptr, nbytes, storage_offset, ndim, sizes, strides (padded).
 
     Call after :func:`check_storages` (the recorded state is then the current one)."""
@@ -288,6 +299,13 @@ def guard_rows(tables: Sequence[tuple[str, StrideTable]]) -> tuple[list[torch.Te
                 if b is not None and id(b) not in seen:
                     seen.add(id(b))
                     rows.append((b, f"the tensor that {label} views (the caller's tensor)", ptr, n, st.base_geometry))
+        for label, st in table.callers:  # the caller's own tensors (often views themselves): after the planes'
+            t = st.tensor
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            _, ptr, n = st.storage
+            rows.append((t, f"{prefix}the caller's tensor {label}", ptr, n, st.geometry))
     dmax = max((len(g[0]) for *_, g in rows if g is not None), default=0)
     snap_rows = []
     for _, _, ptr, n, g in rows:
