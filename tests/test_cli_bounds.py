@@ -186,3 +186,21 @@ def test_check_filters_that_select_kernels_still_list_them(capsys):
     out, err = capsys.readouterr()
     ids = out.splitlines()
     assert rc == 0 and ids and {i.split("::")[3] for i in ids} <= {"-", "native-cpu@cpu"}
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--engine", "sglang", "--tokens", "0"], "--tokens: 0 is out of range; give an integer from 1 to 4194304"),
+        (["--engine", "sglang", "--layers", "99999999999999999999"], "--layers: 99999999999999999999 is out of range"),
+        (["--engine", "transformers", "--prompt-lengths", "3,x"], "--prompt-lengths: in '3,x': 'x' is not an integer"),
+        (["--engine", "transformers", "--rtol", "nan"], "--rtol: nan is out of range"),
+        (["--engine", "vllm", "--num-blocks", "2"], "--num-blocks: 2 is out of range; give an integer from 8 to 1048576"),
+        (["--engine", "vllm", "--seed", "-1"], "--seed: -1 is out of range"),
+    ],
+)
+def test_demo_numeric_options_are_bounded(capsys, argv, said):
+    if argv[1] not in registry.demos():
+        pytest.skip(f"the {argv[1]} plugin is not installed")
+    line = _usage(capsys, ["demo", *argv])
+    assert line.startswith(f"kvcore demo --engine {argv[1]}: error: argument ") and said in line, line
