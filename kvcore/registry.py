@@ -904,8 +904,9 @@ def spec_for(fmt: KVFormat) -> Any:
 def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callable[[Any, str], Any] | None = None) -> Any:
     """Ask each plugin's ``kvcore_detect`` for ``engine`` until one answers.
 
-    The plugins that declare ``engine`` (a format listing it, a hint of it) are asked first,
-    then the others, each in pluggy's order. Each plugin gets its own copy of ``hints``
+    The plugins that declare ``engine`` (a format listing it, a hint of it) are asked first
+    -- the engine's own plugin, then load order (:meth:`PluginHost.detect_order`) -- then
+    the others, in pluggy's order. Each plugin gets its own copy of ``hints``
     (dicts, lists and sets copied all the way down): a plugin that edits them changes
     nothing the next plugin, or the caller, sees. A plugin is skipped, with a warning
     naming it, when its hook raises an exception that is not a :class:`~kvcore.KVCoreError`,
@@ -913,8 +914,11 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
     tensors that are not views of the caller's memory, or (with ``build``) returns a
     Detection that does not build: a format name that does not parse or that no loaded
     plugin registers, or tensors that do not fit the format. A ``KVCoreError`` (DetectionError,
-    AmbiguousLayoutError) is an answer from a plugin that declares the engine; from one
-    that does not, it is kept and raised only when no other plugin answers.
+    AmbiguousLayoutError) is an answer from a plugin that declares the engine (later
+    plugins are not asked); from one that does not, it is kept and raised only when no
+    other plugin answers. Either way its message starts ``kvcore plugin 'name': ``
+    (:func:`attributed`). A ``SystemExit`` or other ``BaseException`` from a hook counts
+    as an exception (:func:`contained`).
 
     Args:
         build: ``build(detection, plugin) -> layout``; an exception it raises means the
