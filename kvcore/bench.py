@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -43,6 +44,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from kvcore.cli_args import OneLineParser, float_range, int_list, int_range
+from kvcore.tensor_description import UsageError
 
 __all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case", "quantised_table"]
 
@@ -592,30 +596,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     parser.add_argument("--layouts", default=None, help=f"comma-separated subset of {','.join(CASES)}")
-    parser.add_argument("--block-sizes", default=None, help="comma-separated block sizes (default 16,64,256)")
-    parser.add_argument("--tokens", default=None, help="comma-separated token counts (default 256,8192)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement; the median is reported")
+    parser.add_argument(
+        "--block-sizes",
+        type=int_list(1, MAX_BLOCK_SIZE),
+        default=None,
+        help=f"comma-separated block sizes, 1..{MAX_BLOCK_SIZE} (default 16,64,256)",
+    )
+    parser.add_argument(
+        "--tokens", type=int_list(1, MAX_TOKENS), default=None, help=f"comma-separated token counts, 1..{MAX_TOKENS} (default 256,8192)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_range(1, MAX_REPEATS),
+        default=None,
+        help=f"timed repeats per measurement, 1..{MAX_REPEATS}; the median is reported",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference kernel")
     parser.add_argument("--no-host", action="store_true", help="cuda: skip the pinned-host rows")
     parser.add_argument("--output", default=None, help="also write the JSON rows to this file (updated after every case)")
-    parser.add_argument("--max-seconds", type=float, default=None, help="stop the matrix after this many seconds (partial table)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float_range(0, 1e7),
+        default=None,
+        help="stop the matrix after this many seconds (partial table); a number above 0",
+    )
     parser.add_argument(
         "--small",
-        default="16",
-        help="token counts of the small-transfer rows (public API vs kernel vs per-layer index_select/index_copy_; '' for none)",
+        type=int_list(1, MAX_SMALL_TOKENS, allow_empty=True),
+        default=(16,),
+        help=f"token counts of the small-transfer rows, 1..{MAX_SMALL_TOKENS} (public API vs kernel vs per-layer "
+        "index_select/index_copy_; '' for none)",
     )
 
 
-def _ints(s: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    if not s:
+#: bounds of the numeric options: a block of 64K tokens and 4M tokens in one transfer are far
+#: beyond any engine's; what fits memory is checked per case before allocating (:func:`_fits`)
+MAX_BLOCK_SIZE = 1 << 16
+MAX_TOKENS = 1 << 22
+MAX_REPEATS = 100_000
+#: the small-transfer rows use a 64-block pool of 16 tokens (:func:`bench_small`)
+MAX_SMALL_TOKENS = 64 * 16
+
+
+def _ints(s: str | tuple[int, ...] | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """A list option's values (already parsed by :func:`kvcore.cli_args.int_list`; a string
+    from code that builds the namespace itself is parsed the same way)."""
+    if s is None or s == "":
         return default
+    if isinstance(s, str):
+        try:
+            return int_list(1, MAX_TOKENS)(s)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"bench: {e}") from None
+    return tuple(s)
+
+
+def _case_bytes(case: Case, block_size: int, tokens: int, device: torch.device) -> int:
+    """About the bytes :func:`bench_case` allocates for one case: the cache
+    (``(sets + 1) * ceil(T / BS)`` blocks), the staging buffers and (CUDA) a pinned copy."""
+    payload_token = _payload_per_token(case)
+    nblk = -(-tokens // block_size)
+    sets = max(1, min(8, math.ceil(_L2_ROTATE_BYTES / (payload_token * tokens)))) if device.type == "cuda" else 1
+    cache = (sets + 1) * nblk * block_size * payload_token
+    staging = sets * tokens * payload_token
+    return cache + 2 * staging
+
+
+def _available_bytes(device: torch.device) -> int | None:
     try:
-        out = tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"kvcore bench: expected comma-separated integers, got {s!r}") from None
-    if not out or any(v <= 0 for v in out):
-        raise SystemExit(f"kvcore bench: expected positive integers, got {s!r}")
-    return out
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
 
 
 def format_table(rows: list[Row]) -> str:
@@ -814,6 +867,14 @@ def run(args: argparse.Namespace) -> int:
     repeats = args.repeats or (QUICK["repeats"] if args.quick else 5)
     sample_bytes = QUICK["sample_bytes"] if args.quick else 400e6
     combos = [(CASES[lay], b, t) for lay in layouts for b in bss for t in toks]
+    avail = _available_bytes(device)
+    if avail is not None and combos:
+        need, case, b, t = max(((_case_bytes(c, b, t, device), c, b, t) for c, b, t in combos), key=lambda x: x[0])
+        if need > 0.8 * avail:
+            raise UsageError(
+                f"{case.label} with block size {b} and {t} tokens needs about {need / 2**30:.1f} GiB of {device.type} "
+                f"memory, more than the {avail / 2**30:.1f} GiB available; give fewer --tokens (or --layouts / --block-sizes)"
+            )
     rows: list[Row] = []
     meta = _meta(device)
     if args.quick:
@@ -851,7 +912,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.output, "w") as f:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     small: list[SmallRow] = []
-    for t in _ints(args.small, ()) if args.small else ():
+    for t in _ints(args.small, ()):
         t_case = time.monotonic()
         got = bench_small(device, tokens=t, repeats=repeats, calls=QUICK["small_calls"] if args.quick else None)
         small += got
@@ -891,7 +952,7 @@ def _meta(device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvcore bench")
+    p = OneLineParser(prog="kvcore bench")
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvcore.cli_args import OneLineParser
 from kvcore.tensor_description import UsageError, load_tensor_description
 from kvcore.tensor_description import parse_dtype as _parse_dtype
 
@@ -533,19 +534,23 @@ def _read_json(path: str) -> Any:
         raise UsageError(f"{name} nests JSON too deeply to read; a KV cache description is a few levels of lists") from None
 
 
+def _usage_hints(why: str) -> Any:
+    raise UsageError(f'--hints must be a JSON object such as \'{{"kv_cache_layout": "HND"}}\' (or @file): {why}')
+
+
 def _parse_hints(text: str | None) -> dict:
     if not text:
         return {}
-    raw = text
     if text.startswith("@"):
+        # the same reader as the description file: unreadable, not UTF-8, not JSON, too deep: one line
+        h = _read_json(text[1:]) if text[1:] else _usage_hints("@ names no file")
+    else:
         try:
-            raw = open(text[1:], encoding="utf-8").read()
-        except OSError as e:
-            raise UsageError(f"cannot read hints file {text[1:]}: {e.strerror or e}") from None
-    try:
-        h = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise UsageError(f'--hints must be a JSON object such as \'{{"kv_cache_layout": "HND"}}\' (or @file): {e}') from None
+            h = json.loads(text)
+        except json.JSONDecodeError as e:
+            _usage_hints(str(e))
+        except RecursionError:
+            _usage_hints("it nests too deeply")
     if not isinstance(h, dict):
         raise UsageError(f"--hints must be a JSON object, got {h!r}")
     return h
@@ -608,6 +613,9 @@ def _leaves_device(node: Any) -> str | None:
 
 def cmd_detect(args: argparse.Namespace) -> int:
     doc = _read_json(args.file)
+    named = args.engine or (doc.get("engine") if isinstance(doc, dict) else None)
+    if isinstance(named, str) and named:
+        _check_engine(named)  # a typo'd engine is a usage error, before any tensor is built
     if args.device == "meta":
         kv_caches, engine, hints = load_tensor_description(doc, device="meta")
     else:
@@ -638,6 +646,19 @@ def cmd_detect(args: argparse.Namespace) -> int:
         finally:
             for w in caught:  # a plugin skipped during detection: one line each, not a source-line dump
                 _err(f"warning: {w.message}")
+
+
+def _check_engine(engine: str) -> None:
+    """Raise a one-line UsageError when no installed plugin declares ``engine`` (like
+    ``kvcore formats --engine``); the Python API raises DetectionError for the same."""
+    from kvcore.detection import known_engines
+
+    _load_plugins_capturing()
+    known = known_engines()
+    if engine not in known:
+        raise UsageError(
+            f"no installed plugin declares engine {engine!r}; engines: {', '.join(known) or 'none'} (`kvcore plugins` lists them)"
+        )
 
 
 def _detect_and_print(args: argparse.Namespace, kv_caches: Any, engine: str, hints: dict) -> int:
@@ -855,7 +876,7 @@ def run_demo(argv: list[str]) -> int:
     ``--engine``/``--list`` goes to the demo's own ``run(argv)``."""
     from kvcore import registry
 
-    p = argparse.ArgumentParser(prog="kvcore demo", add_help=False)
+    p = OneLineParser(prog="kvcore demo", add_help=False)
     p.add_argument("--engine", default=None)
     p.add_argument("--list", action="store_true")
     try:
@@ -937,7 +958,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``kvcore`` parser. ``command``: the subcommand about to run; only then are the
     optional modules (bench, check) imported to add their arguments."""
-    top = argparse.ArgumentParser(
+    top = OneLineParser(
         prog="kvcore",
         formatter_class=_Formatter,
         description=(

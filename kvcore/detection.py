@@ -466,9 +466,14 @@ def _build(det: Detection, engine: str, shown: Any, what: str) -> KVLayout:
         raise DetectionError(f"{what} but the tensors do not fit it: {e}{listing}") from e
 
 
+def known_engines() -> list[str]:
+    """The engines the installed plugins declare (a format listing it, or a demo of its name), sorted."""
+    return sorted({e for f in registry.formats() for e in f.engines} | set(registry.demos()))
+
+
 def _unknown_engine(engine: str) -> str:
     """A first line for the error when no installed plugin declares ``engine`` at all."""
-    known = sorted({e for f in registry.formats() for e in f.engines} | set(registry.demos()))
+    known = known_engines()
     if engine in known:
         return ""
     return f"no installed plugin declares engine {engine!r} (engines they declare: {', '.join(known) or 'none'}); "

@@ -28,9 +28,13 @@ and backends first, whatever else is installed.
 
 At run time the host calls each plugin's hooks on its own (:func:`ask_detect`,
 :func:`spec_for`, the kernels' methods): a hook that raises something other than a
-:class:`~kvcore.KVCoreError`, or returns something that is not what the hook promises, is
-named and skipped with a warning, and the other plugins answer; an error that leaves
-kvcore is a ``KVCoreError``.
+:class:`~kvcore.KVCoreError` (any ``Exception``, or a ``BaseException`` such as
+``SystemExit``: only ``KeyboardInterrupt`` and ``GeneratorExit`` pass through,
+:func:`contained`), or returns something that is not what the hook promises, is named and
+skipped with a warning, and the other plugins answer; an error that leaves kvcore is a
+``KVCoreError``, and one a plugin raised names it (:func:`attributed`). Kernel names are
+unique (a plugin registering a taken one is skipped); a plugin kernel that fails a
+transfer is marked broken and the transfer redone by the next kernel (:class:`BoundKernel`).
 
 Environment:
     ``KVCORE_STRICT_PLUGINS=1``  a plugin that fails to load, or misbehaves, raises :class:`PluginError`.
@@ -180,9 +184,9 @@ class PluginHost:
             seen.add(ep.name)
             dist = (ep.dist.name, ep.dist.version) if ep.dist is not None else (None, None)
             try:
-                obj = ep.load()
+                obj = contained(ep.load)
             except Exception as e:  # noqa: BLE001 - a broken plugin must not break kvcore
-                self._fail(ep.name, dist, f"import failed: {type(e).__name__}: {e}", is_strict, e)
+                self._fail(ep.name, dist, f"import failed: {exc_text(e)}", is_strict, e)
                 continue
             try:
                 self._add(obj, ep.name, dist=dist, loading=True)
@@ -193,7 +197,7 @@ class PluginHost:
                 self._fail(e.culprit, culprit_dist, str(e), is_strict, e, advice=False)
             except Exception as e:  # noqa: BLE001
                 self._remove(ep.name)
-                self._fail(ep.name, dist, f"registration failed: {type(e).__name__}: {e}", is_strict, e)
+                self._fail(ep.name, dist, f"registration failed: {exc_text(e)}", is_strict, e)
 
     def _dist_of(self, name: str) -> tuple:
         info = self.info.get(name)
@@ -249,6 +253,15 @@ class PluginHost:
                 for attr in ("name", "device_types", "gather", "scatter"):
                     if not hasattr(kernel, attr):
                         raise PluginError(f"plugin {name!r} registered a kernel without {attr!r}: {kernel!r}")
+                kname = str(kernel.name)
+                for other in self.kernels:
+                    if str(other.name) == kname:
+                        owner = self.kernel_owner.get(id(other), "?")
+                        same = "registers it twice" if owner == name else f"plugin {owner!r} registered it first"
+                        raise PluginError(
+                            f"plugin {name!r} registers a kernel named {kname!r}, and {same}: a kernel name is one kernel "
+                            f"(KVCORE_KERNEL={kname} must mean one thing), so {name!r} was skipped. Give the kernel a name of its own"
+                        )
                 k = kernel if name == BUILTIN else _GuardedKernel(kernel, name, self)
                 self.kernels.append(k)
                 self.kernel_owner[id(k)] = name
@@ -273,7 +286,7 @@ class PluginHost:
                 self._call_own(name, "kvcore_register_kernels", register=register_kernel)
                 self._call_own(name, "kvcore_register_demos", register=register_demo)
                 self._call_own(name, "kvcore_register_hints", register=register_hint)
-            except Exception:
+            except BaseException:
                 self._remove(name)
                 raise
 
@@ -396,7 +409,7 @@ class PluginHost:
             try:
                 cls = _call_impl(impl, {"format": fmt})
             except Exception as e:  # noqa: BLE001
-                raise PluginError(f"kvcore plugin {plugin!r}: kvcore_spec(format={fmt.name}) raised {type(e).__name__}: {e}") from e
+                raise PluginError(f"kvcore plugin {plugin!r}: kvcore_spec(format={fmt.name}) raised {exc_text(e)}") from e
             if cls is not None:
                 return cls
         return None
@@ -439,6 +452,27 @@ class PluginHost:
             self._warned.add(key)
             warnings.warn(msg, KVCorePluginWarning, stacklevel=4)
 
+    def detect_order(self, engine: str) -> list[Any]:
+        """The ``kvcore_detect`` implementations in the order :func:`ask_detect` asks them
+        for ``engine`` (docs/plugins.md, ``kvcore_detect``): the plugins that serve the
+        engine first -- the engine's own plugin (named after it) before the others, then
+        load order (entry points by name after the core, :func:`register_plugin` after
+        them), so a newcomer never pre-empts a plugin already serving the engine -- then
+        the plugins that do not serve it, in pluggy's order. Among the serving plugins that
+        are not the engine's own, ``@hookimpl(tryfirst=True)`` / ``(trylast=True)`` move a
+        plugin to the front / back as pluggy documents."""
+        impls = list(reversed(_impls(self.pm, "kvcore_detect")))
+
+        def rank(i: Any) -> tuple:
+            p = i.plugin_name
+            if not self.serves(p, engine):
+                return (2, 0, 0)
+            if p.lower() == engine.lower():
+                return (0, 0, self._seq.get(p, 1 << 30))
+            return (1, 0 if i.tryfirst else 2 if i.trylast else 1, self._seq.get(p, 1 << 30))
+
+        return sorted(impls, key=rank)  # stable: pluggy's order among the non-serving plugins
+
     def serves(self, plugin: str, engine: str) -> bool:
         """``plugin`` declares something for ``engine``: a format listing it, a hint of it, a demo of its name."""
         if any(plugin in d and engine in d[plugin].engines for d in self.declarations.values()):
@@ -455,7 +489,57 @@ def _impls(pm: pluggy.PluginManager, hook: str) -> list[Any]:
 
 
 def _call_impl(impl: Any, kwargs: Mapping[str, Any]) -> Any:
-    return impl.function(*[kwargs[a] for a in impl.argnames])
+    return contained(impl.function, *[kwargs[a] for a in impl.argnames])
+
+
+#: what a plugin may raise that kvcore lets through: the user's Ctrl-C and generator close.
+PASS_THROUGH = (KeyboardInterrupt, GeneratorExit)
+
+
+class PluginAbort(Exception):
+    """A plugin raised a ``BaseException`` that is not an ``Exception`` (``SystemExit``,
+    a custom ``BaseException`` subclass): kvcore contains it like any other exception
+    from a plugin (the original is ``__cause__`` and :attr:`original`), so one plugin
+    cannot end the process or break every other plugin. ``KeyboardInterrupt`` and
+    ``GeneratorExit`` pass through (:data:`PASS_THROUGH`)."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+def contained(fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+    """``fn(*a, **kw)`` (a plugin's code) with a ``BaseException`` that is not an
+    ``Exception`` -- other than :data:`PASS_THROUGH` -- turned into :class:`PluginAbort`."""
+    try:
+        return fn(*a, **kw)
+    except PASS_THROUGH:
+        raise
+    except Exception:
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit and kin from a plugin must not end kvcore's caller
+        raise PluginAbort(e) from e
+
+
+def exc_text(e: BaseException) -> str:
+    """``"Type: message"`` for an exception a plugin raised (the original type for a
+    contained :class:`PluginAbort`)."""
+    if isinstance(e, PluginAbort):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def attributed(e: KVCoreError, plugin: str) -> KVCoreError:
+    """``e`` (raised by ``plugin``'s hook) with its message prefixed by ``kvcore plugin
+    'name': `` -- the same exception object, type and attributes, so callers catching
+    :class:`DetectionError` / :class:`AmbiguousLayoutError` see what they did before."""
+    prefix = f"kvcore plugin {plugin!r}: "
+    if e.args and isinstance(e.args[0], str):
+        if not e.args[0].startswith(prefix):
+            e.args = (prefix + e.args[0], *e.args[1:])
+    else:
+        e.args = (prefix + str(e), *e.args[1:])
+    return e
 
 
 def generic_builds(name: str) -> bool:
@@ -501,15 +585,22 @@ def _merged(decls: list[KVFormat]) -> KVFormat:
 
 
 class _GuardedKernel:
-    """A plugin's kernel, as the core calls it: an exception other than a KVCoreError from
-    ``gather``/``scatter`` becomes a :class:`PluginError` naming the plugin and the kernel;
-    ``available``/``supports``/``accepts`` that raise count as False (with one warning),
-    ``why`` that raises says so. Every other attribute is the kernel's own."""
+    """A plugin's kernel, as the core calls it. ``available``/``supports``/``accepts``
+    that raise count as False (with one warning), ``why`` that raises says so. A
+    ``gather``/``scatter`` that raises something other than a :class:`KVCoreError` (a
+    refusal, which propagates unchanged) marks the kernel broken for the rest of the
+    process (:attr:`broken`; ``available()`` is then False, ``why()`` says why) with a
+    warning naming it, and -- when the kernel was chosen by :func:`kvcore.kernels.select_kernel`,
+    not forced by ``KVCORE_KERNEL`` -- the same transfer is redone by the next kernel that
+    serves the plan (docs/plugins.md §8, "When a plugin kernel fails"). Under
+    ``KVCORE_STRICT_PLUGINS=1``, or when forced, it raises :class:`PluginError` instead.
+    Every other attribute is the kernel's own."""
 
     _GUARDED = ("supports", "accepts")
 
     def __init__(self, kernel: Any, plugin: str, host: PluginHost):
         self.kernel, self.plugin, self._host = kernel, plugin, host
+        self.broken: str | None = None
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.kernel, attr)
@@ -522,39 +613,85 @@ class _GuardedKernel:
 
     def _ask(self, what: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> bool:
         try:
-            return bool(fn(*a, **kw))
+            return bool(contained(fn, *a, **kw))
         except KVCoreError:
             raise
         except Exception as e:  # noqa: BLE001 - a plugin's kernel must not break the transfer path
-            self._host.misbehaved(self.plugin, f"kernel {self.kernel.name!r}.{what}() raised {type(e).__name__}: {e}", e)
+            self._host.misbehaved(self.plugin, f"kernel {self.kernel.name!r}.{what}() raised {exc_text(e)}", e)
             return False
 
     def available(self) -> bool:
-        return self._ask("available", self.kernel.available)
+        return self.broken is None and self._ask("available", self.kernel.available)
 
     def why(self) -> str:
+        if self.broken is not None:
+            return f"marked broken in this process: {self.broken}"
         try:
-            return str(self.kernel.why())
+            return str(contained(self.kernel.why))
         except Exception as e:  # noqa: BLE001
-            return f"why() raised {type(e).__name__}: {e}"
+            return f"why() raised {exc_text(e)}"
 
-    def _move(self, what: str, plan: Any) -> None:
+    def move(self, what: str, plan: Any, fallback: Callable[[], Any] | None = None) -> None:
+        """Run the kernel's ``gather``/``scatter`` on ``plan``; ``fallback()`` selects the
+        kernel that redoes the transfer if this one fails (None: raise PluginError)."""
+        if self.broken is not None and fallback is not None:
+            getattr(fallback(), what)(plan)
+            return
         try:
-            getattr(self.kernel, what)(plan)
+            contained(getattr(self.kernel, what), plan)
         except KVCoreError:
-            raise
+            raise  # the kernel refused the plan (before writing, by the contract)
         except Exception as e:  # noqa: BLE001
-            raise PluginError(
-                f"kernel {self.kernel.name!r} of plugin {self.plugin!r} failed in {what}: {type(e).__name__}: {e}; the cache "
-                f"or the staging buffer may be partly written. Force another kernel (KVCORE_KERNEL=reference) or disable the "
-                f"plugin (KVCORE_DISABLE_PLUGINS={self.plugin})"
-            ) from e
+            self.broken = f"{what}() raised {exc_text(e)}"
+            failed = (
+                f"kernel {self.kernel.name!r} of plugin {self.plugin!r} failed in {what}: {exc_text(e)}; the cache or the staging "
+                "buffer may be partly written"
+            )
+            if fallback is None:
+                raise PluginError(
+                    f"{failed}. It was forced by KVCORE_KERNEL, so no other kernel was tried: unset KVCORE_KERNEL, force "
+                    f"another kernel (KVCORE_KERNEL=reference) or disable the plugin (KVCORE_DISABLE_PLUGINS={self.plugin})"
+                ) from e
+            self._host.misbehaved(  # raises PluginError under KVCORE_STRICT_PLUGINS=1
+                self.plugin,
+                f"{failed}; it is not used again in this process, and the transfer was redone from the start by the next kernel "
+                "that serves it (which rewrites every byte the request addresses)",
+                e,
+            )
+            getattr(fallback(), what)(plan)
 
     def gather(self, plan: Any) -> None:
-        self._move("gather", plan)
+        self.move("gather", plan)
 
     def scatter(self, plan: Any) -> None:
-        self._move("scatter", plan)
+        self.move("scatter", plan)
+
+
+class BoundKernel:
+    """A plugin kernel as :func:`kvcore.kernels.select_kernel` returns it: the kernel with
+    the selection that chose it, so a failing transfer is redone by the next kernel that
+    selection picks (:class:`_GuardedKernel`). Every attribute is the kernel's."""
+
+    def __init__(self, guarded: _GuardedKernel, reselect: Callable[[], Any]):
+        self.guarded, self._reselect = guarded, reselect
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.guarded, attr)
+
+    def __repr__(self) -> str:
+        return repr(self.guarded)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self.guarded or (isinstance(other, BoundKernel) and other.guarded is self.guarded)
+
+    def __hash__(self) -> int:
+        return hash(self.guarded)
+
+    def gather(self, plan: Any) -> None:
+        self.guarded.move("gather", plan, self._reselect)
+
+    def scatter(self, plan: Any) -> None:
+        self.guarded.move("scatter", plan, self._reselect)
 
 
 def _dist_version(dist: str) -> str | None:
@@ -608,7 +745,7 @@ def register_plugin(plugin: Any, name: str | None = None) -> str:
     except PluginError:
         raise
     except Exception as e:  # noqa: BLE001 - a hook of the plugin failed while registering
-        raise PluginError(f"kvcore plugin {name!r} failed while registering: {type(e).__name__}: {e}") from e
+        raise PluginError(f"kvcore plugin {name!r} failed while registering: {exc_text(e)}") from e
     return name
 
 
@@ -748,10 +885,11 @@ def spec_for(fmt: KVFormat) -> Any:
     for impl in impls:
         try:
             cls = _call_impl(impl, {"format": fmt})
-        except KVCoreError:
+        except KVCoreError as e:
+            attributed(e, impl.plugin_name)
             raise
         except Exception as e:  # noqa: BLE001
-            raise PluginError(f"kvcore plugin {impl.plugin_name!r}: kvcore_spec(format={fmt.name}) raised {type(e).__name__}: {e}") from e
+            raise PluginError(f"kvcore plugin {impl.plugin_name!r}: kvcore_spec(format={fmt.name}) raised {exc_text(e)}") from e
         if cls is None:
             continue
         if not (isinstance(cls, type) and issubclass(cls, Spec)):
@@ -766,8 +904,9 @@ def spec_for(fmt: KVFormat) -> Any:
 def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callable[[Any, str], Any] | None = None) -> Any:
     """Ask each plugin's ``kvcore_detect`` for ``engine`` until one answers.
 
-    The plugins that declare ``engine`` (a format listing it, a hint of it) are asked first,
-    then the others, each in pluggy's order. Each plugin gets its own copy of ``hints``
+    The plugins that declare ``engine`` (a format listing it, a hint of it) are asked first
+    -- the engine's own plugin, then load order (:meth:`PluginHost.detect_order`) -- then
+    the others, in pluggy's order. Each plugin gets its own copy of ``hints``
     (dicts, lists and sets copied all the way down): a plugin that edits them changes
     nothing the next plugin, or the caller, sees. A plugin is skipped, with a warning
     naming it, when its hook raises an exception that is not a :class:`~kvcore.KVCoreError`,
@@ -775,8 +914,11 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
     tensors that are not views of the caller's memory, or (with ``build``) returns a
     Detection that does not build: a format name that does not parse or that no loaded
     plugin registers, or tensors that do not fit the format. A ``KVCoreError`` (DetectionError,
-    AmbiguousLayoutError) is an answer from a plugin that declares the engine; from one
-    that does not, it is kept and raised only when no other plugin answers.
+    AmbiguousLayoutError) is an answer from a plugin that declares the engine (later
+    plugins are not asked); from one that does not, it is kept and raised only when no
+    other plugin answers. Either way its message starts ``kvcore plugin 'name': ``
+    (:func:`attributed`). A ``SystemExit`` or other ``BaseException`` from a hook counts
+    as an exception (:func:`contained`).
 
     Args:
         build: ``build(detection, plugin) -> layout``; an exception it raises means the
@@ -793,8 +935,7 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
 
     _refuse_quantized(_tensors(container), "kv_caches")
     h = host()
-    impls = list(reversed(_impls(h.pm, "kvcore_detect")))
-    impls.sort(key=lambda i: not h.serves(i.plugin_name, engine))  # stable: pluggy's order within each group
+    impls = h.detect_order(engine)
     held: list[tuple[str, KVCoreError]] = []
     refused: list[str] = []
     first_cause: BaseException | None = None
@@ -806,11 +947,12 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
             det = _call_impl(impl, kwargs)
         except KVCoreError as e:
             if h.serves(p, engine):
-                raise
-            held.append((p, e))
+                attributed(e, p)
+                raise  # the plugin's answer for tensors it recognises
+            held.append((p, attributed(e, p)))
             continue
         except Exception as e:  # noqa: BLE001 - a crashing plugin must not pre-empt the right one
-            why = f"kvcore_detect(engine={engine!r}) raised {type(e).__name__}: {e}"
+            why = f"kvcore_detect(engine={engine!r}) raised {exc_text(e)}"
             h.misbehaved(p, why, e)
             refused.append(f"{p}: {why}")
             first_cause = first_cause or e
@@ -839,7 +981,7 @@ def ask_detect(container: Any, engine: str, hints: dict[str, Any], build: Callab
                 try:
                     build(det, p)
                 except Exception as e:  # noqa: BLE001 - a KVCoreError, or garbage fields the core could not read
-                    what = str(e) if isinstance(e, KVCoreError) else f"{type(e).__name__}: {e}"
+                    what = str(e) if isinstance(e, KVCoreError) else exc_text(e)
                     why = f"kvcore_detect(engine={engine!r}) returned a detection kvcore cannot use: {what}"
                     h.misbehaved(p, why, e)
                     refused.append(f"{p}: {why}")

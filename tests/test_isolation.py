@@ -133,8 +133,10 @@ def test_the_first_detect_of_a_fresh_process_from_8_threads_succeeds():
 
 
 def _detect_with(core_only, bad, engine="good"):
-    kvcore.register_plugin(_good_plugin(), name="good")
-    kvcore.register_plugin(bad, name="bad")  # registered last: pluggy would ask it first
+    # 'bad' is registered first: among the plugins serving an engine that are not named after
+    # it, load order decides, so it is asked before 'goodplug'
+    kvcore.register_plugin(bad, name="bad")
+    kvcore.register_plugin(_good_plugin(), name="goodplug")
     return kvcore.detect(_cache(), engine)
 
 
@@ -154,7 +156,7 @@ def test_a_misbehaving_detector_is_named_and_skipped_and_the_right_plugin_answer
     assert layout.format.name == FMT
     msgs = [str(r.message) for r in rec]
     assert any("'bad' misbehaved and was skipped" in m and why in m for m in msgs), msgs
-    assert not any("KVCORE_DISABLE_PLUGINS=good" in m for m in msgs)
+    assert not any("KVCORE_DISABLE_PLUGINS=goodplug" in m for m in msgs)
     # strict mode: the same is an error naming the plugin
     monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
     with pytest.raises(PluginError, match=f"'bad' misbehaved.*{why[:12]}"):
@@ -164,8 +166,8 @@ def test_a_misbehaving_detector_is_named_and_skipped_and_the_right_plugin_answer
 def test_the_right_plugins_answer_is_a_view_of_the_callers_tensors(core_only):
     cache = _cache()
     with pytest.warns(KVCorePluginWarning):
-        kvcore.register_plugin(_good_plugin(), name="good")
         kvcore.register_plugin(_Detects(lambda kv: Detection(format=FMT, kv_caches=[t.clone() for t in kv]), "good"), name="bad")
+        kvcore.register_plugin(_good_plugin(), name="goodplug")
         layout = kvcore.detect(cache, "good")
     assert [t.data_ptr() for t in layout.kv_caches] == [t.data_ptr() for t in cache]
 
@@ -187,7 +189,7 @@ def test_a_detector_that_raises_for_an_engine_it_does_not_declare_does_not_pre_e
         raise DetectionError("nosy: expected 3-D tensors")
 
     assert _detect_with(core_only, _Detects(nosy)).format.name == FMT
-    kvcore.unregister_plugin("good")
+    kvcore.unregister_plugin("goodplug")
     with pytest.raises(DetectionError, match="nosy: expected 3-D"):  # alone, its error is the answer
         kvcore.detect(_cache(), "good")
 
@@ -223,7 +225,7 @@ def test_a_raising_or_wrong_spec_hook_is_a_plugin_error_naming_the_plugin(core_o
         kvcore.build_layout("NL_X_NB_BS_HS", [torch.zeros(NB, BS, HS)])
 
 
-def test_a_raising_kernel_is_a_plugin_error_naming_the_plugin_and_a_raising_available_falls_back(core_only):
+def test_a_raising_kernel_is_named_and_the_transfer_redone_and_a_raising_available_falls_back(core_only):
     from kvcore.kernels import select_kernel
 
     class Kernel:
@@ -253,9 +255,11 @@ def test_a_raising_kernel_is_a_plugin_error_naming_the_plugin_and_a_raising_avai
 
     kvcore.register_plugin(P(Kernel(lambda: True)), name="flaky")
     lay = kvcore.build_layout(FMT, _cache())
-    with pytest.raises(PluginError, match="kernel 'flaky' of plugin 'flaky' failed in gather: RuntimeError: CUDA error"):
-        kvcore.gather(lay, [0, 1])
     assert "why() raised RuntimeError" in next(k for k in registry.kernels() if k.name == "flaky").why()
+    with pytest.warns(KVCorePluginWarning, match="kernel 'flaky' of plugin 'flaky' failed in gather: RuntimeError: CUDA error"):
+        out = kvcore.gather(lay, [0, 1])  # redone by the next kernel (tests/test_plugin_robustness.py)
+    assert torch.equal(out[0, 1, 1], _cache()[1][0, 0, 1].flatten())
+    assert "marked broken" in next(k for k in registry.kernels() if k.name == "flaky").why()
     kvcore.unregister_plugin("flaky")
 
     def boom():
@@ -365,16 +369,16 @@ def test_a_detection_that_does_not_build_is_named_and_skipped_and_the_right_plug
     pre-empt the right plugin with a FormatError/DetectionError that did not name it. Now it
     is named and skipped with a warning and the other plugin answers; alone, the error names
     it; under strict mode it is an error naming it."""
-    kvcore.register_plugin(_good_plugin(), name="good")
-    kvcore.register_plugin(_Declares(answer, declares="good"), name="bad")  # registered last: asked first
+    kvcore.register_plugin(_Declares(answer, declares="good"), name="bad")  # registered first: asked first
+    kvcore.register_plugin(_good_plugin(), name="goodplug")
     with pytest.warns(KVCorePluginWarning) as rec:
         layout = kvcore.detect(_cache(), "good")
-    assert layout.format.name == FMT and layout.plugin == "good"
+    assert layout.format.name == FMT and layout.plugin == "goodplug"
     assert torch.equal(kvcore.gather(layout, [1])[1, 0, 0], _cache()[0][1, 0, 1].reshape(-1))
     msgs = [str(r.message) for r in rec]
     assert any("'bad' misbehaved and was skipped" in m and why in m for m in msgs), msgs
-    assert not any("KVCORE_DISABLE_PLUGINS=good" in m for m in msgs)
-    kvcore.unregister_plugin("good")
+    assert not any("KVCORE_DISABLE_PLUGINS=goodplug" in m for m in msgs)
+    kvcore.unregister_plugin("goodplug")
     with (
         pytest.raises(DetectionError, match=f"no kvcore plugin gave a usable answer.*\\n  bad: .*{why[:20]}"),
     ):
@@ -415,9 +419,9 @@ def test_each_plugin_gets_its_own_copy_of_the_hints(core_only):
             seen.append(("witness", repr(hints)))
             return None
 
-    kvcore.register_plugin(_good_plugin(), name="good")
     kvcore.register_plugin(Witness(), name="witness")
-    kvcore.register_plugin(Meddler(), name="meddler")
+    kvcore.register_plugin(_good_plugin(), name="goodplug")
+    kvcore.register_plugin(Meddler(), name="meddler")  # tryfirst: asked first, though registered last
 
     def fresh():
         return {"keep": 1, "nested": {"x": [1, 2], "t": ([3],), "s": {1}}}

@@ -8,7 +8,10 @@ Kernels are offered by plugins through ``kvcore_register_kernels``. For a transf
 core picks, among the kernels whose ``device_types`` include the cache's device type,
 whose ``formats`` is None or names the layout's format, and whose ``available()`` is
 true, the one with the highest ``priority``; the torch reference kernel (priority 0)
-answers what no other claims. ``KVCORE_KERNEL=name`` forces one.
+answers what no other claims. ``KVCORE_KERNEL=name`` forces one. Kernel names are
+unique (a plugin registering a taken name is skipped); a plugin kernel that fails a
+transfer is marked broken and the transfer is redone by the next kernel
+(:class:`kvcore.registry.BoundKernel`, docs/plugins.md §8).
 """
 
 from __future__ import annotations
@@ -123,8 +126,16 @@ def select_kernel(device_type: str, format_name: str, staging_device_type: str |
         if table is not None and sup is not None and not sup(table):
             continue
         if k.available() and (ok is None or ok(staging_device_type)):
-            return k
+            return _bound(k, lambda: select_kernel(device_type, format_name, staging_device_type, table))
     raise TransferError(f"no transfer kernel serves device type {device_type!r}")
+
+
+def _bound(k, reselect):
+    """A plugin's kernel with the selection that chose it, so a transfer it fails is redone
+    by the next kernel (:class:`kvcore.registry.BoundKernel`); the core's kernels as they are."""
+    from kvcore.registry import BoundKernel, _GuardedKernel
+
+    return BoundKernel(k, reselect) if isinstance(k, _GuardedKernel) else k
 
 
 def forced_kernel_problem(forced: str, device_type: str, format_name: str, cands=None) -> str:

@@ -20,6 +20,8 @@ import textwrap
 import time
 from collections import Counter
 
+from kvcore.cli_args import OneLineParser, int_range
+
 __all__ = ["add_arguments", "run", "main", "DESCRIPTION", "EPILOG"]
 
 DESCRIPTION = (
@@ -63,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", dest="devices", action="append", metavar="TYPE", help="only these device types (default: every device present)"
     )
-    parser.add_argument("--examples", type=int, default=8, help="hypothesis examples per kernel agreement check (default 8)")
+    parser.add_argument(
+        "--examples",
+        type=int_range(1, 10_000),
+        default=8,
+        help="hypothesis examples per kernel agreement check, 1..10000 (default 8)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
     parser.add_argument("--list", action="store_true", help="list the checks that would run, without running them")
@@ -75,6 +82,41 @@ def _widths(rows) -> list[int]:
         for i, c in enumerate([r.plugin, r.format or "-", r.fixture or "-", r.kernel, r.check]):
             w[i] = max(w[i], len(c))
     return w
+
+
+def _kernel_filter_problem(kernels: list[str] | None, devices: list[str] | None, tasks: list) -> str | None:
+    """Why ``--kernel`` / ``--device`` is a usage error, or None: a pattern that matches no
+    registered kernel (``name`` or ``name@device``), a device type no kernel serves and no
+    device here has, or filters that leave no (kernel, device) pair to check -- a typo'd
+    filter must never pass green with no transfer checked."""
+    import fnmatch
+
+    from kvcore import registry
+    from kvcore.testing.checks.common import devices as present_devices
+
+    if not kernels and not devices:
+        return None
+    regs = registry.kernels()
+    names = sorted({str(k.name) for k in regs})
+    ids = {f"{k.name}@{d}" for k in regs for d in k.device_types} | set(names)
+    here = sorted({d.type for d in present_devices()})
+    types = sorted({d for k in regs for d in k.device_types} | set(here))
+    for p in kernels or ():
+        if not any(fnmatch.fnmatchcase(i, p) for i in ids):
+            return (
+                f"--kernel {p!r} matches no registered kernel; kernels: {', '.join(names) or 'none'} (name or name@device, globs allowed)"
+            )
+    for d in devices or ():
+        if d not in types:
+            return (
+                f"--device {d!r} is not a device type any kernel serves; device types: {', '.join(types)} (present here: {', '.join(here)})"
+            )
+    if not any(t.kernel != "-" for t in tasks):
+        return (
+            f"--kernel/--device select no kernel on a device present here, so no transfer would be checked (devices here: "
+            f"{', '.join(here)}; kernels serving them: {', '.join(sorted(i for i in ids - set(names) if i.split('@')[1] in here))})"
+        )
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     tasks = suite.select(tasks, formats=args.formats, fixtures=args.fixtures, kernels=args.kernels, checks=args.checks)
+    why = _kernel_filter_problem(args.kernels, args.devices, tasks)
+    if why:
+        print(f"kvcore check: {why}", file=sys.stderr)
+        return 2
     if args.list:
         if args.json:
             print(json.dumps([t.id for t in tasks], indent=1))
@@ -139,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvcore check")
+    parser = OneLineParser(prog="kvcore check")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -119,7 +119,7 @@ def fixtures_by_plugin(plugins: list[str] | None = None) -> tuple[dict[str, list
         impls = [i for i in h.pm.hook.kvcore_register_fixtures.get_hookimpls() if i.plugin_name == name]
         for impl in reversed(impls):  # pluggy's call order
             try:
-                impl.function(*[{"register": out[name].append}[a] for a in impl.argnames])
+                registry.contained(impl.function, *[{"register": out[name].append}[a] for a in impl.argnames])
             except Exception as e:  # noqa: BLE001 - reported per plugin by the caller
                 errors[name] = e
                 break

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import kvcore
+from kvcore.cli_args import OneLineParser, int_range
 from kvcore_sglang import fixtures as fx
 
 __all__ = ["run", "SCENARIOS"]
@@ -55,13 +56,15 @@ SCENARIOS = [
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcore demo --engine sglang", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pool-tokens", type=int, default=768, help="device pool size (SGLang's max_total_num_tokens), default 768")
-    p.add_argument("--tokens", type=int, default=256, help="tokens of the request offloaded and restored, default 256")
-    p.add_argument("--layers", type=int, default=None, help="override every model's layer count (small runs)")
+    p = OneLineParser(prog="kvcore demo --engine sglang", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--pool-tokens", type=int_range(1, 1 << 22), default=768, help="device pool size (SGLang's max_total_num_tokens), default 768"
+    )
+    p.add_argument("--tokens", type=int_range(1, 1 << 22), default=256, help="tokens of the request offloaded and restored, default 256")
+    p.add_argument("--layers", type=int_range(1, 1024), default=None, help="override every model's layer count (small runs)")
     p.add_argument("--dtype", choices=["bf16", "fp8_e4m3"], default="bf16", help="KV dtype (fp8 is stored as uint8, as SGLang does)")
     p.add_argument("--scenario", action="append", choices=[s.name for s in SCENARIOS], help="run only these (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 

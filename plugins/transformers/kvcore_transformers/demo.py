@@ -28,7 +28,6 @@ Exit code 0 when every check passes, 1 on any difference.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 import kvcore
+from kvcore.cli_args import OneLineParser, float_range, int_list, int_range
 
 from .caches import kv_caches, paged_groups
 from .paged import request_slots
@@ -120,7 +120,7 @@ def _run_continuous_batching(model, prompts, keep: str, max_new_tokens: int, pag
 
 
 def part_paged(model, args, out: dict[str, Any]) -> bool:
-    lengths = [int(x) for x in args.prompt_lengths.split(",")]
+    lengths = list(args.prompt_lengths)
     prompts = _prompts(args.seed, lengths, model.config.vocab_size)
     # request "keep" gets the longest prompt so that it spans several blocks
     prompts.sort(key=len, reverse=True)
@@ -271,15 +271,20 @@ def part_dynamic(model, args, out: dict[str, Any]) -> bool:
 
 def run(argv: list[str] | None = None) -> int:
     """Run the demo; print what it did; return 0 when every check passes, else 1."""
-    p = argparse.ArgumentParser(prog="kvcore demo --engine transformers", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="kvcore demo --engine transformers", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-lengths", default="37,5,21,50,12", help="comma-separated prompt lengths (the longest is offloaded)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=32)
-    p.add_argument("--dynamic-prompt-len", type=int, default=29)
-    p.add_argument("--rtol", type=float, default=1e-5, help="oracle tolerance: max |err| <= rtol * max |K/V| (float32 model)")
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0)
+    p.add_argument(
+        "--prompt-lengths",
+        type=int_list(1, 4096),
+        default="37,5,21,50,12",
+        help="comma-separated prompt lengths (the longest is offloaded)",
+    )
+    p.add_argument("--max-new-tokens", type=int_range(1, 4096), default=8)
+    p.add_argument("--page-size", type=int_range(1, 4096), default=16)
+    p.add_argument("--num-blocks", type=int_range(1, 1 << 20), default=32)
+    p.add_argument("--dynamic-prompt-len", type=int_range(1, 4096), default=29)
+    p.add_argument("--rtol", type=float_range(0, 1), default=1e-5, help="oracle tolerance: max |err| <= rtol * max |K/V| (float32 model)")
     args = p.parse_args(argv)
     if not args.rtol > 0:
         p.error(f"--rtol must be positive, got {args.rtol}")

@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from kvcore.cli_args import OneLineParser, int_range
+
 __all__ = ["run", "CASES", "DemoCase"]
 
 VLLM_VERSION = "0.11.0"
@@ -418,7 +420,7 @@ def run_case(case: DemoCase, num_blocks: int, device: torch.device, seed: int, c
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="kvcore demo --engine vllm",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Detect, offload and restore vLLM KV caches of Llama-3-8B (FlashAttention NHD and HND) and "
@@ -430,12 +432,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="device to allocate the caches on (default cpu)")
     p.add_argument(
         "--num-blocks",
-        type=int,
+        type=int_range(8, 1 << 20),
         default=None,
         help="blocks per cache for every case (default: 256 for Llama-3-8B = 512 MiB, 64 for DeepSeek-V3 = 275 MiB); at least 8",
     )
     p.add_argument("--case", action="append", choices=[c.key for c in CASES], help="run only this case (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the block shuffling")
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0, help="seed of the block shuffling")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pd", action="store_true", help="run the prefill/decode demo instead (kvcore demo --engine vllm --pd --help)")

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from kvcore.cli_args import OneLineParser, float_range, int_range
+
 __all__ = ["run", "prefill_cache", "decode_caches", "verify"]
 
 VERSION = "0.11.0"
@@ -199,7 +201,7 @@ def _rank_main(rank: int, world: int, opts: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="kvcore demo --engine vllm --pd",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Prefill (vLLM NHD, TP 1, block 16) -> decode (vLLM HND, TP 2, block 32) over torch.distributed between two "
@@ -207,11 +209,15 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples:\n  kvcore demo --engine vllm --pd\n  kvcore demo --engine vllm --pd --device cuda   # NCCL, GPUs 0 and 1",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: Gloo; cuda: NCCL, rank r on cuda:r (needs 2 GPUs)")
-    p.add_argument("--num-blocks", type=int, default=64, help="prefill blocks of 16 tokens (default 64 = 128 MiB); at least 32")
-    p.add_argument("--chunk-bytes", type=int, default=None, help="largest staging chunk of kvcore.send (default: kvcore's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-blocks", type=int_range(32, 1 << 20), default=64, help="prefill blocks of 16 tokens (default 64 = 128 MiB); at least 32"
+    )
+    p.add_argument(
+        "--chunk-bytes", type=int_range(1, 1 << 40), default=None, help="largest staging chunk of kvcore.send (default: kvcore's)"
+    )
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0)
     p.add_argument("--json", action="store_true", help="print a JSON report")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    p.add_argument("--timeout", type=float_range(0, 7 * 86400), default=600.0, help="seconds before the ranks are stopped")
     return p
 
 
