@@ -99,7 +99,10 @@ def _clone_container(x):
 def _make(f, variant, seed=0):
     """(caches, layout) of fixture ``f``: as the engine allocates it, or cloned into plain
     (non-view) tensors; None when the clones no longer read as the same format."""
-    caches, hints = f.make(dict(f.sizes), f.dtypes[0], "cpu")
+    try:
+        caches, hints = f.make(dict(f.sizes), f.dtypes[0], "cpu")
+    except ImportError as e:  # the fixture restates an engine release newer than the one installed here
+        pytest.skip(f"fixture {f.name} needs {e.name or e}: not installed in this environment")
     fmt = None
     if variant == "cloned":
         fmt = kvcore.detect(caches, engine=f.engine, hints=hints).format.name
