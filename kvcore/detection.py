@@ -422,6 +422,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         )
     if det.format is None:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
+    _check_distinct_aliases(engine, det, container, [f"layer {n!r}" for n in names] if names is not None else None, False)
     # the caller's own tensors (often views themselves): a transfer refuses once one is re-pointed or reshaped
     record_callers(layout.spec.stride_table(), tensor_paths(kv_caches))
     if names is not None:
@@ -543,6 +544,9 @@ def detect_per_layer(
             if det.format is None:
                 log.info("layers %s excluded: %s", idxs, det.excluded or det.note)
                 continue
+            _check_distinct_aliases(
+                engine, det, sub, [f"kv_caches[{keys[i]!r}]" if as_dict else f"kv_caches[{i}]" for i in idxs], layer_groups is not None
+            )
             ids = list(det.layer_ids) if det.layer_ids is not None else list(range(len(idxs)))
             if len(ids) != layout.num_layers or not all(0 <= j < len(idxs) for j in ids):
                 raise DetectionError(
@@ -958,6 +962,44 @@ def memory_ordered(t: torch.Tensor) -> bool:
             return False
         prev = s
     return True
+
+
+def _same_objects(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` are the very same tensor objects (lists compared leaf by leaf)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_objects(x, y) for x, y in zip(a, b))
+    return a is b
+
+
+def _check_distinct_aliases(engine: str, det: Detection, entries: Any, labels: Sequence[str] | None, groups_given: bool) -> None:
+    """Entries a plugin reports as one memory (``det.aliases``) must be the same tensor
+    objects, unless the caller gave ``layer_groups``. KV-sharing layers point several names
+    at one tensor (vLLM: ``kv_caches[name] = kv_caches[target]``); distinct tensors over the
+    same bytes are also what vLLM 0.33's hybrid KV-cache groups are (full attention and
+    sliding window aliasing one buffer, each read through its own block table: one slot
+    mapping does not serve both). The two readings move different bytes: never guess.
+
+    Raises:
+        AmbiguousLayoutError: naming the entries and the hint ``layer_groups``."""
+    if groups_given or not det.aliases or not isinstance(entries, (list, tuple)):
+        return
+    for i, j in det.aliases.items():
+        if not (0 <= i < len(entries) and 0 <= j < len(entries)) or _same_objects(entries[i], entries[j]):
+            continue
+
+        def who(k: int) -> str:
+            return labels[k] if labels is not None and k < len(labels) else f"entry {k}"
+
+        raise AmbiguousLayoutError(
+            f"{engine}: {who(i)} and {who(j)} are distinct tensors over the same memory. That is either KV sharing (one "
+            "cache under two layer names: pass the same tensor object for both) or two KV-cache groups aliasing one buffer "
+            "(vLLM's hybrid groups: full attention and sliding window, each read through its own block table), and the "
+            "two place bytes differently for a slot. Pass layer_groups to kvcore.detect_per_layer (the engine's KV cache "
+            "groups: layers of one group share memory as KV sharing), or the shared layer's own tensor object",
+            candidates=["KV sharing (one layout, aliased layers)", "separate KV-cache groups (one layout per group)"],
+            hints=["layer_groups"],
+            decide=[["layer_groups"]],
+        )
 
 
 def split_aliases(entries: Sequence[Any]) -> tuple[list[Any], dict[int, int]]:

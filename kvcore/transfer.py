@@ -517,14 +517,23 @@ def gather_blocks(
     """Gather whole blocks: staging ``[kv_size, NL, len(block_ids)*BS, NH*HS]``, block
     ``i`` at rows ``i*BS..(i+1)*BS``. Negative block ids are skipped. See :func:`gather`
     (on CUDA with ``validate="device"`` a block id past the cache is refused on the device,
-    as its slots)."""
+    as its slots).
+
+    Block ids are in the layout's own blocks: ``layout.block_size`` tokens each, block ``b``
+    holding slots ``b*BS .. b*BS+BS-1``. Where the engine splits its manager blocks into
+    smaller kernel blocks (vLLM 0.33 ``create_kv_cache_views`` with a manager ``block_size``
+    a multiple of the kernel's; LMDeploy 0.14 ``kernel_block_size``), the layout's blocks are
+    the kernel blocks, and a manager block ``m`` of ``r`` kernel blocks is ``m*r .. m*r+r-1``
+    -- pass those ids, or use :func:`gather` with the slot mapping, which is the same in
+    both units."""
     return _plan_for(layout, layers).gather_blocks(block_ids, out, skip_prefix=skip_prefix, validate=validate)
 
 
 def scatter_blocks(
     layout: KVLayout, block_ids, src: torch.Tensor, *, layers=None, skip_prefix: int = 0, validate: str | None = None
 ) -> None:
-    """Scatter whole blocks (the inverse of :func:`gather_blocks`)."""
+    """Scatter whole blocks (the inverse of :func:`gather_blocks`; block ids in the layout's
+    own, possibly kernel-sized, blocks as there)."""
     if src is None:
         raise TransferError("scatter needs src, a staging buffer [kv_size, NL, T, NH*HS]")
     _plan_for(layout, layers).scatter_blocks(block_ids, src, skip_prefix=skip_prefix, validate=validate)
