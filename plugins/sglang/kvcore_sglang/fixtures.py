@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvcore import GeometryError
 from kvcore.testing import FixtureCase
 from kvcore_sglang.formats import HOST_FORMATS, INDEXER_FORMAT
 
@@ -45,6 +46,8 @@ __all__ = [
     "alloc_host_mha",
     "alloc_host_mla",
     "indexer_token_records",
+    "alloc_indexer_dcp",
+    "indexer_kernel_view",
     "indexer_segment_views",
     "CASES",
 ]
@@ -127,6 +130,23 @@ def alloc_indexer(num_layers: int, size: int, page_size: int = 64, device="cpu",
     ``((size + page_size + 1) // page_size, page_size * (index_head_dim + index_head_dim // 128 * 4))``."""
     width = page_size * (index_head_dim + index_head_dim // 128 * 4)
     return [torch.zeros(((size + page_size + 1) // page_size, width), dtype=torch.uint8, device=device) for _ in range(num_layers)]
+
+
+def alloc_indexer_dcp(num_layers: int, num_pages: int, page_size: int, attn_dcp_size: int, device="cpu") -> list[torch.Tensor]:
+    """SGLang 0.5.23 ``IndexKeyCache.buffer`` of a ``DSATokenToKVPool(dcp_replicated=True)``
+    with ``index_kpool`` 1: per layer uint8 ``(num_pages, page_size * 132)``
+    (``_buffer_shape``); SGLang addresses it through :func:`indexer_kernel_view` with
+    ``index_page_size = page_size // attn_dcp_size``."""
+    if page_size % attn_dcp_size:
+        raise GeometryError(f"page_size {page_size} is not a multiple of attn_dcp_size {attn_dcp_size}")
+    return [torch.zeros((num_pages, page_size * 132), dtype=torch.uint8, device=device) for _ in range(num_layers)]
+
+
+def indexer_kernel_view(buf: torch.Tensor, kernel_pages_per_row: int) -> torch.Tensor:
+    """SGLang 0.5.23 ``IndexKeyCache._kernel_view``: ``buffer.view(-1, row // kernel_pages_per_row)``;
+    kernel page ``loc // index_page_size`` holds token ``loc % index_page_size``'s key
+    bytes in its first ``index_page_size * 128`` bytes, its scale after them (``move``)."""
+    return buf.view(-1, buf.shape[1] // kernel_pages_per_row)
 
 
 def indexer_token_records(buf: torch.Tensor, page_size: int, index_head_dim: int = 128) -> torch.Tensor:
@@ -343,7 +363,7 @@ def _ascend_case() -> FixtureCase:
 def _indexer_case() -> FixtureCase:
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         nl, nb, bs, _, _ = _geom(sizes)
-        return alloc_indexer(nl, (nb - 1) * bs, bs, device), {"page_size": bs}
+        return alloc_indexer(nl, (nb - 1) * bs, bs, device), {"page_size": bs, "sglang_version": "0.5.3"}
 
     def kv_view(kv_caches: Any, layer: int, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
         # a token's 128 key bytes and 4 scale bytes live in two regions of the page: the oracle
@@ -360,6 +380,29 @@ def _indexer_case() -> FixtureCase:
         dtypes=(torch.uint8,),
         # one head of 132 bytes (index_head_dim 128 fp8 + one fp32 scale); SGLang's page count
         # (size + page_size + 1) // page_size is num_blocks only for page_size >= 2
+        size_constraints={"fixed": ("num_heads", "head_size"), "block_size_choices": (2, 4, 8, 64)},
+    )
+
+
+def _indexer_dcp_case() -> FixtureCase:
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        nl, nb, bs, _, _ = _geom(sizes)
+        if nb % 2:
+            raise GeometryError("a dcp 2 indexer pool has 2 kernel pages per buffer row: num_blocks is even")
+        bufs = alloc_indexer_dcp(nl, nb // 2, 2 * bs, attn_dcp_size=2, device=device)
+        return bufs, {"page_size": 2 * bs, "attn_dcp_size": 2, "dcp_replicated": True}
+
+    def kv_view(kv_caches: Any, layer: int, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return indexer_segment_views(indexer_kernel_view(kv_caches[layer], 2), _page_of(kv_caches))
+
+    return _case(
+        "sglang-0.5.23-dsa-indexer-dcp2",
+        INDEXER_FORMAT,
+        make,
+        kv_view,
+        {"num_layers": 2, "num_blocks": 4, "block_size": 64, "num_heads": 1, "head_size": 132},
+        "sglang 0.5.23 memory_pool.py::DSATokenToKVPool.__init__ (dcp_replicated), index_key_cache.py::IndexKeyCache",
+        dtypes=(torch.uint8,),
         size_constraints={"fixed": ("num_heads", "head_size"), "block_size_choices": (2, 4, 8, 64)},
     )
 
@@ -412,6 +455,7 @@ CASES: list[FixtureCase] = [
     _mla_case("sglang-mla-paged", "NL_X_NB_BS_ONE_HS", True),
     _ascend_case(),
     _indexer_case(),
+    _indexer_dcp_case(),
     _flat_kv_case(),
     *[_host_case(m, False) for m in ("layer_first", "page_first", "page_first_direct", "page_head")],
     *[_host_case(m, True) for m in ("layer_first", "page_first", "page_first_direct")],

@@ -54,7 +54,16 @@ Fields (all optional; aliases in brackets):
 * ``is_mla``: the model uses MLA (``MLATokenToKVPool``).
 * ``sglang_version``: ``"0.5.3"``, ``"0.5.23"``, ``"0.5.6.post2"``...; layouts are read
   from the tensors' own shapes and strides; the version decides what ``fp8_e4m3`` /
-  ``fp8_e5m2`` mean on ROCm (above).
+  ``fp8_e5m2`` mean on ROCm (above), and ``0.5.3`` (whose ``NSATokenToKVPool`` has no
+  kernel-page split) decides the DSA indexer's page (below).
+* ``index_page_size``, ``attn_dcp_size``, ``dcp_replicated``, ``index_kpool``: the DSA
+  indexer pool's kernel page (0.5.23 ``memory_pool.py::DSATokenToKVPool.__init__``:
+  ``index_page_size = page_size // index_kpool``, divided by ``attn_dcp_size`` when
+  ``dcp_replicated`` -- a draft worker under decode-context parallelism,
+  ``kv_cache_configurator.py`` ``loc_space_scale > 1``). A buffer row of
+  ``page_size // index_kpool`` records is re-viewed as several kernel pages of
+  ``index_page_size`` tokens (``index_key_cache.py::IndexKeyCache._kernel_view``), which
+  a 2-D uint8 tensor cannot show: see :mod:`kvcore_sglang.indexer`.
 
 Precedence: a structural hint (``is_mla``, ``kv_list_layout``, ``layout``,
 ``mem_layout``) selects the reading outright; size hints (``page_size``,
@@ -113,6 +122,10 @@ class SGLangHints(BaseModel):
     )
     gcn_arch: str | None = Field(None, validation_alias=AliasChoices("gcn_arch", "gfx"))
     tensor_order: str | None = None
+    index_page_size: int | None = Field(None, ge=1)
+    attn_dcp_size: int | None = Field(None, ge=1)
+    dcp_replicated: bool | None = None
+    index_kpool: int | None = Field(None, ge=1)
 
     @field_validator("gcn_arch", mode="before")
     @classmethod
@@ -345,6 +358,41 @@ def declared_hints() -> list[Any]:
             source="python/sglang/kernels/ops/quantization/fp8_kernel.py::is_fp8_fnuz (0.5.23)",
         ),
         tensor_order_hint("sglang"),
+        Hint(
+            engine="sglang",
+            name="index_page_size",
+            meaning="the DSA indexer's kernel page in tokens (DSATokenToKVPool.index_page_size): each buffer row of "
+            "page_size // index_kpool records is that many kernel pages, token loc -> page loc // index_page_size",
+            type="int > 0, dividing the row's records",
+            default="from attn_dcp_size/dcp_replicated/index_kpool or sglang_version 0.5.3; else ambiguous",
+            source="python/sglang/srt/mem_cache/index_key_cache.py::IndexKeyCache._kernel_view (0.5.23)",
+        ),
+        Hint(
+            engine="sglang",
+            name="attn_dcp_size",
+            meaning="decode-context-parallel size: divides the DSA indexer's kernel page when dcp_replicated",
+            type="int > 0",
+            default="with dcp_replicated unknown and attn_dcp_size > 1 the indexer page is ambiguous",
+            source=f"{pool}::DSATokenToKVPool.__init__ (0.5.23)",
+        ),
+        Hint(
+            engine="sglang",
+            name="dcp_replicated",
+            meaning="the DSA pool was built with dcp_replicated=True (a draft worker with attn_dcp_size > 1): the indexer's "
+            "kernel page is page_size // index_kpool // attn_dcp_size",
+            type="bool",
+            default="unknown",
+            source="python/sglang/srt/mem_cache/kv_cache_configurator.py (loc_space_scale > 1) (0.5.23)",
+        ),
+        Hint(
+            engine="sglang",
+            name="index_kpool",
+            meaning="DSA index-key pooling (one record per index_kpool tokens); only 1 is token-addressed, larger values are "
+            "refused (SGLang's own IndexKeyCache.move asserts index_kpool == 1)",
+            type="int > 0",
+            default="1 when any other indexer hint decides",
+            source=f"{pool}::DSATokenToKVPool.__init__ (0.5.23)",
+        ),
         Hint(
             engine="sglang",
             name="sglang_version",

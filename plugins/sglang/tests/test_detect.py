@@ -215,7 +215,10 @@ def test_host_pool_layouts_are_ambiguous_when_size_equals_layers():
 def test_indexer_pool_detection_and_geometry():
     bufs = fx.alloc_indexer(num_layers=2, size=127, page_size=64)
     assert tuple(bufs[0].shape) == (3, 64 * 132)
-    lay = kvcore.detect(bufs, "sglang")
+    with pytest.raises(kvcore.AmbiguousLayoutError, match="index_page_size") as e:
+        kvcore.detect(bufs, "sglang")  # 0.5.23 may split rows into kernel pages under DCP: the tensors cannot show it
+    assert {"index_page_size", "attn_dcp_size"} <= set(e.value.hints)
+    lay = kvcore.detect(bufs, "sglang", {"sglang_version": "0.5.3"})  # 0.5.3 NSATokenToKVPool: one page per row
     assert lay.format.name == "NL_X_NB_BSV_BSS"
     assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (3, 64, 1, 132, 1)
     assert lay.describe() == "2 x [3, 64x128, 64x4]"
@@ -226,6 +229,16 @@ def test_indexer_pool_detection_and_geometry():
     assert [off for _, off in sc.bases] == [off + 64 * 128 for _, off in p.bases]
     with pytest.raises(kvcore.DetectionError, match="not page_size 32 records"):
         kvcore.detect(bufs, "sglang", {"page_size": 32})
+    for deciding in ({"index_page_size": 64}, {"attn_dcp_size": 1}, {"attn_dcp_size": 4, "dcp_replicated": False}):
+        assert kvcore.detect(bufs, "sglang", deciding).describe() == "2 x [3, 64x128, 64x4]"
+    with pytest.raises(kvcore.DetectionError, match="index_page_size=48 does not divide"):
+        kvcore.detect(bufs, "sglang", {"index_page_size": 48})
+    with pytest.raises(kvcore.DetectionError, match="contradicts"):
+        kvcore.detect(bufs, "sglang", {"index_page_size": 64, "attn_dcp_size": 2, "dcp_replicated": True})
+    with pytest.raises(kvcore.DetectionError, match="index_kpool=2"):
+        kvcore.detect(bufs, "sglang", {"index_kpool": 2, "index_page_size": 32})
+    with pytest.raises(kvcore.AmbiguousLayoutError, match="dcp_replicated"):
+        kvcore.detect(bufs, "sglang", {"attn_dcp_size": 2})  # the split needs dcp_replicated (a draft worker)
     with pytest.raises(kvcore.DetectionError, match="not a DSA/NSA indexer pool"):
         kvcore.detect([torch.zeros(3, 64 * 130, dtype=torch.uint8)], "sglang")
 

@@ -74,7 +74,7 @@ def test_hybrid_linear_pool_excludes_mamba_state(caplog):
 def test_dsa_model_mla_and_indexer_lists_detect_per_group():
     kv = fx.alloc_mla(2, size=128, page_size=64, kv_cache_dim=64)
     idx = fx.alloc_indexer(2, size=128, page_size=64)
-    lays = kvcore.detect_per_layer(kv + idx, "sglang", hints={"page_size": 64, "is_mla": True})
+    lays = kvcore.detect_per_layer(kv + idx, "sglang", hints={"page_size": 64, "is_mla": True, "index_page_size": 64})
     assert [lay.format.name for lay in lays] == ["NL_X_NB_BS_ONE_HS"] * 2 + ["NL_X_NB_BSV_BSS"] * 2
     assert lays[0].layer_ids == (0, 1) and lays[2].layer_ids == (2, 3)
     assert (lays[0].num_blocks, lays[2].num_blocks) == (3, 3)

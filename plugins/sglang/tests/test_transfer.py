@@ -112,7 +112,7 @@ def test_indexer_pool_gathers_keys_then_scales_by_page_and_by_slot():
     bufs = fx.alloc_indexer(num_layers=2, size=3 * ps - 1, page_size=ps)  # 3 pages
     for i, b in enumerate(bufs):
         fill_random(b, seed=40 + i)
-    lay = kvcore.detect(bufs, "sglang")
+    lay = kvcore.detect(bufs, "sglang", {"sglang_version": "0.5.3"})
     out = kvcore.gather_blocks(lay, torch.tensor([2, 0]))
     assert tuple(out.shape) == (1, 2, 2 * ps, 132) and out.dtype == torch.uint8
     for layer, b in enumerate(bufs):
@@ -202,7 +202,7 @@ def test_indexer_pages_are_described_by_the_scale_width_detection_passes():
     # the core reads NL_X_NB_BSV_BSS from the grammar; the plugin supplies the engine fact,
     # 4 scale bytes per 132-byte record: keys at token stride 128, scales after the page's keys
     bufs = fx.alloc_indexer(num_layers=2, size=8 * 3, page_size=8)
-    lay = kvcore.detect(bufs, "sglang")
+    lay = kvcore.detect(bufs, "sglang", {"sglang_version": "0.5.3"})
     assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size, lay.kv_size) == (bufs[0].shape[0], 8, 1, 132, 1)
     vals, scales = lay.stride_table().planes
     assert (vals.role, vals.block, vals.token, vals.chunk_bytes, vals.staging.offset) == ("VALS", 8 * 132, 128, 128, 0)
@@ -214,3 +214,66 @@ def test_indexer_pages_are_described_by_the_scale_width_detection_passes():
         kvcore.build_layout("NL_X_NB_BSV_BSS", lay.kv_caches)
     with pytest.raises(kvcore.GeometryError, match="bytes"):
         kvcore.build_layout("NL_X_NB_BSV_BSS", [b.view(torch.float16) for b in lay.kv_caches], params={"scale_bytes": 4})
+
+
+def _sgl_index_read(buf, loc, ips, r):
+    """SGLang 0.5.23 IndexKeyCache.move's addressing: kernel view rows of ips tokens,
+    keys [:ips*128] (token t at t*128), scales [ips*128:] (t at t*4); loc -> (loc // ips, loc % ips)."""
+    kv = buf.view(-1, buf.shape[1] // r)
+    keys = kv[:, : ips * 128].view(kv.shape[0], ips, 128)
+    scales = kv[:, ips * 128 :].view(kv.shape[0], ips, 4)
+    return keys[loc // ips, loc % ips], scales[loc // ips, loc % ips]
+
+
+@pytest.mark.parametrize(
+    "hints", [{"page_size": 128, "attn_dcp_size": 2, "dcp_replicated": True}, {"index_page_size": 64}, {"index_page_size": 32}]
+)
+def test_dcp_indexer_pool_gathers_and_scatters_by_sglangs_kernel_pages(hints):
+    # 0.5.23 DSATokenToKVPool(dcp_replicated) with page_size 128, attn_dcp_size 2: index_page_size 64, rows of 128 records
+    ips = hints.get("index_page_size", 64)
+    r = 128 // ips
+    bufs = [torch.zeros(3, 128 * 132, dtype=torch.uint8) for _ in range(2)]
+    for i, b in enumerate(bufs):
+        fill_random(b, seed=70 + i)
+    lay = kvcore.detect(bufs, "sglang", hints)
+    assert (lay.num_blocks, lay.block_size, lay.head_size) == (3 * r, ips, 132)
+    assert lay.data_ptrs() == [b.data_ptr() for b in bufs]
+    loc = torch.tensor([ips, ips + 1, 130, 200, 3 * 128 - 1, 5])
+    out = kvcore.gather(lay, loc)
+    for layer, b in enumerate(bufs):
+        keys, scales = _sgl_index_read(b, loc, ips, r)
+        assert torch.equal(out[0, layer], torch.cat([keys, scales], 1))
+    # scatter: the buffers equal SGLang's own write of the records (IndexKeyCache.move's addressing), nothing else changes
+    expected = [b.clone() for b in bufs]
+    dst = torch.tensor([7, ips + 3, 2 * 128 + 9])
+    new = torch.randint(0, 256, (1, 2, 3, 132), dtype=torch.uint8)
+    kvcore.scatter(lay, dst, new)
+    for layer, b in enumerate(bufs):
+        kv = expected[layer].view(-1, b.shape[1] // r)
+        keys = kv[:, : ips * 128].view(kv.shape[0], ips, 128)
+        scales = kv[:, ips * 128 :].view(kv.shape[0], ips, 4)
+        keys[dst // ips, dst % ips] = new[0, layer, :, :128]
+        scales[dst // ips, dst % ips] = new[0, layer, :, 128:]
+        assert torch.equal(b, expected[layer])
+
+
+def test_skip_topk_placeholder_layers_are_left_out_of_the_indexer_layout():
+    # 0.5.23 IndexKeyCache._layer_num_pages: layers that reuse the previous top-k get (0, W) placeholders
+    bufs = [torch.zeros(5, 64 * 132, dtype=torch.uint8), torch.zeros(0, 64 * 132, dtype=torch.uint8)]
+    bufs += [torch.zeros(5, 64 * 132, dtype=torch.uint8), torch.zeros(0, 64 * 132, dtype=torch.uint8)]
+    for i in (0, 2):
+        fill_random(bufs[i], seed=90 + i)
+    lay = kvcore.detect(bufs, "sglang", {"index_page_size": 64})
+    assert (lay.num_layers, lay.layer_ids, lay.num_blocks) == (2, (0, 2), 5)
+    assert lay.data_ptrs() == [bufs[0].data_ptr(), bufs[2].data_ptr()]
+    out = kvcore.gather(lay, torch.tensor([70]))
+    for j, i in enumerate((0, 2)):
+        keys, scales = _sgl_index_read(bufs[i], torch.tensor([70]), 64, 1)
+        assert torch.equal(out[0, j], torch.cat([keys, scales], 1))
+    named = kvcore.detect({f"layers.{i}.index_k": b for i, b in enumerate(bufs)}, "sglang", {"index_page_size": 64})
+    assert named.layer_names == ("layers.0.index_k", "layers.2.index_k")
+    with pytest.raises(kvcore.DetectionError, match="skip_topk_layers"):
+        kvcore.detect(bufs[1:2], "sglang")  # only placeholders: nothing to move
+    per = kvcore.detect_per_layer(bufs, "sglang", hints={"index_page_size": 64})
+    assert per[1] is None and per[3] is None and per[0] is per[2]  # placeholders are not KV, like Mamba state
+    assert per[0].layer_ids == (0, 2)
