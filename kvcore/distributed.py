@@ -1065,6 +1065,22 @@ def _exchange(g, pg, peer, wdev, ops, tag, tmo) -> None:
         _wait(w, tmo)
 
 
+def _wire_groups(ag: _Agreement, bounds, buf: torch.Tensor, sending: bool, v: torch.Tensor) -> list[list[tuple[bool, torch.Tensor]]]:
+    """The point-to-point groups of one agreed transfer, as ``(send?, tensor)`` ops: chunk
+    ``i`` from ``buf`` (the header prefix only with the first), and the receiver's verdict
+    ``v`` travelling the other way with the last chunk (alone after a single chunk).
+    ``sending``: this side sends the chunks (and receives ``v``)."""
+    groups = []
+    for i, (a, b) in enumerate(bounds):
+        lo = 0 if i == 0 else ag.prefix_bytes
+        groups.append([(sending, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])])
+    if len(groups) > 1:
+        groups[-1].append((not sending, v))
+    else:
+        groups.append([(not sending, v)])
+    return groups
+
+
 def _complete_refused_send(g, pg, dst, wdev, ag: _Agreement, tag, tmo) -> None:
     """Feed a fast receiver the agreed transfer's messages (refused: the D it read says slow)."""
     ring = _host_ring(True, wdev) if wdev.type == "cpu" else _cuda(wdev).rings[True]
@@ -1079,16 +1095,7 @@ def _complete_refused_send(g, pg, dst, wdev, ag: _Agreement, tag, tmo) -> None:
             if w is not None:
                 w.wait()
     buf[:CTL_BYTES].copy_(_ctl_record(MAGIC, 0, ag.epoch, ag.tokens, 8).to(wdev))
-    groups = []
-    for i, (a, b) in enumerate(bounds):
-        lo = 0 if i == 0 else ag.prefix_bytes
-        groups.append([(True, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])])
-    # V as the receiver sends it: with the last chunk, or alone after a single chunk
-    if len(groups) > 1:
-        groups[-1].append((False, v))
-    else:
-        groups.append([(False, v)])
-    for ops in groups:
+    for ops in _wire_groups(ag, bounds, buf, True, v):
         try:
             _exchange(g, pg, dst, wdev, ops, tag, tmo)
         except _PeerLost:
@@ -1660,15 +1667,7 @@ def _complete_refused_recv(g, pg, src, wdev, ag: _Agreement, tag, tmo) -> None:
     buf = ring.bufs[0]
     v = _ctl_record(MAGIC, 0, ag.epoch, ag.tokens, 8).to(wdev)
     bounds = ag.bounds()
-    groups = []
-    for i, (a, b) in enumerate(bounds):
-        lo = 0 if i == 0 else ag.prefix_bytes
-        groups.append([(False, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])])
-    if len(groups) > 1:
-        groups[-1].append((True, v))
-    else:
-        groups.append([(True, v)])
-    for ops in groups:
+    for ops in _wire_groups(ag, bounds, buf, False, v):
         try:
             _exchange(g, pg, src, wdev, ops, tag, tmo)
         except _PeerLost:
