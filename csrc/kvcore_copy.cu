@@ -26,6 +26,7 @@
 #include <string>
 
 #include "kvcore_copy.h"
+#include "kvcore_device.cuh"
 
 namespace kvcore {
 namespace copy {
@@ -60,16 +61,8 @@ struct Params {
   bool slots32;
 };
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using dev::grid_dependency_wait;
+using dev::grid_dependents_launch;
 
 // v / d, as a shift when d is a power of two (the divisors are launch constants, so the
 // branch is uniform): four divisions per 16-byte unit would otherwise cost a large share
@@ -280,22 +273,7 @@ __device__ __forceinline__ void bits_set(uint32_t* bitmap, const int64_t* slots,
   flush();
 }
 
-__device__ __forceinline__ void bits_clear(uint32_t* bitmap, const int64_t* slots, uint32_t t0, uint32_t t1, int64_t n) {
-  uint64_t word = ~uint64_t{0};
-  uint32_t mask = 0;
-  for (uint32_t t = t0; t < t1; ++t) {
-    const int64_t s = slots[t];
-    if (s < 0 || s >= n) continue;
-    const uint64_t w = static_cast<uint64_t>(s) >> 5;
-    if (w != word) {
-      if (mask) atomicAnd(bitmap + word, ~mask);
-      word = w;
-      mask = 0;
-    }
-    mask |= 1u << (static_cast<uint64_t>(s) & 31);
-  }
-  if (mask) atomicAnd(bitmap + word, ~mask);
-}
+using dev::bits_clear;
 
 __global__ void __launch_bounds__(1024) check_kernel(const CheckArgs a) {
   if (a.pdl) grid_dependents_launch();  // the copy's blocks may become resident and start loading

@@ -37,6 +37,7 @@
 #include <string>
 
 #include "kvcore_ops.h"
+#include "kvcore_device.cuh"
 
 namespace kvcore {
 namespace {
@@ -75,16 +76,8 @@ __device__ __forceinline__ void store_stream(V* p, const V& v) {
   __stcs(p, v);
 }
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using dev::grid_dependency_wait;
+using dev::grid_dependents_launch;
 
 // Move this block's units of plane `pl` in layer `l`; `bx` is the block's index within the plane.
 template <typename V, int kMode, bool kGather, int kUnroll>
@@ -246,22 +239,7 @@ __global__ void __launch_bounds__(1024) check_kernel(const int64_t* __restrict__
   }
   if (bitmap != nullptr) flush();
   __syncthreads();
-  if (bitmap != nullptr) {  // leave the bitmap all zero for the next call
-    word = ~uint64_t{0};
-    mask = 0;
-    for (uint32_t t = t0; t < t1; ++t) {
-      const int64_t s = slots[t];
-      if (s < 0 || s >= num_slots) continue;
-      const uint64_t w = static_cast<uint64_t>(s) >> 5;
-      if (w != word) {
-        if (mask) atomicAnd(bitmap + word, ~mask);
-        word = w;
-        mask = 0;
-      }
-      mask |= 1u << (static_cast<uint64_t>(s) & 31);
-    }
-    if (mask) atomicAnd(bitmap + word, ~mask);
-  }
+  if (bitmap != nullptr) dev::bits_clear(bitmap, slots, t0, t1, num_slots);  // leave the bitmap all zero for the next call
   if (threadIdx.x == 0) {
     const int verdict = first_bad != UINT_MAX ? 1 : (min_dup != ULLONG_MAX ? 2 : 0);
     *flag = verdict;
