@@ -116,7 +116,11 @@ def _deciding(readings: list[Reading]) -> list[str]:
     if differs(lambda r: r.rule.gate == "cpu"):
         keys.append("attention_backend")  # CPU_ATTN / TORCH_SDPA against a GPU backend
     # settings vLLM reads at run time that no tensor shows (IPEX importable, an env var)
-    for field, name in (("use_ipex", "use_ipex"), ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION")):
+    for field, name in (
+        ("use_ipex", "use_ipex"),
+        ("prefill_decode_attention", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION"),
+        ("cpu_amx", "cpu_attn_isa"),
+    ):
         if differs(lambda r, f=field: dict(r.rule.requires).get(f)):
             keys.append(name)
     if differs(lambda r: r.candidate.dtype):
