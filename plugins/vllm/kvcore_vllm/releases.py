@@ -193,7 +193,8 @@ BACKEND_RELEASES: dict[str, tuple[str, str]] = {
     "FLASHINFER_MLA_SPARSE_SM90": ("0.30.0", "0.33.0"),
     "FLASHMLA": ("0.11.0", "0.33.0"),
     "FLASHMLA_MEGA_ATTN_DSV41": ("0.31.0", "0.33.0"),
-    "FLASHMLA_SPARSE": ("0.13.0", "0.33.0"),
+    # 0.11 mla/flashmla_sparse.py::FlashMLASparseBackend.get_name() is FLASHMLA_SPARSE_VLLM_V1: the backend is there
+    "FLASHMLA_SPARSE": ("0.11.0", "0.33.0"),
     "FLASHMLA_SPARSE_DSV4": ("0.24.0", "0.33.0"),
     "FLASHMLA_SPARSE_DSV41": ("0.30.0", "0.33.0"),
     "FLASHMLA_SPARSE_VLLM_V1": ("0.11.0", "0.11.0"),
