@@ -230,7 +230,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 @dataclass
 class WriterLog:
-    """Every call of vLLM's KV-cache writers while active: per layer (by the cache's storage),
+    """Every call of vLLM's KV-cache writers while active: per layer (by its cache's first byte),
     the slots and the K / V rows (MLA: the latent row ``[kv_c | k_pe]``) the writer got.
 
     ``rows(layer_ptr)`` -> ``(slots [T], K [T, NH, HS], V [T, NH, HS] or None)``, the last
@@ -256,15 +256,16 @@ class WriterLog:
         return torch.tensor(order, dtype=torch.int64), ks, vs
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _ptr(t: torch.Tensor) -> int:
+    """The first byte of a layer's cache view (layers of one vLLM buffer share a storage)."""
+    return t.data_ptr()
 
 
 @contextlib.contextmanager
 def record_writes() -> Iterator[WriterLog]:
     """Wrap vLLM's KV-cache writer ops for the duration: ``cpu_attn_reshape_and_cache``
     (CPU_ATTN) and the MLA writers (``amx_mla_concat_and_cache``, CPU_MLA's
-    ``do_kv_cache_update``). Keys of the log are the caches' storage pointers."""
+    ``do_kv_cache_update``). Keys of the log are the layer caches' ``data_ptr()`` (the K half starts the layer's view)."""
     from vllm import _custom_ops as ops
 
     log = WriterLog()
@@ -278,7 +279,7 @@ def record_writes() -> Iterator[WriterLog]:
     def attn(orig):
         def w(key, value, key_cache, value_cache, slot_mapping, *a, **k):
             log.add(
-                _storage_ptr(key_cache),
+                _ptr(key_cache),
                 slot_mapping,
                 key.view(key.shape[0], -1, key_cache.shape[-1]),
                 value.view(value.shape[0], -1, key_cache.shape[-1]),
@@ -289,7 +290,7 @@ def record_writes() -> Iterator[WriterLog]:
 
     def amx_mla(orig):
         def w(kv_c, k_pe, kv_cache, slot_mapping, *a, **k):
-            log.add(_storage_ptr(kv_cache), slot_mapping, torch.cat([kv_c, k_pe.reshape(k_pe.shape[0], -1)], -1).unsqueeze(1), None)
+            log.add(_ptr(kv_cache), slot_mapping, torch.cat([kv_c, k_pe.reshape(k_pe.shape[0], -1)], -1).unsqueeze(1), None)
             return orig(kv_c, k_pe, kv_cache, slot_mapping, *a, **k)
 
         return w
@@ -305,7 +306,7 @@ def record_writes() -> Iterator[WriterLog]:
             def mla_update(orig):
                 def w(self, kv_c_normed, k_pe, kv_cache, slot_mapping, *a, **k):
                     row = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], -1).unsqueeze(1)
-                    log.add(_storage_ptr(kv_cache), slot_mapping, row, None)
+                    log.add(_ptr(kv_cache), slot_mapping, row, None)
                     return orig(self, kv_c_normed, k_pe, kv_cache, slot_mapping, *a, **k)
 
                 return w
