@@ -777,6 +777,18 @@ def kv_view(
     return TokenGroups(inner) if isinstance(v, TokenGroups) else inner
 
 
+def slot_row(view: Any, slot: int) -> torch.Tensor:
+    """One slot's ``[NH * HS]`` elements of a :func:`kv_view` answer (a ``[NB, BS, NH, *elem]``
+    view, or :class:`kvcore.testing.oracle.TokenGroups` ``[NB, BSC, BSE, NH, *elem]``)."""
+    if isinstance(view, TokenGroups):
+        v = view.view
+        bsc, bse = int(v.shape[1]), int(v.shape[2])
+        b, t = divmod(slot, bsc * bse)
+        return v[b, t // bse, t % bse].reshape(-1)
+    bs = int(view.shape[1])
+    return view[slot // bs, slot % bs].reshape(-1)
+
+
 def _cpu_kernel_view(region: torch.Tensor, plane_index: int, isa: str) -> Any:
     """K (0) or V (1) of vLLM's CPU attention as its kernel addresses them inside the
     ``(NB, NH, BS, HS)`` region the Python code hands it (a container: the kernel packs each
