@@ -753,7 +753,7 @@ def kv_view(
         else:
             v = _split_kv_cache(t, nh, hs)[plane_index]  # PagedAttention.split_kv_cache
     elif b == "CPU_ATTN":
-        isa = meta.get("cpu_attn_isa") or h.get("cpu_attn_isa")
+        isa = h.get("cpu_attn_isa") or meta.get("cpu_attn_isa")
         if isa is None:
             raise GeometryError("vLLM CPU_ATTN packs a block by its kernel path: pass cpu_attn_isa (vec, vec16, amx...)")
         if era == "0.13":
