@@ -178,7 +178,7 @@ def make_llm(
 ) -> LLM:
     """``vllm.LLM`` on the CPU, in this process, with informative dummy weights."""
     with _informative_weights():
-        return LLM(
+        llm = LLM(
             model=model_dir,
             load_format="dummy",
             skip_tokenizer_init=True,
@@ -193,6 +193,17 @@ def make_llm(
             seed=0,
             **kw,
         )
+    _stable_state_decay(llm)
+    return llm
+
+
+def _stable_state_decay(llm: LLM) -> None:
+    """Mamba's ``A`` is stored as ``-exp(A_log)`` by the weight loader; dummy weights skip that
+    step and leave it positive (a state that grows without bound: NaN logits). Make it a decay."""
+    with torch.no_grad():
+        for name, p in runner_of(llm).model.named_parameters():
+            if name.endswith(".A") and p.dim() == 1:
+                p.copy_(-(torch.rand(p.shape, generator=_GEN) * 0.5 + 0.5).to(p.dtype))
 
 
 def close(llm: LLM | None) -> None:
