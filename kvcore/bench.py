@@ -302,8 +302,10 @@ def block_slots(num_tokens: int, block_size: int, block_ids: torch.Tensor) -> to
 # -- timing ------------------------------------------------------------------------------
 
 
-def _timer(device: torch.device, calls: int) -> Callable[[Callable[[int], None]], float]:
-    """Returns ``time(fn)``: the seconds of one call of ``fn(i)``, over ``calls`` calls."""
+def _timer(device: torch.device, calls: int, clock: str = "wall") -> Callable[[Callable[[int], None]], float]:
+    """Returns ``time(fn)``: the seconds of one call of ``fn(i)``, over ``calls`` calls.
+    ``clock="cpu"`` (CPU device): the process's CPU seconds (every thread's), not wall time:
+    on a shared host a preempted call is not charged for the time it did not run."""
     if device.type == "cuda":
 
         def t_cuda(fn: Callable[[int], None]) -> float:
@@ -317,11 +319,13 @@ def _timer(device: torch.device, calls: int) -> Callable[[Callable[[int], None]]
 
         return t_cuda
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def t_cpu(fn: Callable[[int], None]) -> float:
-        t0 = time.perf_counter()
+        t0 = now()
         for i in range(calls):
             fn(i)
-        return (time.perf_counter() - t0) / calls
+        return (now() - t0) / calls
 
     return t_cpu
 
@@ -336,10 +340,12 @@ def _median_times(fns: dict[str, Callable[[int], None]], device: torch.device, r
     return {k: statistics.median(v) for k, v in _sample_times(fns, device, repeats, calls).items()}
 
 
-def _sample_times(fns: dict[str, Callable[[int], None]], device: torch.device, repeats: int, calls: int) -> dict[str, list[float]]:
+def _sample_times(
+    fns: dict[str, Callable[[int], None]], device: torch.device, repeats: int, calls: int, clock: str = "wall"
+) -> dict[str, list[float]]:
     """Seconds per call of each function in every repeat (``repeats`` samples each, the
     functions taking turns within a repeat: sample ``i`` of two functions ran back to back)."""
-    timer = _timer(device, calls)
+    timer = _timer(device, calls, clock)
     for fn in fns.values():
         fn(0)  # warm-up (also builds the native library, uploads pointer tables)
     if device.type == "cuda":
@@ -428,6 +434,7 @@ class Row:
     public_seconds: float | None = None  # kvcore.gather / kvcore.scatter per call (validate default), same run
     public_vs_kernel: float | None = None  # public time / kernel-entry time (1.00 = no overhead)
     public_graph_seconds: float | None = None  # cuda: the public call captured in a CUDA graph, per call
+    clock: str = "wall"  # CPU rows: "wall" seconds, or "cpu" (the process's CPU seconds, every thread)
     slots: str = "blocks"  # the slot mapping: "blocks" (whole blocks in random order) or "random" (a random permutation of slots)
     gbps_range: tuple[float, float] | None = None  # kernel GB/s, lowest and highest over the repeats
     vs_copy_range: tuple[float, float] | None = None  # per repeat: copy time / kernel time of that repeat (they ran back to back)
@@ -455,12 +462,15 @@ def bench_case(
     seed: int = 0,
     sample_bytes: float = 400e6,
     slots: str = "blocks",
+    clock: str = "wall",
 ) -> list[Row]:
     """Benchmark one layout/geometry; returns the rows (both directions, and the pinned
     host rows when ``host``). On CPU one timed sample repeats the call until about
     ``sample_bytes`` bytes moved (at most 20 calls): ~100 ms by default, less for
     ``--quick``. ``slots``: ``"blocks"`` (whole blocks in random order, a request's
-    consecutive slots) or ``"random"`` (a random permutation of the pool's slots)."""
+    consecutive slots) or ``"random"`` (a random permutation of the pool's slots).
+    ``clock``: ``"wall"``, or ``"cpu"`` (CPU device: the process's CPU seconds, see
+    :func:`_timer`)."""
     import kvcore
     from kvcore.kernels import TransferPlan
 
@@ -495,7 +505,7 @@ def bench_case(
             fns["pub-" + d] = lambda i, d=d: getattr(kvcore, d)(layout, slot_sets[i % sets], staging[i % sets])
         if with_reference and kernel is not reference:
             fns["ref-" + d] = lambda i, d=d: getattr(reference, d)(plans[i % sets])
-    samples = _sample_times(fns, device, repeats, calls)
+    samples = _sample_times(fns, device, repeats, calls, clock if device.type == "cpu" else "wall")
     tm = {k: statistics.median(v) for k, v in samples.items()}
     copy_s = tm["copy"]
 
@@ -541,6 +551,7 @@ def bench_case(
                 public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
                 public_graph_seconds=gt.get("pub-" + direction),
                 slots=slots,
+                clock=clock if device.type == "cpu" else "wall",
                 gbps_range=(2 * payload / max(samples[direction]) / 1e9, 2 * payload / min(samples[direction]) / 1e9),
                 vs_copy_range=ratio_range(direction),
                 public_vs_copy=copy_s / tm["pub-" + direction] if "pub-" + direction in tm else None,
@@ -722,6 +733,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the slot mapping: whole blocks in random order (a request's consecutive slots; the default) or a random "
         "permutation of the pool's slots",
     )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="CPU rows: time by the wall clock (default) or by the process's CPU seconds (every thread's; on a shared host "
+        "a call is not charged for time other processes ran; GB/s are then per CPU second)",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference kernel")
     parser.add_argument("--no-host", action="store_true", help="cuda: skip the pinned-host rows")
     parser.add_argument("--output", default=None, help="also write the JSON rows to this file (updated after every case)")
@@ -810,7 +828,7 @@ def format_table(rows: list[Row]) -> str:
             f"{r.seconds * 1e6:.1f} | {r.gbps:.1f} | {r.baseline_gbps:.1f} | {100 * r.vs_copy:.1f}% | {ref} | {vr} | "
             f"{num(r.public_seconds, scale=1e6)} | {num(r.public_vs_kernel, '{:.3f}x')} | "
             + ("- | - |" if r.graph_seconds is None else f"{r.graph_seconds * 1e6:.1f} | {100 * r.graph_vs_copy:.1f}% |")
-            + f" {num(r.public_graph_seconds, scale=1e6)} | {r.slots} | {span(r.gbps_range, '{:.1f}')} | "
+            + f" {num(r.public_graph_seconds, scale=1e6)} | {r.slots}{'' if r.clock == 'wall' else ', cpu clock'} | {span(r.gbps_range, '{:.1f}')} | "
             f"{span(r.vs_copy_range, '{:.1f}%', 100)} | {pct(r.public_vs_copy)}"
             + ("" if r.public_vs_copy_range is None else f" ({span(r.public_vs_copy_range, '{:.1f}', 100)})")
             + " |"
@@ -1026,6 +1044,7 @@ def run(args: argparse.Namespace) -> int:
             host_reference=(b == bss[0]),
             sample_bytes=sample_bytes,
             slots=getattr(args, "slots", "blocks"),
+            clock=getattr(args, "clock", "wall"),
         )
         rows += new
         progress.finished(label, len(new), time.monotonic() - t_case)
@@ -1042,6 +1061,7 @@ def run(args: argparse.Namespace) -> int:
         progress.note(f"small transfers T={t}: {len(got)} rows in {time.monotonic() - t_case:.1f} s")
     progress.close()
     meta["loadavg_end"] = _loadavg()
+    meta["clock"] = getattr(args, "clock", "wall") if device.type == "cpu" else "wall"
     data = [asdict(r) for r in rows]
     sdata = [asdict(r) for r in small]
     if args.output:
@@ -1074,7 +1094,20 @@ def _meta(device: torch.device) -> dict:
         "native": {"loaded": st.loaded, "cuda": st.cuda, "reason": st.reason},
         "gbps_counts": "device rows: bytes read + bytes written; pinned rows: bytes crossing the host link once",
         "loadavg_start": _loadavg(),
+        "cpu_model": _cpu_model() if device.type == "cpu" else None,
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def _loadavg() -> list[float] | None:
