@@ -301,7 +301,103 @@ def _one_element_lists(items: list[Any], h: VllmHints, hints: Any) -> Detection 
     return det
 
 
+def _ascend_tuples(items: list[Any], h: VllmHints) -> Detection | None:
+    """vllm-ascend's tuple entries other than equal-dtype (K, V) pairs: the container is
+    the engine's statement that they are attention caches (vllm-ascend builds every
+    attention-family entry a tuple and a Mamba layer's state a list:
+    ``kv_caches[layer_name] = state_tensors``), so they are never read as Mamba state.
+
+    * ``(k, v, dsa_k)`` / ``(k, v, dsa_k, dsa_k_scale)``: a DeepSeek-V3.2 sparse-attention
+      layer (vllm-ascend 0.18, :data:`~kvcore_vllm.pairs.ASCEND_DSA_SOURCE`) -> ``KV``, ``KPE``,
+      ``IK`` (, ``IKS``) planes;
+    * ``(k_cache,)``: a sparse-C8 MLA layer or an SFA indexer layer without scales (0.23+,
+      :data:`~kvcore_vllm.pairs.ASCEND_SFA_SOURCE`) -> one ``KV`` plane;
+    * ``(indexer_k, indexer_scale)`` of two dtypes and widths: an SFA indexer layer with
+      scales (0.23+) -> ``IK``, ``IKS`` planes.
+
+    Every slot is ``(NB, BS, NH, width)`` in memory order with one ``(NB, BS, NH)`` per
+    layer and, for these latent-style caches, ``NH == 1``. Returns None for tuples of
+    another kind (the pair reading, or layers of different shapes: ``detect_per_layer``).
+
+    Raises:
+        DetectionError: a tuple of such arity whose slots are not ``[NB, BS, 1, *]`` tensors
+            of one leading shape, permuted strides, a layout or ``kv_cache_spec`` hint the
+            tuples contradict, or geometry hints that disagree.
+    """
+    from kvcore_vllm.pairs import ASCEND_DSA_SOURCE, ASCEND_SFA_SOURCE, DSA_C8_PLANES, DSA_PLANES, INDEXER_KEYS, INDEXER_PLANES, ONE_PLANE
+
+    n = len(items[0])
+    if any(len(x) != n for x in items) or not all(isinstance(t, torch.Tensor) for x in items for t in x):
+        return None
+    first = items[0]
+    two_dtypes = n == 2 and first[0].dtype != first[1].dtype
+    if n not in (1, 3, 4) and not two_dtypes:
+        return None
+    fmt, roles, src, what = {
+        1: (ONE_PLANE, ("KV",), ASCEND_SFA_SOURCE, "one-plane tuples (k_cache,)"),
+        2: (INDEXER_PLANES, ("K", "KS"), ASCEND_SFA_SOURCE, "SFA indexer tuples (indexer_k, indexer_scale)"),
+        3: (DSA_PLANES, ("KV", "KPE", "IK"), ASCEND_DSA_SOURCE, "DeepSeek-V3.2 sparse-attention tuples (k, v, dsa_k)"),
+        4: (DSA_C8_PLANES, ("KV", "KPE", "IK", "IKS"), ASCEND_DSA_SOURCE, "sparse C8 tuples (k, v, dsa_k, dsa_k_scale)"),
+    }[n]
+    if n == 1 and h.kv_cache_spec == "indexer":
+        fmt, roles, what = INDEXER_KEYS, ("K",), "SFA indexer key tuples (indexer_k,)"
+    if two_dtypes and h.kv_cache_spec != "indexer":
+        # a 2-tuple of two dtypes is an SFA indexer layer (keys, scales) or an fa-quant layer whose K cache alone is
+        # quantised (vllm-ascend quantization/modelslim_config.py::get_kv_quant_dtype: MLA models quantise only the nope
+        # cache): the bytes do not say which
+        if h.kv_cache_spec in ("mla", "attention"):
+            fmt, roles = (PAIRS_MLA_PLANES, ("KV", "KPE")) if h.kv_cache_spec == "mla" else (PAIRS_KV_PLANES, ("K", "V"))
+            what, src = f"fa-quant {'(nope, rope)' if roles[0] == 'KV' else '(K, V)'} tuples of two dtypes", _ASCEND
+        else:
+            raise AmbiguousLayoutError(
+                f"vLLM: per-layer tuples of two dtypes ({dtype_name(first[0].dtype)} {first[0].shape[-1]} wide, "
+                f"{dtype_name(first[1].dtype)} {first[1].shape[-1]} wide): vllm-ascend builds an SFA indexer layer's "
+                f"(indexer_k, indexer_scale) this way ({ASCEND_SFA_SOURCE}) and an fa-quant layer whose K (MLA: nope) cache "
+                "alone is quantised (quantization/modelslim_config.py::get_kv_quant_dtype).\n"
+                f"tensors:\n{describe_input(items)}\nPass kv_cache_spec ('indexer' for keys and scales, 'mla' for nope and "
+                "rope, 'attention' for K and V)",
+                candidates=[INDEXER_PLANES, PAIRS_MLA_PLANES, PAIRS_KV_PLANES],
+                hints=["kv_cache_spec"],
+            )
+    lead = tuple(first[0].shape[:3]) if first[0].dim() == 4 else None
+    shapes = {tuple(tuple(t.shape) for t in x) for x in items}
+    bad = lead is None or any(t.dim() != 4 or tuple(t.shape[:3]) != lead for x in items for t in x)
+    if bad or (lead[2] != 1 and roles[0] != "K"):
+        raise DetectionError(
+            f"vLLM: per-layer {what}: vllm-ascend builds every slot (num_blocks, block_size, 1, width) with one (num_blocks, "
+            f"block_size) per layer ({src}); these are not:\n{describe_input(items)}"
+        )
+    if len(shapes) != 1 or len({tuple(t.dtype for t in x) for x in items}) != 1:
+        return None  # layers that differ: detect_per_layer groups them
+    if h.kv_cache_spec == "mamba" or (n in (3, 4) and h.kv_cache_spec in ("attention", "indexer")):
+        raise DetectionError(
+            f"vLLM: kv_cache_spec={h.kv_cache_spec!r}, but the entries are {what}: vllm-ascend builds a Mamba layer's state a "
+            f"list and these tuples only for {'attention' if n in (1, 2) else 'sparse MLA'} layers ({src})"
+        )
+    _pairs_layout_hint(h)
+    if not all(memory_ordered(t) for x in items for t in x):
+        raise DetectionError(
+            f"vLLM: per-layer {what} are views in memory order ({src}); these strides are permuted:\n{describe_input(items)}"
+        )
+    nb, bs, nh = lead
+    if h.block_size not in (None, bs) or h.num_kv_heads not in (None, nh):
+        raise DetectionError(
+            f"vLLM: per-layer {what} [NB={nb}, BS={bs}, NH={nh}] but the hints say block_size={h.block_size}, num_kv_heads="
+            f"{h.num_kv_heads}; fix the hints"
+        )
+    distinct, aliases = split_aliases(items)
+    kv = {role: [x[i] for x in distinct] for i, role in enumerate(roles)}
+    widths = ", ".join(f"{r} {t.shape[-1]} x {dtype_name(t.dtype)}" for r, t in zip(roles, distinct[0]))
+    det = Detection(format=fmt, kv_caches=kv, note=f"vllm-ascend per-layer {what} ({widths}; {src})")
+    det.aliases = aliases or None
+    return det
+
+
 def _lists(items: list[Any], h: VllmHints, hints: Any = None) -> Detection | None:
+    if all(isinstance(x, tuple) for x in items):
+        det = _ascend_tuples(items, h)
+        if det is not None:
+            return det
     if h.kv_cache_spec == "mamba":
         return _mamba(items)
     if _bound(items):
