@@ -144,6 +144,23 @@ def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict, 
             f"vLLM: these tensors can be read only with more hints: {'; '.join(dict.fromkeys(needs))}.\ntensors:\n{describe_input(tensors)}"
         )
     free = _fitting(candidates(tensors, VllmHints(device_type=h.device_type)))
+    if raw_hints and free and h.block_size is not None:
+        for r in free:
+            c = r.candidate
+            try:
+                lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
+                nb, bs = lay.num_blocks, lay.block_size
+            except GeometryError:
+                continue
+            if bs < h.block_size and h.block_size % bs == 0 and nb % (h.block_size // bs):
+                ratio = h.block_size // bs
+                raise DetectionError(
+                    f"vLLM: block_size={h.block_size}, but these tensors hold {nb} blocks of {bs} tokens: vLLM splits each "
+                    f"manager block into {ratio} kernel blocks and makes num_blocks x {ratio} of them (0.13+ "
+                    "gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views), so a count of kernel blocks "
+                    f"is a multiple of {ratio}; {nb} is not. Check block_size (the manager's), or pass the cache's own "
+                    f"tensors.\ntensors:\n{describe_input(tensors)}"
+                )
     if raw_hints and free:
         shows = sorted({f"{r.candidate.label} -> {r.candidate.format}" for r in free})
         raise DetectionError(
@@ -519,6 +536,79 @@ def _given(h: VllmHints) -> dict[str, Any]:
     return d
 
 
+def _half_of_storage(items: list[torch.Tensor]) -> bool:
+    """Every storage the tensors view is addressed over exactly half of its bytes by them
+    (distinct tensors of one storage counted together), the other half by none."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in items:
+        if t.device.type == "meta":
+            return False
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for ts in by_storage.values():
+        nbytes = ts[0].untyped_storage().nbytes()
+        used = sum(t.numel() * t.element_size() for t in ts)
+        if nbytes == 0 or 2 * used != nbytes:
+            return False
+    return True
+
+
+def _check_half_of_storage(items: list[torch.Tensor], det: Detection) -> None:
+    """A user's mistake that reads like a layout: the K half of each layer (``kv[0]`` of
+    FlashAttention's ``(2, NB, BS, NH, HS)``, ``kv[:, 0]`` of FlashInfer's ``(NB, 2, ...)``)
+    is a 4-D tensor whose strides fit a 0.26 packed K|V cache with other heads and block
+    size. vLLM allocates each layer's memory whole (one raw buffer per KV cache tensor,
+    ``gpu_model_runner._allocate_kv_cache_tensors``; 0.33 one buffer every layer's view
+    covers), so tensors that address exactly half of every storage they view, the other
+    half by no tensor given, are no vLLM allocation on their own: K halves (or V halves),
+    or one layer of two of a shared buffer. Without ``vllm_version`` / ``attention_backend``
+    this is not answered.
+
+    Raises:
+        AmbiguousLayoutError: naming the reading, the halves, and the hints that state it.
+    """
+    if not _half_of_storage(items):
+        return
+    t0 = items[0]
+    raise AmbiguousLayoutError(
+        f"vllm: these tensors read as {det.format} ({det.note}), but each addresses exactly half of its storage "
+        f"({t0.numel() * t0.element_size()} of {t0.untyped_storage().nbytes()} bytes) and no tensor given addresses the other "
+        "half: vLLM allocates a layer's memory whole, so these look like the K (or V) half of each layer's (2, NB, ...) / "
+        "(NB, 2, ...) cache, or one layer of two of a shared buffer. Pass each layer's whole tensor (vLLM's kv_caches "
+        "entries); if these are the cache as vLLM allocated it, pass vllm_version or attention_backend.\n"
+        f"tensors:\n{describe_input(items)}",
+        candidates=[det.format, "the K or V half of a vLLM layer"],
+        hints=["vllm_version", "attention_backend"],
+    )
+
+
+def _check_record_width(items: list[torch.Tensor], h: VllmHints) -> None:
+    """An MLA-only cache dtype (``fp8_ds_mla``, ``nvfp4_ds_mla``) names records vLLM writes
+    at a few widths only (:data:`kvcore_vllm.specs.RECORDS`: ``fp8_ds_mla`` 656 B DeepSeek-V3.2,
+    584 B V4, 528 B V4.1; the DSA indexer's 132 / 68 B keys beside them under any MLA cache
+    dtype): byte tensors of another width contradict the hint.
+
+    Raises:
+        DetectionError: naming the width, the widths the cache dtype's writers produce and
+            those writers.
+    """
+    from kvcore_vllm.hints import MLA_CACHE_DTYPES
+    from kvcore_vllm.specs import RECORDS
+
+    t0 = items[0]
+    if h.cache_dtype not in MLA_CACHE_DTYPES or t0.dtype not in (torch.uint8, torch.int8) or t0.dim() < 3:
+        return
+    # the DSA indexer's records (cache_dtypes empty) sit beside the MLA cache under any MLA cache dtype
+    allowed = {w: r for w, r in RECORDS.items() if h.cache_dtype in r.cache_dtypes or not r.cache_dtypes}
+    w = int(t0.shape[-1])
+    if w not in allowed:
+        listed = "; ".join(f"{x} B: {r.writer}" for x, r in sorted(allowed.items(), reverse=True))
+        raise DetectionError(
+            f"vLLM: cache_dtype={h.cache_dtype!r}, but these byte tensors hold {w}-byte rows: no vLLM {h.cache_dtype} writer "
+            f"produces {w} bytes per token. Its records are {listed} (kvcore_vllm.specs). Fix cache_dtype, or pass the "
+            f"cache's own tensors.\ntensors:\n{describe_input(items)}"
+        )
+
+
 # -- the decision -------------------------------------------------------------------------
 
 
@@ -545,6 +635,7 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     t0 = items[0]
     if any(t.dim() != t0.dim() or t.dtype != t0.dtype for t in items):
         return None  # the core groups by signature; a mixed list is not one layout
+    _check_record_width(items, h)
     items, aliases = split_aliases(items)
     source = _layout_source(h, hints)
     layout_given = h.kv_cache_layout is not None or h.env_kv_cache_layout is not None or h.device_type == "xpu"
@@ -592,6 +683,8 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
                 candidates=[det.format] + [n.split(":")[0] for n in dict.fromkeys(needs)],
                 hints=["attention_backend", *dict.fromkeys(missing)],
             )
+        if det is not None and not bare and h.vllm_version is None and h.attention_backend is None:
+            _check_half_of_storage(items, det)
         if det is not None:
             if aliases:
                 det.aliases = aliases
