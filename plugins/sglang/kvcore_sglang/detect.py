@@ -44,7 +44,7 @@ from kvcore.dtypes import dtype_name, fp8_dtype, rocm_build
 from kvcore_sglang.formats import HOST_FORMATS, INDEXER_FORMAT
 from kvcore_sglang.hints import SGLangHints, element_dtype, parse_hints
 from kvcore_sglang.indexer import RECORD_SCALE_BYTES, index_page_view
-from kvcore_sglang.pools import MambaState
+from kvcore_sglang.pools import MambaState, NoCache
 
 __all__ = ["detect_sglang"]
 
@@ -204,7 +204,13 @@ def _detect(kv_caches: Any, h: SGLangHints) -> Detection:
             f"sglang: expected a list of per-layer tensors, [k_buffer, v_buffer] or a host pool tensor, got {type(kv_caches).__name__}"
         )
     entries = list(kv_caches)
-    if any(isinstance(e, MambaState) for e in entries):
+    if any(isinstance(e, (MambaState, NoCache)) for e in entries):
+        if all(isinstance(e, NoCache) for e in entries):
+            return Detection(
+                format=None,
+                excluded="layers that hold no cache (a hybrid model's MoE-only / MLP layers, which SGLang's global layer ids "
+                "skip: HybridLinearKVPool.full_attention_layer_id_mapping): not KV",
+            )
         if all(isinstance(e, MambaState) for e in entries):
             return Detection(format=None, excluded=_MAMBA_REASON)
         raise DetectionError("sglang: this list mixes Mamba state and KV layers; use kvcore.detect_per_layer (one entry per layer)")
@@ -350,6 +356,35 @@ def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _mha_candidates(
     ks: list[torch.Tensor], vs: list[torch.Tensor], h: SGLangHints, reasons: list[str], decided: dict[str, Any], label: str
 ) -> list[Candidate]:
+    """The readings of an MHA pool's K and V lists. K and V of different head sizes
+    (``MHATokenToKVPool`` with ``v_head_dim != head_dim``: 0.5.3 / 0.5.23
+    ``memory_pool.py::MHATokenToKVPool._create_buffers`` allocates ``v_buffer`` with
+    ``v_head_dim``) are two planes of their own widths, ``K=NL_X_<t>+V=NL_X_<t>`` for the
+    equal-width name ``TWO_X_NL_X_<t>``, staged apart (``{"K": ..., "V": ...}``)."""
+    out = _mha_readings(ks, vs, h, reasons, decided, label)
+    if out and ks and vs and ks[0].shape[-1] != vs[0].shape[-1]:
+        out = [_as_kv_planes(c) for c in out]
+    return out
+
+
+def _as_kv_planes(c: Candidate) -> Candidate:
+    rest = c.format.removeprefix("TWO_X_NL_X_")
+    ks, vs = c.kv_caches
+    return Candidate(
+        f"K=NL_X_{rest}+V=NL_X_{rest}",
+        {"K": ks, "V": vs},
+        c.dtype,
+        note=f"{c.note}; K and V of head sizes {ks[0].shape[-1]} and {vs[0].shape[-1]} (v_head_dim): one plane each",
+        decided_by=c.decided_by,
+        label=f"{c.label}, K/V planes",
+        order=c.order,
+        against=c.against,
+    )
+
+
+def _mha_readings(
+    ks: list[torch.Tensor], vs: list[torch.Tensor], h: SGLangHints, reasons: list[str], decided: dict[str, Any], label: str
+) -> list[Candidate]:
     if not ks or len(ks) != len(vs):
         reasons.append(f"{label}: K and V lists must be non-empty and of equal length, got {len(ks)} and {len(vs)}")
         return []
@@ -365,13 +400,9 @@ def _mha_candidates(
         reasons.append(f"{label}: MHA per-layer tensors are 3-D (rows, NH, HS) or 4-D page rows, got {k.dim()}-D {tuple(k.shape)}")
         return []
     hs, vhs = int(k.shape[-1]), int(v.shape[-1])
-    if hs != vhs or (h.v_head_size is not None and h.head_size is not None and h.v_head_size != h.head_size):
-        raise DetectionError(
-            f"sglang: MHA pool with K head size {hs} and V head size {vhs if hs != vhs else h.v_head_size} "
-            "(MHATokenToKVPool head_dim != v_head_dim): kvcore's staging layout [2, NL, T, NH*HS] carries one head size "
-            "for K and V, so no K/V format can describe this pool; move K and V as two key-only layouts: "
-            "kvcore.build_layout('NL_X_NBBS_NH_HS', k_buffer) and kvcore.build_layout('NL_X_NBBS_NH_HS', v_buffer)"
-        )
+    if h.v_head_size is not None and h.v_head_size != vhs:
+        reasons.append(f"{label}: v_head_size hint {h.v_head_size} but the V tensors' head size is {vhs}")
+        return []
     if not _check(reasons, h.head_size in (None, hs), f"{label}: head_size hint {h.head_size} but the tensors' head size is {hs}"):
         return []
     if not _check(reasons, h.layout != "ASCEND", f"{label}: layout='ascend' is one cross-layer tensor (2, NL, pages, page_size, NH, HS)"):

@@ -149,16 +149,26 @@ def test_hnd_vs_nhd_when_page_size_equals_num_heads():
     assert (lay.format.name, lay.block_size, lay.num_heads) == ("TWO_X_NL_X_NB_NH_BS_HS", 8, 2)
 
 
-def test_v_head_size_different_from_k_is_refused_clearly():
+def test_v_head_size_different_from_k_is_two_planes():
+    # MHATokenToKVPool._create_buffers: v_buffer (size + page_size, head_num, v_head_dim)
     k, v = fx.alloc_mha_053(num_layers=2, size=8, page_size=1, head_num=2, head_dim=16, v_head_dim=8)
-    with pytest.raises(kvcore.DetectionError, match=r"K head size 16 and V head size 8") as ei:
-        kvcore.detect([k, v], "sglang")
-    # the workaround the message names: K and V as two key-only layouts
-    assert "build_layout('NL_X_NBBS_NH_HS', v_buffer)" in str(ei.value)
-    lv = kvcore.build_layout("NL_X_NBBS_NH_HS", v)
-    v[1][3] = torch.arange(16, dtype=torch.bfloat16).reshape(2, 8)
-    assert (lv.kv_size, lv.head_size) == (1, 8)
-    assert torch.equal(kvcore.gather(lv, torch.tensor([3]))[0, 1, 0], v[1][3].reshape(-1))
+    for layer in range(2):
+        k[layer].copy_(torch.arange(k[layer].numel(), dtype=torch.float32).view(k[layer].shape) + 1000 * layer)
+        v[layer].copy_(-torch.arange(v[layer].numel(), dtype=torch.float32).view(v[layer].shape) - 1000 * layer)
+    for hints in ({}, {"v_head_size": 8}, {"head_size": 16, "v_head_dim": 8}):
+        lay = kvcore.detect([k, v], "sglang", hints)
+        assert lay.format.name == "K=NL_X_NBBS_NH_HS+V=NL_X_NBBS_NH_HS"
+        assert lay.staging_shapes(3) == {"K": (2, 3, 32), "V": (2, 3, 16)}
+    out = kvcore.gather(lay, torch.tensor([3, 7]))
+    assert torch.equal(out["K"][1, 0], k[1][3].reshape(-1)) and torch.equal(out["V"][0, 1], v[0][7].reshape(-1))
+    want = (-torch.arange(48, 64, dtype=torch.float32) - 1000).to(v[1].dtype)  # V row 3 of layer 1: its own 2 x 8 values
+    assert torch.equal(out["V"][1, 0], want)
+    kvcore.scatter(lay, torch.tensor([5, 6]), out)  # into other rows: each plane at its own width
+    assert torch.equal(v[1][5], v[1][3]) and torch.equal(k[0][6], k[0][7])
+    paged = kvcore.detect([k, v], "sglang", {"page_size": 1})
+    assert paged.format.name == "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS" and paged.block_size == 1
+    with pytest.raises(kvcore.DetectionError, match="v_head_size hint 4 but the V tensors' head size is 8"):
+        kvcore.detect([k, v], "sglang", {"v_head_size": 4})
 
 
 def test_hints_that_contradict_the_tensors_are_errors():
