@@ -637,6 +637,13 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         return None  # the core groups by signature; a mixed list is not one layout
     _check_record_width(items, h)
     items, aliases = split_aliases(items)
+    if t0.dim() == 6 and not bare:
+        from kvcore_vllm.rbln import detect_rbln
+
+        det = detect_rbln(items, h)
+        if det is not None:
+            det.aliases = aliases or None
+            return det
     source = _layout_source(h, hints)
     layout_given = h.kv_cache_layout is not None or h.env_kv_cache_layout is not None or h.device_type == "xpu"
     variants, extra = _fp8_variants(h, items)
