@@ -278,6 +278,8 @@ def _flat(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
             "use kv_list_layout='k_v' (K layers then V layers) or pass [k_buffer, v_buffer]"
         )
     rank = ranks[0]
+    if h.kv_list_layout == "unified":
+        return _unified(ts, h)
     if rank == 2:
         return _indexer(ts, h)
     if rank == 5:
@@ -348,6 +350,62 @@ def _nested(entries: list[Any], h: SGLangHints) -> Detection:
 
 def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+#: LMCache 0.5.6's SGLang connector for SGLang's unified radix cache, which pages SGLang's own buffers
+UNIFIED_SOURCE = (
+    "LMCache 0.5.6 lmcache/integration/sglang/unified_kv_adapter.py::SGLangUnifiedKVAdapter._resolve_pool_tensors "
+    "([*k_buffer, *v_buffer] of an NHD MHATokenToKVPool, or kv_buffer) and unified_lmcache_mp_connector.py::"
+    "_to_wire_block_tensor (tensor.view(num_blocks, page_size, *shape[1:]) / .view(num_blocks, page_size, -1)), "
+    "registered with layout_hints={'kv_list_layout': 'unified'}"
+)
+
+
+def _unified(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
+    """LMCache's unified per-component views of SGLang's buffers: each entry one paged
+    component (see :data:`UNIFIED_SOURCE`). Rank 4 ``[NB, BS, NH, HS]`` (an MHA pool's K
+    or V buffer of one layer) is ``NL_X_NB_BS_NH_HS``; rank 3 ``[NB, BS, D]`` (an MLA
+    ``kv_buffer``) ``NL_X_NB_BS_HS``. The connector allows contiguous NHD / MLA buffers
+    only.
+
+    Raises:
+        kvcore.DetectionError: another rank, entries that differ, permuted strides, or
+            hints the views contradict.
+    """
+    ref = _same(ts, "kv_caches")
+    if ref.dim() not in (3, 4):
+        raise DetectionError(
+            f"sglang: kv_list_layout='unified' entries are paged components [NB, page_size, NH, HS] (MHA K or V) or "
+            f"[NB, page_size, D] (MLA) ({UNIFIED_SOURCE}); got {ref.dim()}-D {tuple(ref.shape)}"
+        )
+    if not all(t.is_contiguous() for t in ts):
+        raise DetectionError(
+            "sglang: kv_list_layout='unified' views are contiguous NHD / MLA pages (the connector refuses others: "
+            "'LMCache MP currently requires contiguous SGLang NHD/MLA tensors'); these strides are permuted"
+        )
+    bs = int(ref.shape[1])
+    if h.page_size not in (None, bs):
+        raise DetectionError(f"sglang: page_size hint {h.page_size} but the unified views hold pages of {bs} tokens")
+    if ref.dim() == 4:
+        nh, hs = int(ref.shape[2]), int(ref.shape[3])
+        if h.is_mla is True or h.num_kv_heads not in (None, nh) or h.head_size not in (None, hs):
+            raise DetectionError(
+                f"sglang: unified MHA component views [NB, {bs}, {nh}, {hs}] but the hints say is_mla={h.is_mla}, "
+                f"num_kv_heads={h.num_kv_heads}, head_size={h.head_size}"
+            )
+        fmt, what = "NL_X_NB_BS_NH_HS", "MHA K/V component"
+    else:
+        if h.is_mla is False or h.head_size not in (None, int(ref.shape[2])):
+            raise DetectionError(
+                f"sglang: unified MLA views [NB, {bs}, {ref.shape[2]}] but the hints say is_mla={h.is_mla}, head_size={h.head_size}"
+            )
+        fmt, what = "NL_X_NB_BS_HS", "MLA latent"
+    return Detection(
+        format=fmt,
+        kv_caches=list(ts),
+        dtype=element_dtype(ref.dtype, h),
+        note=f"SGLang unified {what} views, one list entry per component ({UNIFIED_SOURCE})",
+    )
 
 
 # -- MHA ----------------------------------------------------------------------------------

@@ -422,6 +422,42 @@ def _flat_kv_case() -> FixtureCase:
     )
 
 
+def _unified_case(mla: bool) -> FixtureCase:
+    """LMCache's unified connector views (``_to_wire_block_tensor``) over SGLang 0.5.3 pools:
+    ``[*k_buffer, *v_buffer]`` each ``.view(NB, page_size, NH, HS)``, or MLA ``kv_buffer``
+    each ``.view(NB, page_size, D)``; the oracle is SGLang's own buffer addressed by token
+    slot (``set_kv_buffer``: ``buffer[loc]``), unflattened by page."""
+
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        nl, nb, bs, nh, hs = _geom(sizes)
+        if mla:
+            bufs = alloc_mla(nl, (nb - 1) * bs, bs, hs, dtype, device)
+            views = [b.view(nb, bs, -1) for b in bufs]
+        else:
+            if nl % 2:
+                raise GeometryError(f"the unified MHA views are K and V components of whole layers: an even count, not {nl}")
+            k, v = alloc_mha_053(nl // 2, (nb - 1) * bs, bs, nh, hs, dtype, device)
+            views = [b.view(nb, bs, *b.shape[1:]) for b in [*k, *v]]
+        return views, {**_hints_for(dtype), "kv_list_layout": "unified"}
+
+    def kv_view(kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
+        t = kv_caches[layer]
+        rows = t.reshape(-1, *(t.shape[2:] if not mla else (1, t.shape[-1])))  # SGLang's buffer, one row per token slot
+        return rows.unflatten(0, (t.shape[0], t.shape[1]))
+
+    return _case(
+        f"sglang-unified-{'mla' if mla else 'mha'}",
+        "NL_X_NB_BS_HS" if mla else "NL_X_NB_BS_NH_HS",
+        make,
+        kv_view,
+        {"block_size": 4, "num_layers": 4, **({"num_heads": 1} if mla else {})},
+        f"sglang 0.5.3 memory_pool.py pools viewed by {UNIFIED_VIEW_SOURCE}",
+    )
+
+
+UNIFIED_VIEW_SOURCE = "LMCache 0.5.6 lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor"
+
+
 CASES: list[FixtureCase] = [
     _mha_case(
         "sglang-0.5.3-mha-nhd", "TWO_X_NL_X_NBBS_NH_HS", "0.5.3", False, src="sglang 0.5.3 memory_pool.py::MHATokenToKVPool._create_buffers"
@@ -457,6 +493,8 @@ CASES: list[FixtureCase] = [
     _indexer_case(),
     _indexer_dcp_case(),
     _flat_kv_case(),
+    _unified_case(False),
+    _unified_case(True),
     *[_host_case(m, False) for m in ("layer_first", "page_first", "page_first_direct", "page_head")],
     *[_host_case(m, True) for m in ("layer_first", "page_first", "page_first_direct")],
 ]

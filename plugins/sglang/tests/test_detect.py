@@ -293,3 +293,21 @@ def test_ascend_cross_layer_pool_from_the_tensor_or_its_halves():
         kvcore.detect(buf, "sglang")
     with pytest.raises(kvcore.DetectionError, match="kv_buffer\\[0\\], kv_buffer\\[1\\]"):
         kvcore.detect([buf[0].clone(), buf[1].clone()], "sglang")
+
+
+def test_lmcache_unified_component_views_are_one_entry_per_component():
+    # LMCache's unified connector: [*k_buffer, *v_buffer] each .view(NB, page_size, NH, HS) (_to_wire_block_tensor)
+    k, v = fx.alloc_mha_053(num_layers=2, size=12, page_size=4, head_num=2, head_dim=8)
+    for i, t in enumerate([*k, *v]):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + 1000 * i)
+    views = [t.view(4, 4, 2, 8) for t in [*k, *v]]
+    lay = kvcore.detect(views, "sglang", {"kv_list_layout": "unified"})
+    assert (lay.format.name, lay.num_layers, lay.kv_size, lay.num_blocks, lay.block_size) == ("NL_X_NB_BS_NH_HS", 4, 1, 4, 4)
+    out = kvcore.gather(lay, torch.tensor([6]))  # SGLang token slot 6 = page 1, offset 2
+    assert [torch.equal(out[0, i, 0], t[6].reshape(-1)) for i, t in enumerate([*k, *v])] == [True] * 4
+    mla = [t.view(4, 4, 16) for t in fx.alloc_mla(3, size=12, page_size=4, kv_cache_dim=16)]
+    assert kvcore.detect(mla, "sglang", {"kv_list_layout": "unified"}).format.name == "NL_X_NB_BS_HS"
+    with pytest.raises(kvcore.DetectionError, match="page_size hint 8"):
+        kvcore.detect(views, "sglang", {"kv_list_layout": "unified", "page_size": 8})
+    with pytest.raises(kvcore.DetectionError, match="contiguous"):
+        kvcore.detect([t.transpose(1, 2) for t in views], "sglang", {"kv_list_layout": "unified"})
