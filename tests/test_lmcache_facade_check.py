@@ -46,7 +46,7 @@ def test_rewrite_maps_every_lmcache_import_and_keeps_line_numbers():
         lines[9] == "import lmcache_facade_host; Mgr = lmcache_facade_host.out_of_scope('lmcache.v1.kv_layer_groups.KVLayerGroupsManager')"
     )
     assert lines[13] == "    import kvcore.compat.lmcache as utils"  # nested imports too, indentation kept
-    assert '"lmcache_facade_host.torch_device_type"' in lines[14]  # a monkeypatch target
+    assert '"kvcore.compat.lmcache.torch_device_type"' in lines[14]  # a monkeypatch target: the facade's platform statement
     assert '"lmcache.v1.kv_layer_groups.thing"' in lines[15]  # an unmapped module's string stays
     compile(out, "rewritten", "exec")
 

@@ -484,7 +484,9 @@ def _mha_readings(
                 Candidate("TWO_X_NL_X_NBBS_NH_HS", [ks, vs], dtype, note=f"SGLang {label}, NHD token rows", decided_by=decided, label=label)
             )
         elif _check(
-            reasons, rows % ps == 0, f"{label}: {rows} rows are not whole pages of page_size {ps} (SGLang allocates size + page_size rows)"
+            reasons,
+            rows % ps == 0,
+            f"{label}: {rows} rows are not whole pages of page_size {ps} (not divisible; SGLang allocates size + page_size rows)",
         ):
             split = [[t.unflatten(0, (rows // ps, ps)) for t in ks], [t.unflatten(0, (rows // ps, ps)) for t in vs]]
             out.append(
@@ -553,7 +555,7 @@ def _mla_candidates(ts: list[torch.Tensor], h: SGLangHints, reasons: list[str]) 
             return [
                 Candidate("NL_X_NBBS_ONE_HS", list(ts), dtype, note="SGLang MLATokenToKVPool kv_buffer", decided_by=decided, label="MLA")
             ]
-        if not _check(reasons, rows % ps == 0, f"MLA: {rows} rows are not whole pages of page_size {ps}"):
+        if not _check(reasons, rows % ps == 0, f"MLA: {rows} rows are not whole pages of page_size {ps} (not divisible)"):
             return []
         return [
             Candidate(

@@ -537,8 +537,8 @@ def _given(h: VllmHints) -> dict[str, Any]:
 
 
 def _half_of_storage(items: list[torch.Tensor]) -> bool:
-    """Every storage the tensors view is addressed over exactly half of its bytes by them
-    (distinct tensors of one storage counted together), the other half by none."""
+    """Every tensor views a storage of its own, over exactly half of its bytes (the other
+    half addressed by no tensor given)."""
     by_storage: dict[int, list[torch.Tensor]] = {}
     for t in items:
         if t.device.type == "meta":
@@ -546,9 +546,8 @@ def _half_of_storage(items: list[torch.Tensor]) -> bool:
         by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     for ts in by_storage.values():
         nbytes = ts[0].untyped_storage().nbytes()
-        used = sum(t.numel() * t.element_size() for t in ts)
-        if nbytes == 0 or 2 * used != nbytes:
-            return False
+        if len(ts) != 1 or nbytes == 0 or 2 * ts[0].numel() * ts[0].element_size() != nbytes:
+            return False  # several given views share it (a group of a shared buffer's layers), or it is not half used
     return True
 
 
