@@ -232,12 +232,19 @@ def _geom(sizes: dict) -> tuple[int, int, int, int, int]:
     return nl, nb, bs, nh, hs
 
 
-def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD", src: str = "") -> FixtureCase:
+def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD", src: str = "", v_extra: int = 0) -> FixtureCase:
+    """``v_extra``: V's head size is ``head_dim + v_extra`` (``v_head_dim``; 0.5.3 separate
+    buffers, 0.5.23 HND page rows ``(num_pages, head_num, page_size, v_head_dim)``)."""
+
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         nl, nb, bs, nh, hs = _geom(sizes)
         size = (nb - 1) * bs  # SGLang: size + page_size rows; slot 0's page is the padded page
-        if version == "0.5.3":
-            k, v = alloc_mha_053(nl, size, bs, nh, hs, dtype, device)
+        if v_extra and layout == "HND":
+            st = store_dtype(dtype)
+            k = [torch.zeros((nb, nh, bs, hs), dtype=st, device=device) for _ in range(nl)]
+            v = [torch.zeros((nb, nh, bs, hs + v_extra), dtype=st, device=device) for _ in range(nl)]
+        elif version == "0.5.3":
+            k, v = alloc_mha_053(nl, size, bs, nh, hs, dtype, device, v_head_dim=hs + v_extra if v_extra else None)
         else:
             k, v = alloc_mha_0523(nl, size, bs, nh, hs, dtype, device, layout=layout)
         hints = {**_hints_for(dtype), "sglang_version": version}
@@ -248,6 +255,8 @@ def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD
             hints["page_size"] = bs
         if layout == "HND":
             hints["layout"] = "HND"
+        if v_extra:
+            hints["v_head_size"] = hs + v_extra
         return [k, v], hints
 
     def kv_view(kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
@@ -487,6 +496,22 @@ CASES: list[FixtureCase] = [
         "HND",
         src="sglang 0.5.23 memory_pool.py::_kv_buffer_shapes (use_hnd)",
     ),
+    *[
+        _mha_case(
+            f"sglang-{ver}-mha-v_head_dim-{what}",
+            f"K=NL_X_{t}+V=NL_X_{t}",
+            ver,
+            paged,
+            lay,
+            src=f"sglang {ver} memory_pool.py::MHATokenToKVPool (v_head_dim != head_dim)",
+            v_extra=8,
+        )
+        for ver, what, t, paged, lay in (
+            ("0.5.3", "nhd", "NBBS_NH_HS", False, "NHD"),
+            ("0.5.3", "nhd-paged", "NB_BS_NH_HS", True, "NHD"),
+            ("0.5.23", "hnd", "NB_NH_BS_HS", True, "HND"),
+        )
+    ],
     _mla_case("sglang-mla", "NL_X_NBBS_ONE_HS", False),
     _mla_case("sglang-mla-paged", "NL_X_NB_BS_ONE_HS", True),
     _ascend_case(),

@@ -292,7 +292,7 @@ def _planes_fixture(name: str, fmt: str, spec: str, hv: int, nh: int) -> Fixture
     )
 
 
-def _tuples_fixture(kind: str, fmt: str, dtypes: tuple[torch.dtype, ...]) -> FixtureCase:
+def _tuples_fixture(kind: str, fmt: str, dtypes: tuple[torch.dtype, ...], spec: str | None = None) -> FixtureCase:
     """A vllm-ascend tuple convention (:func:`allocate_ascend_tuples`), read as vllm-ascend's
     attention reads it: slot ``p`` of layer ``layer``'s tuple, ``(NB, BS, 1, width)`` as it is."""
 
@@ -304,13 +304,14 @@ def _tuples_fixture(kind: str, fmt: str, dtypes: tuple[torch.dtype, ...]) -> Fix
             widths=widths, dtype=dtype, key_dtype=dtype if kind in ("one", "indexer") else torch.int8,
             scale_dtype=torch.float32 if dtype == torch.float16 else torch.float16, device=device,
         )  # fmt: skip
-        return kv, {"block_size": sizes["block_size"], **({"kv_cache_spec": "indexer"} if kind == "indexer" else {})}
+        spec_hint = spec or ("indexer" if kind == "indexer" else None)
+        return kv, {"block_size": sizes["block_size"], **({"kv_cache_spec": spec_hint} if spec_hint else {})}
 
     def view(kv_caches: Any, layer: int, plane: int) -> torch.Tensor:
         return list(kv_caches.values())[layer][plane]
 
     return FixtureCase(
-        name=f"vllm-ascend-tuples-{kind}",
+        name=f"vllm-ascend-tuples-{kind}" + (f"-{spec}" if spec else ""),
         engine="vllm",
         format=fmt,
         make=make,
@@ -331,5 +332,6 @@ def pairs_fixtures() -> list[FixtureCase]:
         _tuples_fixture("dsa", DSA_PLANES, (torch.bfloat16, torch.float16)),
         _tuples_fixture("dsa_c8", DSA_C8_PLANES, (torch.bfloat16, torch.float16)),
         _tuples_fixture("one", ONE_PLANE, (torch.bfloat16,)),
+        _tuples_fixture("one", INDEXER_KEYS, (torch.bfloat16,), spec="indexer"),
         _tuples_fixture("indexer", INDEXER_PLANES, (torch.bfloat16,)),
     ]
