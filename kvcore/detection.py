@@ -384,6 +384,28 @@ def _advice(container: Any, rejected: Sequence[str]) -> str:
     return ("\n" + "\n".join(lines)) if lines else ""
 
 
+def _engine_name(engine: Any) -> str:
+    """The engine argument of :func:`detect` / :func:`detect_per_layer`: one engine name.
+
+    Raises:
+        DetectionError: not a non-empty ``str`` (a list of engines, None, an enum member
+            without a string value...), naming the engines the installed plugins declare.
+    """
+    if isinstance(engine, str) and engine.strip():
+        return engine
+    v = getattr(engine, "value", None)  # an enum member whose value is the engine's name
+    if isinstance(v, str) and v.strip() and not isinstance(engine, (list, tuple, set, dict)):
+        return v
+    shown = f"{type(engine).__name__} {engine!r:.80}"
+    hint = ""
+    if isinstance(engine, (list, tuple, set, frozenset)) and len(engine) == 1 and isinstance(next(iter(engine)), str):
+        hint = f"; pass engine={next(iter(engine))!r} (a cache comes from one engine)"
+    raise DetectionError(
+        f"engine must be one engine name (a str), got {shown}{hint}. Engines the installed plugins declare: "
+        f"{', '.join(known_engines()) or 'none'}"
+    )
+
+
 def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     """Recognise an engine's KV cache and describe it.
 
@@ -407,6 +429,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
             ``kvcore_detect`` crashed or returned something that is not a Detection.
         AmbiguousLayoutError: two formats fit and no hint decides (names both and the hints).
     """
+    engine = _engine_name(engine)
     container, names = normalize_container(kv_caches)
     h = _hints_dict(hints)
     _check_order_statement(container, h)
@@ -517,6 +540,7 @@ def detect_per_layer(
             recognises twice), a plugin that crashed, or ``layer_groups`` naming an entry
             that does not exist or putting one in two groups.
     """
+    engine = _engine_name(engine)
     as_dict = isinstance(kv_caches, Mapping)
     keys = list(kv_caches.keys()) if as_dict else None
     container, names = normalize_container(kv_caches, sort_dicts=False)

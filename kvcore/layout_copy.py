@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.errors import GeometryError, TransferError
+from kvcore.inputs import plain_integers
 from kvcore.kernels import plane_span
 from kvcore.kernels.copy_kernels import CopyPlan, check_tables, select_copy_kernel
 from kvcore.layout import KVLayout
@@ -69,6 +70,9 @@ def head_range(rng, what: str, layout: KVLayout | None = None) -> tuple[int, int
     """
     if rng is None:
         return None
+    rng = plain_integers(rng, what, TransferError)
+    if isinstance(rng, (list, tuple)) and len(rng) == 2:
+        rng = tuple(plain_integers(x, f"{what}[{i}]", TransferError) for i, x in enumerate(rng))
     try:
         start, stop = rng
         start, stop = operator.index(start), operator.index(stop)
