@@ -31,13 +31,13 @@ from kvcore.errors import (
     PluginError,
     TransferError,
 )
-from kvcore.formats import KVFormat, Source
+from kvcore.format_decl import KVFormat, Source
 from kvcore.grammar import parse as parse_format
-from kvcore.hints import Hint
+from kvcore.hint_decl import Hint, tensor_order_hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
 from kvcore.layout_copy import copy
-from kvcore.plan import LayoutPlan, plan, synchronize
+from kvcore.layout_plan import LayoutPlan, plan, synchronize
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -104,5 +104,6 @@ __all__ = [
     "slots_for_blocks",
     "split_aliases",
     "synchronize",
+    "tensor_order_hint",
     "unregister_plugin",
 ]

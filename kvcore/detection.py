@@ -342,7 +342,7 @@ def _check_registered(fmt: Any) -> None:
         FormatError: a malformed name (naming the token).
         DetectionError: not a format name, or a name no loaded plugin registers.
     """
-    from kvcore.formats import KVFormat
+    from kvcore.format_decl import KVFormat
     from kvcore.grammar import parse
 
     name = fmt.name if isinstance(fmt, KVFormat) else fmt

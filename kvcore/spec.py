@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvcore.errors import GeometryError
-from kvcore.formats import KVFormat
+from kvcore.format_decl import KVFormat
 from kvcore.grammar import VALUE_ROLES
 
 __all__ = [

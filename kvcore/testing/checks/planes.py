@@ -578,7 +578,7 @@ def _expect_refusal(ctx: PCtx, what: str, call: Callable[[], Any], staging: Any 
     try:
         call()
         # a CUDA refusal validated on the device surfaces at kvcore.synchronize()
-        from kvcore.plan import synchronize
+        from kvcore.layout_plan import synchronize
 
         synchronize(ctx.layout.device)
     except TransferError:
