@@ -20,7 +20,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 
 from __future__ import annotations
 
-from kvcore.detection import TENSOR_ORDER, Candidate, Planes, detect, detect_per_layer, memory_ordered, resolve, split_aliases
+from kvcore.detection import TENSOR_ORDER, Candidate, Layers, Planes, detect, detect_per_layer, memory_ordered, resolve, split_aliases
 from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
@@ -65,6 +65,7 @@ __all__ = [
     "KVCorePluginWarning",
     "KVFormat",
     "KVLayout",
+    "Layers",
     "LayoutPlan",
     "PageBufferShapeDesc",
     "Plane",

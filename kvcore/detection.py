@@ -125,6 +125,24 @@ class Planes(dict):
         return f"Planes({dict.__repr__(self)})"
 
 
+class Layers(list):
+    """A list whose items are **one layer each**, in layer order: what kvcore hands a detector
+    whenever it knows the outer level is layers -- the entries of a dict of layer names
+    (``{"model.layers.0.attn": ..., ...}``, put in layer order) and every group
+    :func:`detect_per_layer` detects. Item ``i`` is layer ``i``'s entry exactly as the caller
+    gave it: a tensor, a per-layer ``(K, V)`` pair, a tuple of planes.
+
+    A plain list or tuple from the caller arrives as it is: its outer level may be layers or
+    K/V (``[k_layers, v_layers]``), and for two layers of two same-shaped tensors each the two
+    readings look alike. A detector that reads ``[[K, V], [K, V]]`` as ``[K list, V list]`` takes
+    layer 0's V for layer 1's K; given a ``Layers`` it must read each item as one layer. A
+    caller may pass ``kvcore.Layers([...])`` to say the same.
+    """
+
+    def __repr__(self) -> str:
+        return f"Layers({list.__repr__(self)})"
+
+
 def _is_planes(x: Any) -> bool:
     """``x`` is a dict of plane roles: :class:`Planes`, or a plain dict whose keys are all
     role names without a digit (a layer name carries a layer number: ``layers.0``)."""
@@ -190,7 +208,7 @@ def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any
             order = sorted(range(len(items)), key=lambda i: (keys[i], i))
             items = [items[i] for i in order]
         names = [str(k) for k, _ in items]
-        kv_caches = [v for _, v in items]
+        kv_caches = Layers(v for _, v in items)
     if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 0:
         raise DetectionError("kv_caches is empty; pass the engine's KV cache tensors (a list, tuple or dict of layers)")
     if not tensors_in(kv_caches):
@@ -533,7 +551,7 @@ def detect_per_layer(
         for i in g:
             by_sig.setdefault(_signature(container[i]), []).append(i)
         for idxs in by_sig.values():
-            sub = [container[i] for i in idxs]
+            sub = Layers(container[i] for i in idxs)
             det, layout, rejected = _ask(host, sub, engine, h)
             if det is None:
                 asked = ", ".join(_detectors()) or "none"
