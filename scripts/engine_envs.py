@@ -56,8 +56,25 @@ class EngineEnv:
         return hashlib.sha256(json.dumps(asdict(self) | {"python": ""}, sort_keys=True).encode()).hexdigest()
 
 
+#: LMDeploy 0.18.0 pins torch <= 2.12.1 and triton <= 3.7.1: installed without its pins beside the
+#: CPU torch; its fill kernel imports with these (found by importing it; exact versions)
+_LMDEPLOY_NO_DEPS = (
+    "lmdeploy==0.18.0 addict==2.4.0 mmengine-lite==0.10.7 yapf==0.43.0 termcolor==3.3.0 pybase64==1.5.1 platformdirs==4.14.9 "
+    "psutil==7.2.2 pillow==13.0.0 Jinja2==3.1.6 MarkupSafe==3.0.4 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 "
+    "Pygments==2.21.0 typer==0.29.2 click==8.5.1 shellingham==1.5.4 annotated-doc==0.0.7 anyio==4.16.0 h11==0.16.0"
+)
+
 #: the engine environments, one entry each (the lead adds the vLLM CPU envs here)
-ENVS: tuple[EngineEnv, ...] = ()
+ENVS: tuple[EngineEnv, ...] = (
+    EngineEnv(
+        name="lmdeploy",
+        requirements=("-r", "requirements-dev.txt", "transformers==5.24.0"),
+        post_install=(f'"$PY" -m pip install -q --no-deps {_LMDEPLOY_NO_DEPS}',),
+        check=("lmdeploy", "--check", "writer*", "-q"),
+        env={"TRITON_INTERPRET": "1"},
+        note="LMDeploy's Triton fill_kv_cache under Triton's interpreter (TRITON_INTERPRET=1)",
+    ),
+)
 
 
 def venv_dir(env: EngineEnv, root: Path = ROOT) -> Path:

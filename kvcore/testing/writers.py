@@ -73,6 +73,8 @@ class Writer:
             of all the cache's slots); scatter is then checked against all slots.
         origin: ``"engine"`` (the engine's code, run) or ``"transcribed"`` (its kernel's
             addressing transcribed from ``source`` because the engine cannot run here).
+        ready: optional ``() -> reason or None``: a further condition the writer needs here
+            (a Triton kernel on a machine without a GPU needs ``TRITON_INTERPRET=1``).
     """
 
     name: str
@@ -83,6 +85,7 @@ class Writer:
     read: Callable[..., Any] | None = None
     all_slots: bool = False
     origin: str = "engine"
+    ready: Callable[[], str | None] | None = None
 
     def unavailable(self) -> str | None:
         """Why the writer cannot run in this environment (a module in :attr:`requires` does
@@ -94,7 +97,7 @@ class Writer:
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 return f"{mod} does not import here ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
-        return None
+        return self.ready() if self.ready is not None else None
 
     def run(self, kv_caches: Any, slots: torch.Tensor, rows: dict[str, torch.Tensor], hints: dict) -> Any:
         """Call :attr:`write`; the container the engine's cache is in afterwards."""
