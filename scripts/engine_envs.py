@@ -59,9 +59,15 @@ class EngineEnv:
 #: LMDeploy 0.18.0 pins torch <= 2.12.1 and triton <= 3.7.1: installed without its pins beside the
 #: CPU torch; its fill kernel imports with these (found by importing it; exact versions)
 _LMDEPLOY_NO_DEPS = (
-    "lmdeploy==0.18.0 addict==2.4.0 mmengine-lite==0.10.7 yapf==0.43.0 termcolor==3.3.0 pybase64==1.5.1 platformdirs==4.14.9 "
-    "psutil==7.2.2 pillow==13.0.0 Jinja2==3.1.6 MarkupSafe==3.0.4 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 "
-    "Pygments==2.21.0 typer==0.29.2 click==8.5.1 shellingham==1.5.4 annotated-doc==0.0.7 anyio==4.16.0 h11==0.16.0"
+    "lmdeploy==0.18.0 addict==2.4.0 annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0 "
+    "certifi==2026.10.19.post1 click==8.5.1 filelock==4.3.1 fsspec==2026.9.0 h11==0.16.0 hf-xet==1.8.0 "
+    "httpcore2==2.16.2 httpx2==2.16.2 huggingface_hub==2.4.0 idna==3.20 Jinja2==3.1.6 "
+    "markdown-it-py==4.3.0 MarkupSafe==3.0.4 mdurl==0.1.2 mmengine-lite==0.10.7 mpmath==1.3.0 "
+    "networkx==3.6.1 packaging==26.4 pillow==13.0.0 platformdirs==4.14.9 psutil==7.2.2 pybase64==1.5.1 "
+    "pydantic==2.14.4 pydantic_core==2.50.5 Pygments==2.21.0 PyYAML==6.0.4 regex==2026.11.19 "
+    "requests==2.34.2 rich==15.0.0 safetensors==0.8.0 shellingham==1.5.4 sympy==1.14.0 termcolor==3.3.0 "
+    "tokenizers==0.23.3 tqdm==4.70.1 truststore==0.10.5 typer==0.29.2 typing-inspection==0.4.5 "
+    "typing_extensions==4.16.0 urllib3==2.8.0 yapf==0.43.0"
 )
 
 #: the engine environments, one entry each (the lead adds the vLLM CPU envs here)
