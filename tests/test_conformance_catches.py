@@ -348,3 +348,10 @@ def test_a_format_with_no_runnable_writer_gets_a_skipped_writer_record_with_the_
         r = by[("toyllm-missing-engine", name)]
         assert r.status == suite.SKIP and "toyllm_engine_not_installed does not import here (ModuleNotFoundError" in r.message
     assert check.writer_summary(results) == ["  writers: toy: 0 of 1 format(s) proved by the engine's own writer"]
+
+
+def test_the_guide_counts_the_broken_examples_truly():
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    n = len([c for c in broken.__all__ if isinstance(getattr(broken, c), type) and c != "ToyPlugin"])
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    assert f"shows {words.get(n, n)}\nplugins the suite rejects" in guide
