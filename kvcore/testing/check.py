@@ -173,12 +173,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         plugins = sorted({r.plugin for r in results})
         formats = sorted({r.format for r in results if r.format})
+        wlines = writer_summary(results)
+        if wlines:
+            print(("" if args.quiet else "\n") + "\n".join(wlines))
         print(
             f"{'' if args.quiet and not counts[suite.FAIL] else chr(10)}{counts[suite.PASS]} passed, {counts[suite.FAIL]} failed, {counts[suite.SKIP]} skipped: "
             f"{len(plugins)} plugin(s), {len(formats)} format(s), in {took:.1f} s"
         )
-        for line in writer_summary(results):
-            print(line)
         if counts[suite.FAIL]:
             failed = Counter((r.plugin, r.format or "-") for r in results if r.status == suite.FAIL)
             for (p, f), n in sorted(failed.items()):
