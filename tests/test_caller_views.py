@@ -42,7 +42,7 @@ FIXTURES = [
     "vllm-0.26-FLASH_ATTN-HND",
     "vllm-0.24-FLASHINFER-HND",
     "vllm-0.24-FLASHMLA-NHD-cross",
-    "vllm-0.33-FLASH_ATTN-LBNHC",
+    "vllm-0.29-FLASH_ATTN-LBNHC",
     "sglang-0.5.23-mha-hnd",
     "sglang-0.5.23-mha-nhd-fused-paged",
     "sglang-mla-paged",

@@ -5,8 +5,8 @@ code, per release, and is written independently of :mod:`kvcore_vllm.rules`,
 :mod:`kvcore_vllm.specs` and kvcore's detection: it imports neither, so a test that detects
 a cache allocated here and gathers it against :func:`kv_view` checks kvcore against vLLM,
 not against itself. ``plugins/vllm/SOURCES.md`` lists the facts, per version, with the
-vLLM file and function each one comes from (0.11.0, 0.13.0, 0.24.0, 0.26.0 and 0.33.0
-wheels from PyPI).
+vLLM file and function each one comes from (the 0.11.0, 0.13.0, 0.24.0 - 0.32.0 and 0.33.0
+wheels from PyPI; "Release boundaries" there says which releases share each rule).
 
 Allocation (:func:`allocate`)
 -----------------------------
@@ -21,14 +21,14 @@ Allocation (:func:`allocate`)
 * **attention beside Mamba layers** (``::_update_hybrid_attention_mamba_layout``, inherited by
   ``cpu_model_runner.py::CPUModelRunner``): 0.11 / 0.13 restride every ``(2, NB, ...)`` tensor in
   place to strides ``(hidden, 2*hidden, ...)`` (vLLM asserts ``shape[1] != 2``); 0.24 / 0.26 only
-  a backend whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``); 0.33 has no restride.
+  a backend whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``), 0.25 - 0.28 likewise; 0.29+ has no restride.
 * **0.13 - 0.26, cross-layer** (``vllm/v1/worker/kv_connector_model_runner_mixin.py::
   use_uniform_kv_cache`` / ``::allocate_uniform_kv_caches``): one ``int8`` buffer for all
   layers, logical shape ``(L,) + get_kv_cache_shape(...)`` viewed in the physical order
   ``get_kv_cache_stride_order(include_num_layers_dimension=True)`` and permuted back;
   layer ``i`` is ``permuted[i]``. Only backends whose layered order has one more axis (and,
   from 0.24, does not keep layers first: ``AttentionBackend.indexes_kv_by_block_stride``).
-* **0.33** (``vllm/v1/worker/utils.py::allocate_kv_cache``,
+* **0.29+** (``vllm/v1/worker/utils.py::allocate_kv_cache``,
   ``vllm/v1/kv_cache_interface.py::create_kv_cache_views`` / ``::compute_layout_strides`` /
   ``::compute_layer_kv_cache_shape_bytes``, ``vllm/v1/core/kv_cache_planning.py::
   get_kv_cache_config_from_groups``): one ``int8`` buffer; each ``KVCacheTensor`` places layer
@@ -94,7 +94,8 @@ INDEXER_VALUE_BYTES = 128
 
 #: Layout eras: each vLLM version reads as the latest era at or below it (0.11 covers 0.12,
 #: 0.13 covers 0.14-0.23: the shapes below are identical across each range's wheels read).
-ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
+#: 0.24 covers 0.25, 0.26 covers 0.27 - 0.28, 0.29 (KVCacheLayout, create_kv_cache_views) 0.30 - 0.33.
+ERAS = ("0.11", "0.13", "0.24", "0.26", "0.29")
 
 #: vLLM 0.33 ``vllm/v1/kv_cache_layout.py::KVCacheLayout``: physical order of ``[L, B, H, N, C]``.
 LAYOUT_ORDERS = {
@@ -111,7 +112,7 @@ MLA_BACKENDS = ("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLA
 GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 ROCM_BACKENDS = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN")
 CPU_BACKENDS = ("TORCH_SDPA", "CPU_ATTN")
-#: 0.33-only backends whose K and V live in two head slots read token-major: ``b12x.py::
+#: 0.30+ (B12X) / 0.32+ (ROCM_SEGMENTED_ATTN) backends whose K and V live in two head slots read token-major: ``b12x.py::
 #: B12xPagedAttentionBackend`` (CUDA SM 12.x) and ``rocm_segmented_attn.py::RocmSegmentedAttentionBackend``
 #: (ROCm RDNA, a ``RocmAttentionBackend`` subclass).
 SLOT_BACKENDS = ("B12X", "ROCM_SEGMENTED_ATTN")
@@ -123,7 +124,7 @@ _ERA_BACKENDS = {
     "0.13": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "PALLAS", "INDEXER"} | set(MLA_BACKENDS),
     "0.24": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
     "0.26": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS),
-    "0.33": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS) | set(SLOT_BACKENDS),
+    "0.29": set(GPU_BACKENDS) | set(ROCM_BACKENDS) | {"CPU_ATTN", "INDEXER"} | set(MLA_BACKENDS) | set(SLOT_BACKENDS),
 }
 
 #: 0.33 B12X / ROCM_SEGMENTED_ATTN: what the backend runs with (``get_supported_kernel_block_sizes``,
@@ -156,7 +157,7 @@ _FP8_ELEMENT = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp
 
 
 def era_of(version: str) -> str:
-    """``"0.24.1"`` -> ``"0.24"``, ``"0.15"`` -> ``"0.13"``, ``"0.40"`` -> ``"0.33"``.
+    """``"0.25.1"`` -> ``"0.24"``, ``"0.28"`` -> ``"0.26"``, ``"0.32.0"`` -> ``"0.29"``, ``"0.15"`` -> ``"0.13"``.
 
     Raises:
         GeometryError: not a version, or older than 0.11.
@@ -172,6 +173,18 @@ def era_of(version: str) -> str:
     if era is None:
         raise GeometryError(f"vLLM {version} predates 0.11: the fixtures reproduce the V1 engine's allocation only")
     return era
+
+
+def _minor(version: str) -> tuple[int, int]:
+    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(version))
+    if not m:
+        raise GeometryError(f"{version!r} is not a vLLM version ('0.11.0', '0.24', ...)")
+    return int(m.group(1)), int(m.group(2))
+
+
+#: backends newer than their era's first release: ``b12x.py`` first ships in 0.30.0,
+#: ``rocm_segmented_attn.py`` in 0.32.0 (absent from the 0.29.0 / 0.31.0 wheels).
+_FIRST_RELEASE = {"B12X": (0, 30), "ROCM_SEGMENTED_ATTN": (0, 32)}
 
 
 class VllmKVCaches(dict):
@@ -284,7 +297,7 @@ def _cross_layer_allowed(era: str, order: tuple[int, ...] | None, rank: int) -> 
     return era == "0.13" or order[0] != 0
 
 
-# -- vLLM 0.33: specs, KVCacheTensor strides, views --------------------------------------
+# -- vLLM 0.29+: specs, KVCacheTensor strides, views --------------------------------------
 
 #: ``supported_kv_cache_layouts()`` where a backend restricts them (None: every member).
 SUPPORTED_LAYOUTS_033 = {
@@ -450,15 +463,17 @@ def allocate(
     lay = layout.upper()
     if b == "INDEXER":  # DeepseekV32IndexerCache: MLAAttentionSpec(head_size=132, dtype=uint8)
         head_size, dtype, cache_dtype = INDEXER_BYTES, torch.uint8, "auto"
-    if cache_dtype == "nvfp4_ds_mla" and era != "0.33":
-        raise GeometryError(f"vLLM {version} has no nvfp4_ds_mla cache dtype (first in 0.33 flashmla_sparse.py)")
+    if cache_dtype == "nvfp4_ds_mla" and _minor(version) < (0, 30):
+        raise GeometryError(f"vLLM {version} has no nvfp4_ds_mla cache dtype (first in 0.30: mla/flashmla_sparse.py)")
+    if b in _FIRST_RELEASE and _minor(version) < _FIRST_RELEASE[b]:
+        raise GeometryError(f"vLLM {version} has no {b} backend (first in {'.'.join(map(str, _FIRST_RELEASE[b]))})")
     storage = _STORAGE.get(cache_dtype, dtype)
     element = _FP8_ELEMENT.get(cache_dtype, storage)
     esz = _esz(storage)
     names = [layer_name.format(i=i) for i in range(num_layers)]
     out = VllmKVCaches()
     out.meta = dict(
-        era=era, backend=b, layout=_ALIASES.get(lay, lay) if era == "0.33" else lay, head_size=head_size,
+        era=era, backend=b, layout=_ALIASES.get(lay, lay) if era == "0.29" else lay, head_size=head_size,
         num_kv_heads=num_kv_heads, block_size=block_size, kernel_block_size=kernel_block_size or block_size,
         storage=storage, element=element, cache_dtype=cache_dtype, byte_views=byte_views, use_ipex=use_ipex,
         prefill_decode_attention=prefill_decode_attention,
@@ -467,14 +482,14 @@ def allocate(
         raise GeometryError("vLLM 0.11 TORCH_SDPA: FP8 KV cache requires intel_extension_for_pytorch (TorchSDPABackendImpl.__init__)")
     if b in SLOT_BACKEND_LIMITS:
         _check_slot_backend(b, kernel_block_size or block_size, head_size, dtype, cache_dtype)
-    if mamba_hybrid and (era == "0.33" or cross_layer or b == "PALLAS"):
+    if mamba_hybrid and (era == "0.29" or cross_layer or b == "PALLAS"):
         raise GeometryError(
             "mamba_hybrid: vLLM restrides attention beside Mamba layers in gpu_model_runner.py::"
             "_update_hybrid_attention_mamba_layout (0.11-0.26, per-layer tensors of the GPU/CPU/ROCm runners); "
             "0.33 lays every spec out in create_kv_cache_views, a cross-layer buffer holds one attention-only group, "
             "and the TPU runner has no such step"
         )
-    if era == "0.33":
+    if era == "0.29":
         return _allocate_033(
             out, names, b, lay, num_blocks, block_size, num_kv_heads, head_size, storage, device, cache_dtype, byte_views,
             block_padding, kernel_block_size,
@@ -610,7 +625,7 @@ def allocate_dsv32(
         out = VllmKVCaches()
         backend = "FLASHMLA_SPARSE" if name == "attn" else "INDEXER"
         out.meta = dict(
-            era="0.33", backend=backend, layout=lay, head_size=MLA_HEAD_SIZE if name == "attn" else INDEXER_BYTES,
+            era="0.29", backend=backend, layout=lay, head_size=MLA_HEAD_SIZE if name == "attn" else INDEXER_BYTES,
             num_kv_heads=1, block_size=block_size, kernel_block_size=block_size, storage=st,
             element=_FP8_ELEMENT.get(cache_dtype, st) if name == "attn" else st, cache_dtype=cache_dtype if name == "attn" else "auto",
             byte_views=False, use_ipex=False, prefill_decode_attention=False,
@@ -691,14 +706,14 @@ def kv_view(
         cd = h.get("cache_dtype") or "auto"
         element = _FP8_ELEMENT.get(cd) or (h.get("dtype") if cd == "auto" else None)
     t = _layers(kv_caches)[layer]
-    if era == "0.33" and t.dtype == torch.int8 and meta.get("storage", torch.int8) != torch.int8:
+    if era == "0.29" and t.dtype == torch.int8 and meta.get("storage", torch.int8) != torch.int8:
         t = t.view(meta["storage"])  # a byte view (byte_views=True): the runner's .view(dtype)
     if b == "INDEXER":
         raise GeometryError("a blocked-scale page (values of a block, then its scales) has no per-token view; use blocked_views()")
     if b in MLA_BACKENDS:
         if plane_index != 0:
             raise GeometryError("an MLA latent cache has no V plane (kv_size 1): use plane_index=0")
-        if era == "0.33":
+        if era == "0.29":
             t = t.squeeze(1)  # MLAAttention.bind_kv_cache: [B, 1, N, C] -> [B, N, C]
         v = t.unsqueeze(2)  # FlashMLA unsqueeze(-2) / Triton MLA unsqueeze(2): [B, N, 1, C]
     elif b == "PALLAS":
@@ -717,7 +732,7 @@ def kv_view(
     elif b == "ROCM_SEGMENTED_ATTN":
         # rocm_segmented_attn.py::RocmSegmentedAttentionImpl._split_kv_cache: kv_cache[:, i].unflatten(-1, (NH, HS))
         v = t[:, plane_index].unflatten(-1, (nh, hs))
-    elif b == "ROCM_ATTN" and era == "0.33":
+    elif b == "ROCM_ATTN" and era == "0.29":
         # rocm_attn.py forward: split_kv_cache(kv_cache.transpose(0, 1), ...) of the [B, 2, N, H*hs] view
         v = _split_kv_cache(t.transpose(0, 1), nh, hs)[plane_index]
     elif b == "ROCM_ATTN":
@@ -733,7 +748,7 @@ def kv_view(
         nb, heads, bs, _ = t.shape
         # 0.24-0.33 cpu_attn.py forward: view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
         v = t.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)[plane_index].transpose(1, 2)
-    elif era in ("0.26", "0.33"):
+    elif era in ("0.26", "0.29"):
         v = t.transpose(1, 2).split(hs, dim=-1)[plane_index]  # FlashAttentionImpl.forward and the other packed backends
     elif b == "FLASHINFER":
         v = t[:, plane_index]  # reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], ...)
@@ -764,11 +779,11 @@ RECORD_WRITERS: dict[int, tuple[str, int, int | None, str, str]] = {
     # values = page + t*576, scales = page + BS*576 + t*8; alignment=576 (deepseek_v4/attention.py get_kv_cache_spec)
     584: ("blocked", 8, 576, "0.24", "DeepSeek-V4 fp8_ds_mla"),
     # ::_rope_quant_insert_mxfp8_kernel: values = page + t*528, scales = values + 512; kv_page_alignment 512
-    528: ("token", 0, 512, "0.33", "DeepSeek-V4.1 fp8_ds_mla (MXFP8, SM100)"),
+    528: ("token", 0, 512, "0.30", "DeepSeek-V4.1 fp8_ds_mla (MXFP8, SM100)"),
     # deepseek_v32/common/kernels.py: byte_base = block*block_stride + t*entry_stride; [0,256) e2m1, [256,320) rope, [320,352) scales
-    352: ("token", 0, None, "0.33", "DeepSeek-V3.2 nvfp4_ds_mla"),
+    352: ("token", 0, None, "0.30", "DeepSeek-V3.2 nvfp4_ds_mla"),
     # ::_rope_quant_insert_nvfp4_kernel: values = page + t*288, 256 B e2m1 then 32 B scales
-    288: ("token", 0, 512, "0.33", "DeepSeek-V4.1 nvfp4_ds_mla compressed cache"),
+    288: ("token", 0, 512, "0.31", "DeepSeek-V4.1 nvfp4_ds_mla compressed cache"),
     # deepseek_v41/common/ops/indexer_k_store.py: val = page + t*128, scale = page + BS*128 + t*4
     # (ROCm, block_size > 1: rocm_aiter_mla_sparse.py::_indexer_k_quant_and_cache_kernel SHUFFLE tiles)
     132: ("blocked", 4, None, "0.11", "DSA indexer fp8 keys"),
@@ -820,7 +835,7 @@ def allocate_records(
         raise GeometryError(f"vLLM writes no {record}-byte record; known: {sorted(RECORD_WRITERS)}")
     kind, _scale, align, first, what = RECORD_WRITERS[record]
     era = era_of(version)
-    if ERAS.index(era) < ERAS.index(first):
+    if _minor(version) < _minor(first):
         raise GeometryError(f"vLLM {version} writes no {record}-byte record ({what} first appears in {first})")
     n = block_size // tokens_per_state
     if record == 132 and platform == "rocm" and n > 1 and era not in ("0.11", "0.13") and n % _TILE_TOKENS:
@@ -831,11 +846,11 @@ def allocate_records(
     names = [f"model.layers.{i}.self_attn.{'indexer.k_cache' if record in (132, 68) else 'attn'}" for i in range(num_layers)]
     out = VllmKVCaches()
     out.meta = dict(
-        era=era, backend="RECORD", layout=_ALIASES.get(layout.upper(), layout.upper()) if era == "0.33" else layout.upper(),
+        era=era, backend="RECORD", layout=_ALIASES.get(layout.upper(), layout.upper()) if era == "0.29" else layout.upper(),
         head_size=record, num_kv_heads=1, block_size=n, kernel_block_size=n, storage=torch.uint8, element=torch.uint8,
         cache_dtype="auto", byte_views=False, use_ipex=False, prefill_decode_attention=False, record=record, platform=platform,
     )  # fmt: skip
-    if era == "0.33":
+    if era == "0.29":
         return _allocate_033(
             out, names, "RECORD", layout.upper(), num_blocks, n, 1, record, torch.uint8, device, "auto", False, padded - page, None,
             content=(1, record),
@@ -871,8 +886,8 @@ def record_view(kv_caches: Any, layer: int, plane_index: int, hints: dict | None
         t = t.squeeze(1)  # bind_kv_cache: [B, 1, N, C] -> [B, N, C]
     nb, bs, w = t.shape
     kind, s, _align, _first, _what = RECORD_WRITERS[w]
-    platform, era = meta.get("platform", "cuda"), meta.get("era", "0.33")
-    if platform == "rocm" and w == 68 and era == "0.33":
+    platform, era = meta.get("platform", "cuda"), meta.get("era", "0.29")
+    if platform == "rocm" and w == 68 and era == "0.29":
         raise GeometryError("vLLM 0.33 ROCm writes MXFP4 indexer pages in aiter's order (cache_format() at run time): no oracle")
     tiles = platform == "rocm" and w == 132 and bs > 1 and era not in ("0.11", "0.13")
     if plane_index != 0 and not (tiles and plane_index == 1):
@@ -1115,14 +1130,14 @@ def fixture_cases() -> list[FixtureCase]:
                 cons["block_size_choices"] = lim["block_sizes"]
         if backend == "TORCH_SDPA":
             dtypes = (torch.bfloat16, torch.float16, torch.float32)  # fp8 needs IPEX; keep the matrix to model dtypes
-        if backend in ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN") and era != "0.33":
+        if backend in ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN") and era != "0.29":
             cons["block_size_multiple"] = 16  # get_kv_cache_shape: "Block size must be a multiple of 16"
         if fmt in MULTI_PLANE or (backend == "TORCH_SDPA" and not extra.get("use_ipex")):
             cons["head_size_multiple"] = 16  # split_kv_cache: 16-byte K chunks (x = 16 // element_size) for every element size
         if extra.get("kernel_block_size"):
             cons["fixed"] = ("block_size",)
         # page_size_padded: MLA pages before 0.33; 0.33 only where L and B are the outer axes (compute_layout_strides)
-        pad = (mla and era != "0.11" and not cross) or (era == "0.33" and layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC"))
+        pad = (mla and era != "0.11" and not cross) or (era == "0.29" and layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC"))
         out.append(
             FixtureCase(
                 name=case_name(version, backend, layout, cross, extra),
@@ -1177,7 +1192,7 @@ def record_hints(record: int, version: str, layout: str, platform: str) -> dict:
         "attention_backend": "ROCM_AITER_MLA_SPARSE" if platform == "rocm" else "FLASHMLA_SPARSE",
         "device_type": platform,
     }
-    if era_of(version) == "0.33":
+    if era_of(version) == "0.29":
         h["kv_cache_layout"] = layout
     if record in _RECORD_CACHE_DTYPE:
         h["cache_dtype"] = _RECORD_CACHE_DTYPE[record]
@@ -1225,7 +1240,7 @@ def _dsv32_indexer_case() -> FixtureCase:
         return values.unsqueeze(2), scales.unsqueeze(2)
 
     return FixtureCase(
-        name="vllm-0.33-INDEXER-BLHNC",
+        name="vllm-0.29-INDEXER-BLHNC",
         engine="vllm",
         format="NB_NL_BSV_BSS",
         make=make,

@@ -14,13 +14,13 @@ Precedence (highest first)
 3. **the environment**: ``VLLM_KV_CACHE_LAYOUT`` (from the hints under that name, the
    engine's own value, else this process's) is read only when neither of the above gave a
    layout, parsed as vLLM's ``envs.py`` does (``env_with_choices``: case-sensitive ``NHD`` /
-   ``HND``, from 0.33 also the ``KVCacheLayout`` names; anything else is a
+   ``HND``, from 0.29 also the ``KVCacheLayout`` names; anything else is a
    :class:`kvcore.DetectionError`: vLLM refuses to start with it). It is kept apart from an
-   explicit layout (:attr:`VllmHints.env_kv_cache_layout`) because up to 0.26 it steers
+   explicit layout (:attr:`VllmHints.env_kv_cache_layout`) because up to 0.28 it steers
    only the backends whose allocation reads ``get_kv_cache_layout()``
    (:data:`kvcore_vllm.rules.LAYOUT_READERS`: FlashAttention, FlashInfer, Triton from 0.24),
    and not where vLLM overrides it (``set_kv_cache_layout``: FlashInfer on SM 10.x is HND,
-   CPU_ATTN 0.24+ is HND, XPU 0.11-0.24 is NHD); from 0.33 ``resolve_kv_cache_layout``
+   CPU_ATTN 0.24 - 0.28 is HND, XPU 0.11-0.25 is NHD); from 0.29 ``resolve_kv_cache_layout``
    applies it to every backend. ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION`` likewise, parsed as
    0.11 / 0.13 ``envs.py`` does: ``value.lower() in ("true", "1")``, everything else False;
 4. **strides**: where the tensors' strides show the physical order (a permuted
@@ -35,8 +35,8 @@ Precedence (highest first)
    ``num_kv_heads``, ``block_size`` and ``tensor_order`` (``"allocated"``: as vLLM
    allocated it; ``"physical"``: already in memory order). vLLM's default layout is not
    assumed: detection never guesses;
-6. **version defaults**: device ``xpu`` forces NHD in vLLM 0.11-0.24 (``vllm/platforms/xpu.py``
-   ``set_kv_cache_layout("NHD")``; 0.26 and 0.33 no longer call it) and defaults block_size
+6. **version defaults**: device ``xpu`` forces NHD in vLLM 0.11-0.25 (``vllm/platforms/xpu.py``
+   ``set_kv_cache_layout("NHD")``; 0.26 and later no longer call it) and defaults block_size
    to 64.
 
 Platform: ``device_type``, else a backend of one platform, else ``use_ipex`` (a TORCH_SDPA
@@ -61,7 +61,6 @@ backends, per release).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,6 +70,19 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from kvcore import DetectionError
 from kvcore.detection import tensor_order
 from kvcore.dtypes import fp8_dtype, is_fp8, parse_dtype
+from kvcore_vllm.releases import (
+    BACKEND_FAMILY,
+    BACKEND_RELEASES,
+    ENV_LAYOUTS,
+    ERAS,
+    KV_CACHE_LAYOUTS,
+    LAYOUT_ALIASES,
+    LAYOUT_ERA,
+    LAYOUT_FAMILY,
+    UNCLAIMED_BACKENDS,
+    backend_in_release,
+    era_of,
+)
 
 __all__ = [
     "VllmHints",
@@ -79,6 +91,10 @@ __all__ = [
     "LAYOUT_FAMILY",
     "BACKENDS",
     "BACKEND_FAMILY",
+    "BACKEND_RELEASES",
+    "UNCLAIMED_BACKENDS",
+    "KNOWN_BACKENDS",
+    "LAYOUT_ERA",
     "CACHE_DTYPES",
     "ERAS",
     "era_of",
@@ -87,48 +103,10 @@ __all__ = [
     "parse_hints",
 ]
 
-#: vLLM 0.33 ``vllm/v1/kv_cache_layout.py::KVCacheLayout`` members.
-KV_CACHE_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-#: vLLM 0.33 ``vllm/config/cache.py::_LAYOUT_COMPAT_ALIASES``.
-LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
-#: NHD/HND family of each member: tokens outside heads (NHD) or heads outside tokens
-#: (HND), as vLLM 0.33 ``flashinfer.py::_FLASHINFER_LAYOUT_NAMES`` maps them (LHBNC,
-#: ROCm's native layout, is not in that map; its heads sit outside its tokens: HND).
-LAYOUT_FAMILY = {"LBNHC": "NHD", "BLNHC": "NHD", "LBHNC": "HND", "BLHNC": "HND", "BHLNC": "HND", "LHBNC": "HND"}
-
-#: vLLM attention backend names (``vllm/attention/backends/registry.py`` enum names
-#: across 0.11-0.33) -> family used by the rules in :mod:`kvcore_vllm.rules`.
-BACKEND_FAMILY = {
-    "FLASH_ATTN": "FLASH_ATTN",
-    "FLASH_ATTN_VLLM_V1": "FLASH_ATTN",
-    "ROCM_AITER_FA": "ROCM_AITER_FA",
-    "FLEX_ATTENTION": "FLEX_ATTENTION",
-    "FLASHINFER": "FLASHINFER",
-    "FLASHINFER_VLLM_V1": "FLASHINFER",
-    "TRITON_ATTN": "TRITON_ATTN",
-    "TRITON_ATTN_VLLM_V1": "TRITON_ATTN",
-    "ROCM_ATTN": "ROCM_ATTN",
-    # 0.33 rocm_segmented_attn.py::RocmSegmentedAttentionBackend: RocmAttentionBackend's two head slots and
-    # layouts, read token-major (RocmSegmentedAttentionImpl._split_kv_cache), not by split_kv_cache
-    "ROCM_SEGMENTED_ATTN": "ROCM_SEGMENTED",
-    "ROCM_AITER_UNIFIED_ATTN": "ROCM_AITER_UNIFIED",
-    "TREE_ATTN": "FLASH_ATTN",
-    # 0.33 b12x.py::B12xPagedAttentionBackend (SM 12.x): K and V head slots, read token-major
-    "B12X": "B12X",
-    "FLASHMLA": "MLA",
-    "FLASHMLA_SPARSE": "MLA",
-    "TRITON_MLA": "MLA",
-    "CUTLASS_MLA": "MLA",
-    "FLASHINFER_MLA": "MLA",
-    "FLASH_ATTN_MLA": "MLA",
-    "ROCM_AITER_MLA": "MLA",
-    "ROCM_AITER_MLA_SPARSE": "MLA",
-    "CPU_ATTN": "CPU",
-    "TORCH_SDPA": "CPU",
-    "PALLAS": "PALLAS",
-    "PALLAS_VLLM_V1": "PALLAS",
-}
+#: every name vLLM can report or be configured with: the families kvcore reads, then those it
+#: names as unclaimed (:data:`kvcore_vllm.releases.UNCLAIMED_BACKENDS`).
 BACKENDS = tuple(BACKEND_FAMILY)
+KNOWN_BACKENDS = BACKENDS + tuple(UNCLAIMED_BACKENDS)
 
 #: vLLM ``CacheConfig.cache_dtype`` strings -> storage kind. fp8 variants are stored as
 #: uint8 (``STR_DTYPE_TO_TORCH_DTYPE``, engine_layouts.md §1.2) and viewed as float8 by
@@ -163,16 +141,7 @@ FP8_KINDS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_inc": "e4m3", "fp8_e5m2": "
 #: ``MambaSpec``).
 KV_CACHE_SPECS = ("attention", "mla", "mamba")
 
-#: Layout eras (first release of each): every vLLM version maps to the latest era at or
-#: below it. 0.11 also covers 0.12; 0.13 covers 0.14-0.23 (engine_layouts.md §1.1: the
-#: FA/FlashInfer formulas hold "up to about v0.23").
-ERAS = ("0.11", "0.13", "0.24", "0.26", "0.33")
-
 DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
-
-#: the values vLLM accepts in ``VLLM_KV_CACHE_LAYOUT`` (``vllm/envs.py``: ``env_with_choices``,
-#: case-sensitive): ``["NHD", "HND"]`` in 0.11-0.26, the 0.33 list in 0.33.
-ENV_LAYOUTS = {"0.26": ("NHD", "HND"), "0.33": ("LBNHC", "LBHNC", "LHBNC", "NHD", "HND", "BLHNC", "BLNHC", "BHLNC")}
 
 
 def env_flag(value: Any) -> bool:
@@ -185,29 +154,6 @@ def env_flag(value: Any) -> bool:
     return str(value).lower() in ("true", "1")
 
 
-def era_of(version: str) -> str:
-    """``"0.24.1"`` -> ``"0.24"``, ``"0.15"`` -> ``"0.13"``, ``"0.40"`` -> ``"0.33"``.
-
-    Raises:
-        DetectionError: not a version string, or older than 0.11 (the V1 engine's layouts
-            are the only ones kvcore-vllm knows).
-    """
-    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(version))
-    if not m:
-        raise DetectionError(f"vllm_version {version!r} is not a version; give it as '0.11.0', '0.24', '0.33.0', ...")
-    mm = (int(m.group(1)), int(m.group(2)))
-    keys = [tuple(int(x) for x in e.split(".")) for e in ERAS]
-    if mm < keys[0]:
-        raise DetectionError(
-            f"vllm_version {version!r} predates 0.11; kvcore-vllm knows the V1 layouts of 0.11 and later ({', '.join(ERAS)})"
-        )
-    era = ERAS[0]
-    for e, k in zip(ERAS, keys):
-        if mm >= k:
-            era = e
-    return era
-
-
 def _bad(field: str, value: Any, accepted) -> DetectionError:
     return DetectionError(f"vLLM hint {field}={value!r} is not known; accepted values: {', '.join(map(str, accepted))}")
 
@@ -216,8 +162,9 @@ class VllmHints(BaseModel):
     """Facts about a vLLM KV cache, in vLLM's vocabulary (all optional).
 
     Attributes:
-        kv_cache_layout: ``NHD``/``HND`` (<= 0.26) or a 0.33 ``KVCacheLayout`` member;
-            normalised to upper case. ``layout33`` gives the 0.33 name (aliases applied).
+        kv_cache_layout: ``NHD``/``HND`` (<= 0.28) or a 0.29+ ``KVCacheLayout`` member;
+            normalised to upper case. ``layout33`` gives the ``KVCacheLayout`` name (aliases
+            applied).
         attention_backend: a vLLM backend name (``FLASH_ATTN``, ``FLASHINFER``,
             ``TRITON_ATTN``, ``FLEX_ATTENTION``, ``FLASHMLA``, ``CPU_ATTN``, ``PALLAS``...).
         num_kv_heads, block_size, head_size: per-rank geometry (head_size in elements;
@@ -228,7 +175,7 @@ class VllmHints(BaseModel):
         device_type: ``cuda``/``rocm``/``cpu``/``xpu``/``tpu``/``hpu``/``npu``; ``cpu``
             selects vLLM's CPU backend rules (any other value rules them out; without it
             they are considered for CPU tensors), ``tpu`` the Pallas rules, ``xpu`` forces
-            NHD in 0.11-0.24, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x),
+            NHD in 0.11-0.25, ``rocm`` makes an fp8 ``cache_dtype`` platform-dependent (FNUZ on gfx94x),
             allows ``ROCM_ATTN``'s and ``ROCM_SEGMENTED_ATTN``'s readings and ROCm's tiled DSA indexer
             pages, any value but ``cuda`` rules out ``B12X`` (:func:`kvcore_vllm.rules.platform_rocm`).
         kv_cache_spec: ``attention``, ``mla`` or ``mamba``: what vLLM's ``KVCacheSpec`` says
@@ -309,19 +256,39 @@ class VllmHints(BaseModel):
         if v is None:
             return None
         s = str(v)
-        if s not in ENV_LAYOUTS["0.33"]:
+        if s not in ENV_LAYOUTS[LAYOUT_ERA]:
             raise DetectionError(
                 f"VLLM_KV_CACHE_LAYOUT={s!r} is not a value vLLM accepts (vllm/envs.py env_with_choices, case-sensitive): "
-                f"{', '.join(ENV_LAYOUTS['0.26'])} up to 0.26, {', '.join(ENV_LAYOUTS['0.33'])} from 0.33; vLLM refuses to "
+                f"{', '.join(ENV_LAYOUTS[ERAS[0]])} up to 0.28, {', '.join(ENV_LAYOUTS[LAYOUT_ERA])} from {LAYOUT_ERA}; vLLM refuses to "
                 "start with it, so it describes no cache. Fix or unset the variable"
             )
         return s
 
     @model_validator(mode="after")
+    def _release_facts(self):
+        # a backend or a KVCacheLayout member the stated release does not have describes no cache it wrote
+        if self.vllm_version is None:
+            return self
+        b = self.attention_backend
+        if b is not None and backend_in_release(b, self.vllm_version) is False:
+            first, last = BACKEND_RELEASES[b]
+            raise DetectionError(
+                f"vLLM hint attention_backend={b!r} is not a backend of vLLM {self.vllm_version}: the read releases have it "
+                f"from {first} to {last} (kvcore_vllm.releases.BACKEND_RELEASES, SOURCES.md). Fix vllm_version or the backend"
+            )
+        lay = self.kv_cache_layout
+        if lay in KV_CACHE_LAYOUTS and ERAS.index(self.era) < ERAS.index(LAYOUT_ERA):
+            raise DetectionError(
+                f"vLLM hint kv_cache_layout={lay!r} is a KVCacheLayout member (vllm/v1/kv_cache_layout.py, vLLM {LAYOUT_ERA} "
+                f"and later); vLLM {self.vllm_version} knows only NHD and HND. Pass NHD or HND, or fix vllm_version"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _env_layout_era(self):
         era = self.era
         if self.env_kv_cache_layout is not None and era is not None:
-            ok = ENV_LAYOUTS["0.33" if era == "0.33" else "0.26"]
+            ok = ENV_LAYOUTS[era]
             if self.env_kv_cache_layout not in ok:
                 raise DetectionError(
                     f"VLLM_KV_CACHE_LAYOUT={self.env_kv_cache_layout!r} is not a value vLLM {self.vllm_version} accepts "
@@ -347,6 +314,11 @@ class VllmHints(BaseModel):
             return None
         v = getattr(v, "name", v)
         s = str(v).strip().upper()
+        if s in UNCLAIMED_BACKENDS:
+            raise DetectionError(
+                f"vLLM hint attention_backend={v!r}: kvcore-vllm does not read this backend's cache ({UNCLAIMED_BACKENDS[s]}); "
+                f"the backends it reads: {', '.join(BACKENDS)}"
+            )
         if s not in BACKEND_FAMILY:
             raise _bad("attention_backend", v, BACKENDS)
         return s
@@ -429,7 +401,7 @@ class VllmHints(BaseModel):
 
     @property
     def layout33(self) -> str | None:
-        """The 0.33 ``KVCacheLayout`` name (NHD -> LBNHC, HND -> LBHNC), or None."""
+        """The ``KVCacheLayout`` name (vLLM 0.29+; NHD -> LBNHC, HND -> LBHNC), or None."""
         if self.kv_cache_layout is None:
             return None
         return LAYOUT_ALIASES.get(self.kv_cache_layout, self.kv_cache_layout)
@@ -555,24 +527,24 @@ def declared_hints() -> list[Any]:
         Hint(
             engine="vllm",
             name="kv_cache_layout",
-            meaning="vLLM's KV cache layout: NHD (tokens outside heads) or HND (heads outside tokens) up to 0.26; a 0.33 "
-            "KVCacheLayout member (L=layer, B=block, N=token, H=head, C=channel, outermost first) from 0.33. A layout the "
+            meaning="vLLM's KV cache layout: NHD (tokens outside heads) or HND (heads outside tokens) up to 0.28; a "
+            "KVCacheLayout member (L=layer, B=block, N=token, H=head, C=channel, outermost first) from 0.29. A layout the "
             "strides contradict is an error",
             values=[*LAYOUT_ALIASES, *KV_CACHE_LAYOUTS],
             default="read from the strides; ambiguous shapes name this hint (VLLM_KV_CACHE_LAYOUT steers the backends that read it)",
-            source="vllm/v1/attention/backends/utils.py::get_kv_cache_layout; 0.33 vllm/v1/kv_cache_layout.py::KVCacheLayout",
+            source="vllm/v1/attention/backends/utils.py::get_kv_cache_layout; 0.29+ vllm/v1/kv_cache_layout.py::KVCacheLayout",
         ),
         Hint(
             engine="vllm",
             name="VLLM_KV_CACHE_LAYOUT",
-            meaning="the engine's environment variable, used when no kv_cache_layout is given: up to 0.26 it fixes the "
+            meaning="the engine's environment variable, used when no kv_cache_layout is given: up to 0.28 it fixes the "
             "layout of the backends whose allocation reads get_kv_cache_layout() (FLASH_ATTN, FLASHINFER; TRITON_ATTN from "
-            "0.24) except where vLLM overrides it (FlashInfer on SM 10.x: HND; CPU_ATTN 0.24+: HND; XPU 0.11-0.24: NHD); "
-            "from 0.33 every backend's. Case-sensitive, as vLLM's envs.py reads it; other values are refused",
-            values=list(ENV_LAYOUTS["0.33"]),
+            "0.24) except where vLLM overrides it (FlashInfer on SM 10.x: HND; CPU_ATTN 0.24-0.28: HND; XPU 0.11-0.25: NHD); "
+            "from 0.29 every backend's. Case-sensitive, as vLLM's envs.py reads it; other values are refused",
+            values=list(ENV_LAYOUTS[LAYOUT_ERA]),
             default="the variable in this process's environment",
             source="vllm/envs.py (env_with_choices); vllm/v1/attention/backends/utils.py::get_kv_cache_layout / "
-            "0.33 ::resolve_kv_cache_layout",
+            "0.29+ ::resolve_kv_cache_layout",
         ),
         Hint(
             engine="vllm",
@@ -609,7 +581,7 @@ def declared_hints() -> list[Any]:
             name="num_kv_heads",
             meaning="KV heads per tensor-parallel rank",
             type="int > 0",
-            default="from the shapes; a 0.33 head slot [NB, 2, BS, NH*HS] (ROCM_ATTN, ROCM_SEGMENTED_ATTN, B12X) does not show it: "
+            default="from the shapes; a 0.29+ head slot [NB, 2, BS, NH*HS] (ROCM_ATTN, ROCM_SEGMENTED_ATTN, B12X) does not show it: "
             "without it (or head_size) the slot's row is one head of NH*HS; 0.11 TORCH_SDPA's flat (2, NB, BS*NH*HS) row: any "
             "two of block_size, num_kv_heads, head_size",
         ),
@@ -632,7 +604,7 @@ def declared_hints() -> list[Any]:
             engine="vllm",
             name="device_type",
             meaning="the platform: cpu selects the CPU backend's rules (another value rules them out), tpu the Pallas rules, "
-            "xpu forces NHD in 0.11-0.24 (platforms/xpu.py set_kv_cache_layout; not from 0.26), rocm makes an fp8 "
+            "xpu forces NHD in 0.11-0.25 (platforms/xpu.py set_kv_cache_layout; not from 0.26), rocm makes an fp8 "
             "cache_dtype FNUZ on gfx94x (RocmPlatform.fp8_dtype), allows ROCM_ATTN's split_kv_cache and ROCM_SEGMENTED_ATTN's "
             "token-major readings (any value but cuda rules out B12X) and reads a DSA "
             "indexer page (132 B records, block_size > 1, 0.24+) as ROCm's 16x16-byte key tiles (0.33 MXFP4 indexer pages "

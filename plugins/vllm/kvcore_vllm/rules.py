@@ -3,13 +3,13 @@
 A rule says what vLLM hands out and where its bytes live:
 
 * ``logical``: the axis tokens of the per-layer tensor as vLLM's
-  ``get_kv_cache_shape`` (<= 0.26) or ``create_kv_cache_views`` (0.33) gives it, after an
-  optional zero-copy ``transform`` (e.g. 0.33 CPU's ``[B, H, N, C]`` -> ``[B, H, 2, N, D]``);
+  ``get_kv_cache_shape`` (<= 0.28) or ``create_kv_cache_views`` (0.29+) gives it, after an
+  optional zero-copy ``transform`` (e.g. 0.29+ CPU's ``[B, H, N, C]`` -> ``[B, H, 2, N, D]``);
 * ``layouts``: per layout key, the **physical** axis order of the whole cache, ``NL``
   included. The key is ``NHD``/``HND`` (+ ``/cross`` for 0.13-0.2x cross-layer buffers,
   ``/mamba`` for 0.11 / 0.13 ``(2, NB, ...)`` attention caches restrided beside Mamba layers:
-  :data:`HYBRID_SOURCE`; ``*`` for a backend with one physical order) for <= 0.26, a
-  ``KVCacheLayout`` member for 0.33. The physical order *is* the kvcore
+  :data:`HYBRID_SOURCE`; ``*`` for a backend with one physical order) for <= 0.28, a
+  ``KVCacheLayout`` member for 0.29+ (the era :data:`kvcore_vllm.releases.LAYOUT_ERA`). The physical order *is* the kvcore
   format name: ``NL`` first gives a layer list ``NL_X_...``; ``NL`` inside gives the one
   cross-layer tensor (``NB_NL_TWO_BS_NH_HS``), rebuilt from the per-layer views that
   share one buffer with a uniform layer stride.
@@ -20,7 +20,7 @@ order, so strides decide NHD vs HND and layer- vs block-outermost wherever they 
 :func:`kvcore.resolve` then merges readings that place bytes identically and raises
 :class:`kvcore.AmbiguousLayoutError` for the rest.
 
-Heads-outermost 0.33 layouts are named by their physical order too: ``LHBNC`` is a layer
+Heads-outermost 0.29+ layouts are named by their physical order too: ``LHBNC`` is a layer
 list of ``[NH, NB, BS, CS]`` tensors (``NL_X_NH_NB_BS_CS``), ``BHLNC`` the one tensor
 ``NB_NH_NL_BS_CS``. (kvcore's generic spec reads strides, so the per-layer view
 ``NL_X_NB_NH_BS_CS`` with a head stride larger than its block stride would move the same
@@ -42,6 +42,7 @@ from kvcore import Candidate, DetectionError, GeometryError, Source, build_layou
 from kvcore.dtypes import is_fp8, rocm_build
 from kvcore.grammar import parse
 from kvcore_vllm.hints import BACKEND_FAMILY, KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, MLA_CACHE_DTYPES, VllmHints
+from kvcore_vllm.releases import ERAS, KV_CACHE_LAYOUT_ORDERS, LAYOUT_ERA, layout_physical_order
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS, RECORDS, ROCM_TILE_BYTES, ROCM_TILE_TOKENS
 
 __all__ = [
@@ -90,9 +91,20 @@ ROCM_ONLY_BACKENDS = (
     "ROCM_AITER_UNIFIED_ATTN",
     "ROCM_AITER_MLA",
     "ROCM_AITER_MLA_SPARSE",
+    "ROCM_AITER_TRITON_MLA",
+    "AITER_TRITON_MLA",
+    "ROCM_FLASHMLA_SPARSE_DSV4",
+    "ROCM_FLASHMLA_SPARSE_DSV41",
+    "DEEPSEEK_V4_ROCM_MXFP4_INDEXER",
+    "DEEPSEEK_V41_ROCM_MXFP4_INDEXER",
 )
+#: backends of vLLM's CPU platform only (``platforms/cpu.py::CpuPlatform.get_attn_backend_cls``).
+CPU_ONLY_BACKENDS = ("CPU_ATTN", "TORCH_SDPA", "CPU_MLA", "AMX_MLA", "CPU_V4_MLA_SPARSE", "CPU_V4_INDEXER")
 NOT_ROCM_BACKENDS = (
     "B12X",
+    "TRITON_FLASHINFER",
+    "CPU_MLA",
+    "AMX_MLA",
     "FLASHMLA",
     "FLASHMLA_SPARSE",
     "CUTLASS_MLA",
@@ -133,6 +145,8 @@ def platform_cpu(h: VllmHints, tensors: Sequence[torch.Tensor]) -> bool | None:
     device does not rule the GPU readings out)."""
     if h.device_type is not None:
         return h.device_type == "cpu"
+    if h.attention_backend in CPU_ONLY_BACKENDS:
+        return True
     if h.family is not None:
         return h.family == "CPU"
     if h.use_ipex is not None:
@@ -169,7 +183,7 @@ _RSEG = "vllm/v1/attention/backends/rocm_segmented_attn.py"
 #: ``shape[2:].numel()``), so a block's K and V sides are adjacent. vLLM's CPU, ROCm and XPU runners
 #: inherit it (each platform's ``support_hybrid_kv_cache()`` is True). 0.24 / 0.26 restride only backends
 #: whose ``get_kv_cache_block_dim`` is 1 (``ROCM_ATTN``'s ``(2, NB, ...)``, read by split_kv_cache from the
-#: planes' strides); 0.33 has no restride (``create_kv_cache_views``).
+#: planes' strides); 0.27 / 0.28 likewise; 0.29+ has no restride (``create_kv_cache_views``).
 HYBRID_SOURCE = "vllm/v1/worker/gpu_model_runner.py::_update_hybrid_attention_mamba_layout (attention beside Mamba layers)"
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -241,6 +255,12 @@ class Rule:
     only: dict[str, tuple[str, ...]] = field(default_factory=dict)
     block_sizes: tuple[int, ...] = ()
     head_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # an era label that is not an era would silently match nothing
+        unknown = [e for e in self.eras if e not in ERAS]
+        if unknown:
+            raise ValueError(f"vLLM rule {self.label!r}: eras {unknown} are not layout eras {ERAS} (kvcore_vllm.releases)")
 
 
 def _src(version: str, file: str) -> Source:
@@ -339,7 +359,7 @@ RULES: tuple[Rule, ...] = (
         backends_label=("TRITON_ATTN",),
     ),
     Rule(
-        label="0.24 blocks-first (NB, 2, BS, NH, HS)",
+        label="0.24-0.25 blocks-first (NB, 2, BS, NH, HS)",
         eras=("0.24",),
         families=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=5,
@@ -349,6 +369,7 @@ RULES: tuple[Rule, ...] = (
             _src("0.24.0", _FA + ", stride order HND (0,1,3,2,4); forward unbind(1)"),
             _src("0.24.0", _TR + ", stride order HND (0,1,3,2,4)"),
             _src("0.24.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py: (NB, 2, BS, NH, HS), no stride order, unbind(1)"),
+            _src("0.25.1", _FA + " / get_kv_cache_stride_order identical in 0.24.0 - 0.25.1 (Triton: int4 per-token-head only)"),
         ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
@@ -377,7 +398,7 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASH_ATTN", "TRITON_ATTN"),
     ),
     Rule(
-        label="0.26 packed K|V (NB, NH, BS, 2*HS)",
+        label="0.26-0.28 packed K|V (NB, NH, BS, 2*HS)",
         eras=("0.26",),
         families=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=4,
@@ -395,6 +416,11 @@ RULES: tuple[Rule, ...] = (
                 "forward transpose(1, 2).split(head_size, -1)",
             ),
             _src("0.26.0", "rocm_aiter_fa.py / rocm_aiter_unified_attn.py: (NB, NH, BS, 2*HS), no stride order"),
+            _src(
+                "0.28.0",
+                "flash_attn.py / flashinfer.py / triton_attn.py / flex_attention.py / rocm_aiter_*.py: get_kv_cache_shape and "
+                "get_kv_cache_stride_order identical in 0.26.0 - 0.28.0 (FlashInfer: nvfp4 only)",
+            ),
         ),
         physical_ok=True,
         backends_label=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"),
@@ -404,8 +430,8 @@ RULES: tuple[Rule, ...] = (
         only={"FLEX_ATTENTION": ("NHD", "NHD/cross"), "ROCM_AITER_FA": ("HND",), "ROCM_AITER_UNIFIED": ("HND",)},
     ),
     Rule(
-        label="0.33 FlexAttention view [NB, NH, BS, C], LBNHC only",
-        eras=("0.33",),
+        label="0.29+ FlexAttention view [NB, NH, BS, C], LBNHC only",
+        eras=(LAYOUT_ERA,),
         families=("FLEX_ATTENTION",),
         rank=4,
         logical=_o("NB NH BS CS"),
@@ -415,27 +441,27 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLEX_ATTENTION",),
     ),
     Rule(
-        label="0.33 KVCacheLayout views [NB, NH, BS, C]",
-        eras=("0.33",),
+        label="0.29+ KVCacheLayout views [NB, NH, BS, C]",
+        eras=(LAYOUT_ERA,),
         families=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
         rank=4,
         logical=_o("NB NH BS CS"),
-        layouts={
-            "LBNHC": _o("NL NB BS NH CS"),
-            "LBHNC": _o("NL NB NH BS CS"),
-            "LHBNC": _o("NL NH NB BS CS"),
-            "BLHNC": _o("NB NL NH BS CS"),
-            "BLNHC": _o("NB NL BS NH CS"),
-            "BHLNC": _o("NB NH NL BS CS"),
-        },
-        sources=(_src("0.33.0", _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache"),),
+        # every KVCacheLayout member: its permutation of [L, B, H, N, C] (kv_cache_layout.py)
+        layouts={m: layout_physical_order(m) for m in KV_CACHE_LAYOUTS},
+        sources=(
+            _src(
+                "0.29.0",
+                _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache (both identical in 0.29.0 - 0.33.0 but for 0.30's has_layer_views)",
+            ),
+            _src("0.33.0", _V33 + "; vllm/v1/worker/utils.py::allocate_kv_cache"),
+        ),
         physical_ok=True,
         backends_label=("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
     ),
     # after the generic views: among byte-identical readings the first names the group in messages
     Rule(
-        label="0.33 ROCm AITER views [NB, NH, BS, C], LBHNC / LHBNC",
-        eras=("0.33",),
+        label="0.29+ ROCm AITER views [NB, NH, BS, C], LBHNC / LHBNC",
+        eras=(LAYOUT_ERA,),
         families=("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=4,
         logical=_o("NB NH BS CS"),
@@ -509,8 +535,8 @@ RULES: tuple[Rule, ...] = (
         planes="split_kv",
     ),
     Rule(
-        label="ROCm 0.33 K/V head slots [NB, 2, BS, NH*HS] read by split_kv_cache",
-        eras=("0.33",),
+        label="ROCm 0.29+ K/V head slots [NB, 2, BS, NH*HS] read by split_kv_cache",
+        eras=(LAYOUT_ERA,),
         families=("ROCM_ATTN",),
         rank=4,
         logical=_o("NB TWO NH HS BS"),
@@ -530,8 +556,8 @@ RULES: tuple[Rule, ...] = (
         planes="split_kv",
     ),
     Rule(
-        label="ROCm 0.33 ROCM_SEGMENTED_ATTN K/V head slots [NB, 2, BS, NH*HS] read token-major",
-        eras=("0.33",),
+        label="ROCm 0.32+ ROCM_SEGMENTED_ATTN K/V head slots [NB, 2, BS, NH*HS] read token-major",
+        eras=(LAYOUT_ERA,),
         families=("ROCM_SEGMENTED",),
         rank=4,
         # RocmSegmentedAttentionImpl._split_kv_cache: kv_cache[:, 0] / kv_cache[:, 1], each .unflatten(-1, (NH, HS)):
@@ -554,8 +580,8 @@ RULES: tuple[Rule, ...] = (
         head_sizes=(64, 128, 256),  # RocmSegmentedAttentionBackend.get_supported_head_sizes
     ),
     Rule(
-        label="0.33 B12X K/V head slots [NB, 2, BS, NH*HS] read token-major",
-        eras=("0.33",),
+        label="0.30+ B12X K/V head slots [NB, 2, BS, NH*HS] read token-major",
+        eras=(LAYOUT_ERA,),
         families=("B12X",),
         rank=4,
         # B12xPagedAttentionImpl._kv_cache_views: kv_cache.unbind(1), each .unflatten(-1, (NH, HS))
@@ -592,8 +618,8 @@ RULES: tuple[Rule, ...] = (
         backends_label=("CPU_ATTN",),
     ),
     Rule(
-        label="CPU 0.24-0.33 [NB, NH, BS, 2*HS]: per (block, head) BS K-rows then BS V-rows",
-        eras=("0.24", "0.26", "0.33"),
+        label="CPU 0.24+ [NB, NH, BS, 2*HS]: per (block, head) BS K-rows then BS V-rows",
+        eras=("0.24", "0.26", LAYOUT_ERA),
         families=("CPU",),
         rank=4,
         logical=_o("NB NH TWO BS HS"),
@@ -624,7 +650,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         label="MLA latent (NB, BS, W): 576 for DeepSeek, any width",
-        eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
+        eras=ERAS,
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
@@ -642,20 +668,19 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"),
     ),
     Rule(
-        label="0.33 MLA view [NB, 1, BS, C]",
-        eras=("0.33",),
+        label="0.29+ MLA view [NB, 1, BS, C]",
+        eras=(LAYOUT_ERA,),
         families=("MLA",),
         rank=4,
         logical=_o("NB BS HS"),
-        layouts={
-            "LBNHC": _o("NL NB BS HS"),
-            "LBHNC": _o("NL NB BS HS"),
-            "LHBNC": _o("NL NB BS HS"),
-            "BLHNC": _o("NB NL BS HS"),
-            "BLNHC": _o("NB NL BS HS"),
-            "BHLNC": _o("NB NL BS HS"),
-        },
-        sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec.head_size_v = 0 (C = 576 * dtype_size)"),),
+        # MLA's one head is squeezed (MLAAttention.bind_kv_cache): each member's order without H
+        layouts={m: layout_physical_order(m, ("NL", "NB", "", "BS", "HS")) for m in KV_CACHE_LAYOUTS},
+        sources=(
+            _src(
+                "0.29.0", "vllm/model_executor/layers/attention/mla_attention.py::MLAAttention.bind_kv_cache squeeze(1) (0.29.0 - 0.33.0)"
+            ),
+            _src("0.33.0", _V33 + "; MLAAttentionSpec.head_size_v = 0 (C = 576 * dtype_size)"),
+        ),
         transform="squeeze_head",
         gate="",
         mla=True,
@@ -663,7 +688,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         label="blocked-scale pages (NB, BS, W) uint8 (DSA indexer keys 132 / MXFP4 68; DeepSeek-V4 fp8_ds_mla 584)",
-        eras=("0.11", "0.13", "0.24", "0.26", "0.33"),
+        eras=ERAS,
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
@@ -682,19 +707,12 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASHMLA_SPARSE", "indexer"),
     ),
     Rule(
-        label="0.33 blocked-scale view [NB, 1, BS, W]",
-        eras=("0.33",),
+        label="0.29+ blocked-scale view [NB, 1, BS, W]",
+        eras=(LAYOUT_ERA,),
         families=("MLA",),
         rank=4,
         logical=_o("NB BS HS"),
-        layouts={
-            "LBNHC": _o("NL NB BSV BSS"),
-            "LBHNC": _o("NL NB BSV BSS"),
-            "LHBNC": _o("NL NB BSV BSS"),
-            "BLHNC": _o("NB NL BSV BSS"),
-            "BLNHC": _o("NB NL BSV BSS"),
-            "BHLNC": _o("NB NL BSV BSS"),
-        },
+        layouts={m: layout_physical_order(m, ("NL", "NB", "", "BSV", "BSS")) for m in KV_CACHE_LAYOUTS},
         sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec state_content_bytes (mla_attention.py l.1371)"),),
         transform="squeeze_head",
         gate="",
@@ -703,8 +721,8 @@ RULES: tuple[Rule, ...] = (
         backends_label=("FLASHMLA_SPARSE", "indexer"),
     ),
     Rule(
-        label="0.33 blocked-scale bound view (NB, BS, W) of a block-outermost layout",
-        eras=("0.33",),
+        label="0.29+ blocked-scale bound view (NB, BS, W) of a block-outermost layout",
+        eras=(LAYOUT_ERA,),
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
@@ -724,7 +742,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         label="ROCm DSA indexer page (NB, BS, 132) uint8: 16x16-byte key tiles, then the scales",
-        eras=("0.24", "0.26", "0.33"),
+        eras=("0.24", "0.26", LAYOUT_ERA),
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
@@ -740,19 +758,13 @@ RULES: tuple[Rule, ...] = (
         planes="rocm_tiles",
     ),
     Rule(
-        label="ROCm 0.33 DSA indexer view [NB, 1, BS, 132]: 16x16-byte key tiles, then the scales",
-        eras=("0.33",),
+        label="ROCm 0.29+ DSA indexer view [NB, 1, BS, 132]: 16x16-byte key tiles, then the scales",
+        eras=(LAYOUT_ERA,),
         families=("MLA",),
         rank=4,
         logical=_o("NB BS HS"),
-        layouts={
-            "LBNHC": ROCM_INDEXER,
-            "LBHNC": ROCM_INDEXER,
-            "LHBNC": ROCM_INDEXER,
-            "BLHNC": ROCM_INDEXER_CROSS,
-            "BLNHC": ROCM_INDEXER_CROSS,
-            "BHLNC": ROCM_INDEXER_CROSS,
-        },
+        # block-outermost members (B first) interleave the layers' pages per block: one cross-layer buffer
+        layouts={m: ROCM_INDEXER_CROSS if KV_CACHE_LAYOUT_ORDERS[m][0] == 1 else ROCM_INDEXER for m in KV_CACHE_LAYOUTS},
         sources=(_src("0.33.0", _V33 + "; " + _RIDX),),
         transform="squeeze_head",
         gate="rocm?",
@@ -762,8 +774,8 @@ RULES: tuple[Rule, ...] = (
         planes="rocm_tiles",
     ),
     Rule(
-        label="ROCm 0.33 DSA indexer bound view (NB, BS, 132) of a block-outermost layout: key tiles, then the scales",
-        eras=("0.33",),
+        label="ROCm 0.29+ DSA indexer bound view (NB, BS, 132) of a block-outermost layout: key tiles, then the scales",
+        eras=(LAYOUT_ERA,),
         families=("MLA",),
         rank=3,
         logical=_o("NB BS HS"),
@@ -799,7 +811,7 @@ def physical_name(order: Sequence[str] | str) -> str:
 
 
 def _t_squeeze_head(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # 0.33 MLA: [B, 1, N, C] -> [B, N, C] (MLAAttention.bind_kv_cache squeezes dim 1)
+    # 0.29+ MLA: [B, 1, N, C] -> [B, N, C] (MLAAttention.bind_kv_cache squeezes dim 1)
     return t.squeeze(1) if t.shape[1] == 1 else None
 
 
@@ -870,7 +882,7 @@ def _t_paged5(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
 
 
 def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # ROCm 0.33: [NB, 2, BS, C], C = NH*HS; each head slot's BS*C run is read by split_kv_cache as
+    # ROCm 0.29+: [NB, 2, BS, C], C = NH*HS; each head slot's BS*C run is read by split_kv_cache as
     # V (NH, HS, BS) (K in 16-byte chunks, the spec's concern) -> V's view [NB, 2, NH, HS, BS].
     # NH by the hints, else one head of C: the bytes of a slot's run do not depend on NH.
     b, two, n, c = t.shape
@@ -889,7 +901,7 @@ def _t_head_slots(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
 
 
 def _slot_heads(t: torch.Tensor, c: int, h: VllmHints) -> int | None:
-    """The KV heads of a 0.33 head slot of ``c`` elements (``C = NH*HS``): ``num_kv_heads``,
+    """The KV heads of a 0.29+ head slot of ``c`` elements (``C = NH*HS``): ``num_kv_heads``,
     else ``C // head_size``, else one head of ``C`` (the slot's bytes do not depend on how
     its row splits into heads; pass ``num_kv_heads`` for the head geometry). ``head_size``
     is in elements: an int8 byte view divides by the element size of ``dtype``."""
@@ -903,7 +915,7 @@ def _slot_heads(t: torch.Tensor, c: int, h: VllmHints) -> int | None:
 
 
 def _t_head_slots_nhd(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    # 0.33 B12X / ROCM_SEGMENTED_ATTN: [NB, 2, BS, C], C = NH*HS, each slot read token-major:
+    # 0.30+ B12X / 0.32+ ROCM_SEGMENTED_ATTN: [NB, 2, BS, C], C = NH*HS, each slot read token-major:
     # kv_cache.unbind(1) (kv_cache[:, i]) then .unflatten(-1, (NH, HS)) -> [NB, 2, BS, NH, HS]
     b, two, n, c = t.shape
     if two != 2 or (c > 1 and t.stride(3) != 1):
@@ -984,7 +996,7 @@ PLANE_BUILDERS: dict[str, Callable[[torch.Tensor, Sequence[str]], dict[str, torc
 
 
 def _element_view(t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
-    """A 0.33 int8 byte view as the cache's element dtype (the split reading's V has tokens
+    """A 0.29+ int8 byte view as the cache's element dtype (the split reading's V has tokens
     one *element* apart, so it cannot be read in bytes); other tensors unchanged. None when
     the element dtype is unknown or the view impossible."""
     if t.dtype != torch.int8:
@@ -1063,7 +1075,7 @@ _BYTE_DTYPES = (torch.int8, torch.uint8)
 def _element_dtype(t: torch.Tensor, h: VllmHints, rule: Rule) -> tuple[torch.dtype | None, int]:
     """(dtype for the spec or None, element size) for tensors of ``t``'s storage dtype.
 
-    int8 tensors are 0.33 byte views of the one int8 buffer (``allocate_kv_cache``): they
+    int8 tensors are 0.29+ byte views of the one int8 buffer (``allocate_kv_cache``): they
     carry the cache's element dtype (fp8 for fp8 cache dtypes, else the model dtype).
     uint8 tensors are fp8 storage (``STR_DTYPE_TO_TORCH_DTYPE``) or opaque records
     (fp8_ds_mla, indexer): only an fp8 cache_dtype reinterprets them, never the model dtype.
@@ -1122,11 +1134,11 @@ def backends_label(rule: Rule, families: Sequence[str]) -> str:
 
 #: per era, the backend families whose allocation reads ``get_kv_cache_layout()`` (their
 #: ``get_kv_cache_stride_order``): the ones ``VLLM_KV_CACHE_LAYOUT`` steers. 0.11 / 0.13
-#: ``flash_attn.py`` and ``flashinfer.py``; 0.24 / 0.26 also ``triton_attn.py``. FlexAttention
+#: ``flash_attn.py`` and ``flashinfer.py``; 0.24 - 0.28 also ``triton_attn.py``. FlexAttention
 #: (fixed order from 0.24, none before), ROCm AITER / ROCM_ATTN, TORCH_SDPA, Pallas and the MLA
-#: backends (one latent order) ignore it; 0.24 / 0.26 CPU_ATTN's ``get_required_kv_cache_layout()``
+#: backends (one latent order) ignore it; 0.24 - 0.28 CPU_ATTN's ``get_required_kv_cache_layout()``
 #: is ``"HND"``, which the selector sets over the variable (``v1/attention/selector.py``). From
-#: 0.33 every backend is steered: ``resolve_kv_cache_layout`` (``v1/attention/backends/utils.py``)
+#: 0.29 every backend is steered: ``resolve_kv_cache_layout`` (``v1/attention/backends/utils.py``)
 #: uses the variable or refuses to start when a backend does not support it.
 LAYOUT_READERS: dict[str, tuple[str, ...]] = {
     "0.11": ("FLASH_ATTN", "FLASHINFER"),
@@ -1135,18 +1147,18 @@ LAYOUT_READERS: dict[str, tuple[str, ...]] = {
     "0.26": ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"),
 }
 #: families whose layout vLLM overrides on some GPUs whatever the variable says: FlashInfer on
-#: SM 10.x is HND (0.11 ``platforms/cuda.py`` ``set_kv_cache_layout("HND")``; 0.13-0.26
+#: SM 10.x is HND (0.11 ``platforms/cuda.py`` ``set_kv_cache_layout("HND")``; 0.13-0.28
 #: ``FlashInferBackend.get_required_kv_cache_layout``): ``VLLM_KV_CACHE_LAYOUT=NHD`` does not rule
 #: its HND cache out.
 LAYOUT_OVERRIDES: dict[str, str] = {"FLASHINFER": "HND"}
 #: eras whose XPU platform forces NHD (``platforms/xpu.py`` ``set_kv_cache_layout("NHD")`` in
-#: 0.11, 0.13 and 0.24; 0.26 and 0.33 no longer call it).
+#: 0.11, 0.13 and 0.24 - 0.25; 0.26 and later no longer call it).
 XPU_FORCES_NHD = ("0.11", "0.13", "0.24")
 
 
 def _key_fits(key: str, value: str) -> bool:
-    """A rule's layout key (``NHD``, ``HND/cross``, ``*``, a 0.33 member...) is what the layout
-    value ``value`` (``NHD``/``HND`` or a 0.33 ``KVCacheLayout`` member) names."""
+    """A rule's layout key (``NHD``, ``HND/cross``, ``*``, a 0.29+ member...) is what the layout
+    value ``value`` (``NHD``/``HND`` or a 0.29+ ``KVCacheLayout`` member) names."""
     fam = value if value in LAYOUT_ALIASES else LAYOUT_FAMILY[value]
     specific = value in KV_CACHE_LAYOUTS
     base, _, cross = key.partition("/")
@@ -1192,7 +1204,7 @@ def layout_families(rule: Rule, key: str, h: VllmHints, layout_source: str = "kv
         return fams, {}
     out = []
     for f in fams:
-        steered = any(e == "0.33" or f in LAYOUT_READERS.get(e, ()) for e in eras)
+        steered = any(e == LAYOUT_ERA or f in LAYOUT_READERS.get(e, ()) for e in eras)
         if not steered or _key_fits(key, env) or (f in LAYOUT_OVERRIDES and _key_fits(key, LAYOUT_OVERRIDES[f])):
             out.append(f)
     return tuple(out), ({} if out else {"VLLM_KV_CACHE_LAYOUT": env})
@@ -1268,7 +1280,7 @@ def _sizes_ok(
         return False
     if "BS" in sz and h.block_size is not None and sz["BS"] != h.block_size:
         # 0.13+: the manager's block_size may be split into kernel blocks of the tensor's BS
-        # (gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views)
+        # (gpu_model_runner._reshape_kv_cache_tensors, 0.29+ create_kv_cache_views)
         # kernel blocks are multiples of 16 tokens (get_supported_kernel_block_sizes: MultipleOf(16), 32, 64...)
         if not (kernel_split and sz["BS"] % 16 == 0 and h.block_size % sz["BS"] == 0):
             return False
@@ -1293,7 +1305,7 @@ def _sizes_ok(
             return tiles and rocm is not False
         if tiles and rocm:
             return False
-        if record.rocm == "aiter" and rocm and h.era in (None, "0.33"):
+        if record.rocm == "aiter" and rocm and h.era in (None, LAYOUT_ERA):
             return False  # aiter's MXFP4 pages on ROCm gfx950: not claimed (see _aiter_pages)
         return True
     if rule.mla:
@@ -1321,7 +1333,7 @@ def _aiter_pages(rule: Rule, v: torch.Tensor, h: VllmHints, rocm: bool | None) -
     ROCm gfx950 stores the DSA indexer's MXFP4 keys (68 B records) in aiter's preshuffled
     pages, whose tile sizes aiter's ``cache_format()`` reports at run time
     (``v1/attention/ops/rocm_paged_mxfp4_indexer.py::rocm_paged_mxfp4_cache_layout``)."""
-    if not rule.blocked or rule.planes or rocm is False or h.era not in (None, "0.33"):
+    if not rule.blocked or rule.planes or rocm is False or h.era not in (None, LAYOUT_ERA):
         return None
     if v.dtype not in _BYTE_DTYPES or v.shape[-1] not in RECORDS or RECORDS[v.shape[-1]].rocm != "aiter":
         return None
@@ -1437,7 +1449,7 @@ def _reading(
 def _planes(rule: Rule, name: str, views: list[torch.Tensor], tokens: tuple[str, ...]) -> dict[str, Any] | None:
     """One layer view per entry (in ``tokens`` order) -> ``{role: container}`` for the
     multi-plane ``name``: a list of per-layer plane views, or, where the name's template
-    has ``NL`` inside (0.33 block-outermost layouts), one view of all layers per plane."""
+    has ``NL`` inside (0.29+ block-outermost layouts), one view of all layers per plane."""
     per = [PLANE_BUILDERS[rule.planes](v, tokens) for v in views]
     if any(p is None for p in per):
         return None
@@ -1600,7 +1612,7 @@ def _candidates(
             # the tensor already permuted to this layout's physical order
             order = rule.layouts[key]
             phys = () if rule.planes else tuple(tok for tok in _fmt_tokens(order) if tok != "NL")
-            # vLLM 0.33 reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
+            # vLLM 0.29+ reads the compat names NHD / HND as LBNHC / LBHNC exactly (config/cache.py::
             # _LAYOUT_COMPAT_ALIASES): a twin of another member is not what such a hint names
             named = h.kv_cache_layout or h.env_kv_cache_layout
             alias_only = check_layout and named in LAYOUT_ALIASES and key in KV_CACHE_LAYOUTS and key != LAYOUT_ALIASES[named]
@@ -1631,7 +1643,7 @@ def _missing_hints(rule: Rule, t: torch.Tensor, h: VllmHints) -> list[str]:
 
 def _bare_view(rule: Rule, order: Sequence[str], t: torch.Tensor, h: VllmHints) -> torch.Tensor | None:
     """One whole cross-layer tensor ``t`` as the axes of ``order`` (a view, never a copy), or
-    None. A rule without a transform takes the tensor as it is; a head-slot rule (0.33 B12X
+    None. A rule without a transform takes the tensor as it is; a head-slot rule (0.30+ B12X
     BLHNC) also takes vLLM's ``[NB, NL, 2, BS, NH*HS]`` (the slot's row split into heads as
     :func:`_t_head_slots_nhd` does) beside the split form ``[NB, NL, 2, BS, NH, HS]``."""
     if not rule.transform:
@@ -1668,7 +1680,7 @@ def bare_candidates(
     """Readings of one tensor that is a whole cross-layer cache, as a cross-layer connector
     is handed it: the buffer vLLM allocates in the layout's physical order before it takes
     per-layer views (0.13-0.2x ``allocate_uniform_kv_caches``: e.g. ``[NB, NL, 2, BS, NH, HS]``
-    for FlashAttention NHD; 0.26 ``[NB, NL, BS, NH, 2*HS]``; 0.33 ``BLHNC`` / ``BLNHC`` /
+    for FlashAttention NHD; 0.26 - 0.28 ``[NB, NL, BS, NH, 2*HS]``; 0.29+ ``BLHNC`` / ``BLNHC`` /
     ``BHLNC``). The tensor must be in memory order; its axes are then the format's.
 
     A reading with more than :data:`MAX_BARE_LAYERS` layers is not offered; with

@@ -26,7 +26,7 @@ def test_matrix_has_one_case_per_row():
     assert len(ROWS) == len(MATRIX)
     records = {record_case_name(*r[:4]) for r in RECORD_CASES}
     assert len(records) == len(RECORD_CASES)
-    assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.33-INDEXER-BLHNC"} | records == set(CASES)
+    assert set(IDS) | {"vllm-0.11-INDEXER", "vllm-0.29-INDEXER-BLHNC"} | records == set(CASES)
     assert {CASES[record_case_name(*r[:4])].format for r in RECORD_CASES} == {r[4] for r in RECORD_CASES}
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
     pairs = {"vllm-ascend-pairs", "vllm-ascend-pairs-head_size_v", "vllm-ascend-pairs-mla"}  # + kvcore_vllm.pairs
@@ -86,7 +86,7 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
         hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
     if "PALLAS" in name:
         hints["head_size"] = full["head_size"]
-    if "0.33-FLASHMLA" in name:
+    if "0.29-FLASHMLA" in name:
         hints["head_size"] = 576  # [NB, 1, BS, 576]: one MHA head of 288 or an MLA latent of 576
     if "ROCM" in name or "B12X" in name:
         # 0.33 head slots [NB, 2, BS, NH*HS]: two packed K|V heads too (the backend decides), and the slot's
@@ -128,7 +128,7 @@ def test_cross_layer_reports_one_tensor_pointer_and_layer_stride():
 
 
 def test_v033_block_outermost_pointers_and_strides():
-    case = CASES["vllm-0.33-FLASH_ATTN-BLHNC"]
+    case = CASES["vllm-0.29-FLASH_ATTN-BLHNC"]
     kv, hints = case.make(dict(case.sizes), torch.bfloat16, "cpu")
     layout = kvcore.detect(kv, "vllm", hints)
     views = list(kv.values())

@@ -79,7 +79,7 @@ _VLLM = (
         "vllm 0.11.0 vllm/platforms/xpu.py::XPUPlatform.is_kv_cache_dtype_supported (fp8 KV only with TRITON_ATTN; fp8_dtype e5m2)",
     ),
     (
-        "vllm-0.33-FLASH_ATTN-LBNHC",
+        "vllm-0.29-FLASH_ATTN-LBNHC",  # the vLLM plugin names cases by era (0.29: 0.29 - 0.33)
         "xpu-vllm-0.33-FLASH_ATTN-LBNHC",
         {"block_size": 64, "num_blocks": 3},
         (torch.bfloat16, torch.float16, torch.float8_e4m3fn),
@@ -145,7 +145,7 @@ def xpu_fixture_cases() -> list[FixtureCase]:
                     replace(
                         c,
                         name=name,
-                        make=_on_xpu(c.make, forced_nhd=not src.startswith("vllm-0.33")),
+                        make=_on_xpu(c.make, forced_nhd=not src.startswith("vllm-0.29")),
                         sizes={**c.sizes, **sizes},
                         dtypes=dtypes,
                         size_constraints={**c.size_constraints, **cons},
