@@ -49,7 +49,7 @@ class EnginePairs(list):
     transformers cache object they are the tensors of, so the writer runs that object's own
     ``update``."""
 
-    def __init__(self, pairs, cache: Any):
+    def __init__(self, pairs=(), cache: Any = None):  # list(...)-compatible: containers are rebuilt as type(x)(items)
         super().__init__(pairs)
         self.cache = cache
 
