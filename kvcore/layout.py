@@ -11,7 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from kvcore.errors import FormatError, GeometryError, KVCoreError
-from kvcore.formats import KVFormat
+from kvcore.format_decl import KVFormat
 from kvcore.grammar import parse
 from kvcore.inputs import check_container, plain_integers, tensor_paths
 from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable, record_callers

@@ -55,8 +55,8 @@ import pluggy
 
 from kvcore import hookspecs
 from kvcore.errors import DetectionError, FormatError, KVCoreError, PluginError
-from kvcore.formats import KVFormat
-from kvcore.hints import Hint
+from kvcore.format_decl import KVFormat
+from kvcore.hint_decl import Hint
 
 __all__ = [
     "KVCorePluginWarning",
@@ -879,10 +879,10 @@ def demos() -> dict[str, tuple[Any, str, str]]:
 def hints(engine: str | None = None) -> list[tuple[str, Hint]]:
     """Declared hints as ``(plugin, Hint)``, for ``engine`` or all, in declaration order.
 
-    kvcore's generic ``tensor_order`` hint (:func:`kvcore.hints.tensor_order_hint`), which
+    kvcore's generic ``tensor_order`` hint (:func:`kvcore.tensor_order_hint`), which
     detection accepts for every engine, is listed after an engine's own hints (plugin
     ``kvcore``) where the engine's plugins do not declare it themselves."""
-    from kvcore.hints import tensor_order_hint
+    from kvcore.hint_decl import tensor_order_hint
 
     rows = [(p, h) for p, h in host().hints if engine is None or h.engine == engine]
     engines = dict.fromkeys(h.engine for _, h in rows)

@@ -31,7 +31,7 @@ from kvcore.errors import GeometryError, TransferError
 from kvcore.inputs import plain_integers
 from kvcore.kernels import TransferPlan, check_storages, select_kernel, staging_conflict
 from kvcore.layout import KVLayout
-from kvcore.plan import _plan_for
+from kvcore.layout_plan import _plan_for
 
 __all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_blocks"]
 
@@ -418,7 +418,7 @@ def gather(
         layers: a layer subset (staging order follows it), or one layer index.
         skip_prefix: leave the first n rows untouched.
         validate: ``"device"`` (default), ``"sync"`` or ``"none"``: where slot values are
-            checked and when their error surfaces on a CUDA cache (:mod:`kvcore.plan`).
+            checked and when their error surfaces on a CUDA cache (:mod:`kvcore.layout_plan`).
     Returns:
         the staging buffer (``out`` when given): a tensor, or the dict of per-plane tensors.
     Raises:

@@ -162,7 +162,7 @@ import torch
 
 from kvcore.detection import detect, detect_per_layer, normalize_container, tensors_in
 from kvcore.errors import AmbiguousLayoutError, DetectionError, FormatError, GeometryError, KVCoreError, TransferError
-from kvcore.formats import KVFormat
+from kvcore.format_decl import KVFormat
 from kvcore.grammar import TOKENS, parse, render_concrete, render_symbolic
 from kvcore.layout import KVLayout, build_layout
 from kvcore.layout import PageBufferShapeDesc as _KVCorePageBufferShapeDesc

@@ -250,9 +250,8 @@ def element_dtype(storage: torch.dtype, hints: SGLangHints) -> torch.dtype | Non
 def declared_hints() -> list[Any]:
     """The hints :class:`SGLangHints` reads, declared for ``kvcore hints sglang``
     (``kvcore_register_hints``); meanings as in this module's docstring."""
-    from kvcore import Hint
+    from kvcore import Hint, tensor_order_hint
     from kvcore.dtypes import DTYPE_ALIASES, DTYPES
-    from kvcore.hints import tensor_order_hint
 
     pool = "python/sglang/srt/mem_cache/memory_pool.py"
     return [

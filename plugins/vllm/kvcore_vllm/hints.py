@@ -525,9 +525,8 @@ def parse_hints(hints: Any) -> VllmHints:
 def declared_hints() -> list[Any]:
     """The hints :func:`parse_hints` reads, declared for ``kvcore hints vllm``
     (``kvcore_register_hints``). Accepted values are this module's tables."""
-    from kvcore import Hint
+    from kvcore import Hint, tensor_order_hint
     from kvcore.dtypes import DTYPE_ALIASES, DTYPES
-    from kvcore.hints import tensor_order_hint
 
     src = "engine_layouts.md §1.2"
     return [
