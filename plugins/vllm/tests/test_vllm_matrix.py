@@ -30,6 +30,7 @@ def test_matrix_has_one_case_per_row():
     assert {CASES[record_case_name(*r[:4])].format for r in RECORD_CASES} == {r[4] for r in RECORD_CASES}
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
     pairs = {"vllm-ascend-pairs", "vllm-ascend-pairs-head_size_v", "vllm-ascend-pairs-mla"}  # + kvcore_vllm.pairs
+    pairs |= {f"vllm-ascend-tuples-{k}" for k in ("dsa", "dsa_c8", "one", "indexer", "one-indexer")} | {"vllm-rbln"}
     assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | pairs
 
 
