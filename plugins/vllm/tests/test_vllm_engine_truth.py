@@ -387,7 +387,7 @@ def test_manager_block_size_split_into_kernel_blocks(version, backend, layout, f
     kv = allocate(version, backend, layout, num_layers=2, num_blocks=2, block_size=64, kernel_block_size=16, num_kv_heads=2, head_size=16)
     hints = {"vllm_version": version, "attention_backend": backend, "kv_cache_layout": layout, "block_size": 64}
     if backend == "CPU_ATTN":
-        hints["device_type"] = "cpu"
+        hints.update(device_type="cpu", cpu_attn_isa="vec16")  # bfloat16 blocks of 16: vec16 (Arm's BFMMLA tiles otherwise)
     lay = kvcore.detect(kv, "vllm", hints)  # cache_config.block_size 64: the kernel reads blocks of 16
     assert (lay.format.name, lay.block_size, lay.num_blocks) == (fmt, 16, 8)
     assert "kernel" in lay.note or "manager" in lay.note
