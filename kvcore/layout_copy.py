@@ -381,11 +381,10 @@ def _pattern(p) -> tuple[torch.Tensor, torch.Tensor]:
     """The byte runs of one row of plane ``p`` relative to its start: (offsets, lengths),
     sorted, adjacent runs merged."""
     s = p.strides
-    if s.n_chunks == 1 and (p.num_heads == 1 or s.head == p.head_bytes):
+    if p.row_contiguous:
         return torch.tensor([0]), torch.tensor([p.num_heads * p.head_bytes])
-    h = torch.arange(p.num_heads).repeat_interleave(s.n_chunks)
-    c = torch.arange(s.n_chunks).repeat(p.num_heads)
-    offs, _ = torch.sort(h * s.head + c * s.chunk)
+    h, c, j = torch.meshgrid(torch.arange(p.num_heads), torch.arange(s.n_chunks), torch.arange(s.n_sub), indexing="ij")
+    offs, _ = torch.sort((h * s.head + c * s.chunk + j * s.sub).flatten())
     ends = offs + s.chunk_bytes
     keep = torch.ones_like(offs, dtype=torch.bool)
     keep[1:] = offs[1:] != ends[:-1]  # a run starting where the previous ended continues it

@@ -45,12 +45,17 @@ __all__ = [
 class PlaneStrides:
     """The cache-side address pattern of one plane, in bytes.
 
-    The bytes of (slot, head, chunk) start at
+    The bytes of (slot, head, chunk, sub) start at
     ``base + (slot // block_size) * block + token_offset(slot % block_size) + head * head
-    + chunk * chunk`` and run ``chunk_bytes``; ``n_chunks * chunk_bytes`` is one head's run.
-    ``token_offset(t) = t * token`` unless the block's tokens are split in groups
-    (``BSC``/``BSE``: ``token_group`` tokens per group), then
-    ``(t // token_group) * token_group_stride + (t % token_group) * token``.
+    + chunk * chunk + sub * sub`` and run ``chunk_bytes``; a head's ``n_chunks * n_sub`` runs,
+    in (chunk, sub) order, are its staged bytes. ``token_offset(t) = t * token`` unless the
+    block's tokens are split in groups (``BSC``/``BSE``: ``token_group`` tokens per group),
+    then ``(t // token_group) * token_group_stride + (t % token_group) * token``.
+
+    ``n_sub > 1`` is a second strided level of a head's elements: the elements inside a chunk
+    are not contiguous (vLLM CPU's AMX V tile: a token's 16 elements of a chunk two elements
+    apart, the chunks ``16 * block_size`` elements apart). Kernels that address a chunk as
+    one run refuse such planes (:attr:`sub_runs`).
     """
 
     block: int
@@ -61,17 +66,29 @@ class PlaneStrides:
     n_chunks: int
     token_group: int = 0
     token_group_stride: int = 0
+    sub: int = 0
+    n_sub: int = 1
 
     @property
     def run_bytes(self) -> int:
-        """Bytes of one head's run (``chunk_bytes * n_chunks``)."""
-        return self.chunk_bytes * self.n_chunks
+        """Bytes of one head (``chunk_bytes * n_sub * n_chunks``)."""
+        return self.chunk_bytes * self.n_sub * self.n_chunks
+
+    @property
+    def sub_runs(self) -> bool:
+        """True when a chunk is several strided runs (``n_sub > 1``)."""
+        return self.n_sub > 1
+
+    @property
+    def head_span(self) -> int:
+        """Bytes from a head's first byte to one past its last."""
+        return (self.n_chunks - 1) * self.chunk + (self.n_sub - 1) * self.sub + self.chunk_bytes
 
     @property
     def row_contiguous(self) -> bool:
         """True when a whole token row (all heads) is one contiguous run (given
         ``head == run_bytes``; a single head is contiguous whenever it is one chunk)."""
-        return self.n_chunks == 1 and self.head == self.run_bytes
+        return self.n_chunks == 1 and self.n_sub == 1 and self.head == self.run_bytes
 
     def max_token_offset(self, last: int) -> int:
         """The largest :meth:`token_offset` over tokens ``0..last`` (strides are >= 0)."""
@@ -193,7 +210,7 @@ class Plane:
     def row_contiguous(self) -> bool:
         """True when a whole token row of this plane (all heads) is one contiguous run."""
         s = self.strides
-        return s.n_chunks == 1 and (self.num_heads == 1 or s.head == self.head_bytes)
+        return s.n_chunks == 1 and s.n_sub == 1 and (self.num_heads == 1 or s.head == self.head_bytes)
 
 
 def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -574,6 +591,7 @@ class StrideTable:
                     token=0 if one_token or (grouped and s.token_group == 1) else s.token,
                     head=0 if p.num_heads == 1 else s.head,
                     chunk=0 if s.n_chunks == 1 else s.chunk,
+                    sub=0 if s.n_sub == 1 else s.sub,
                     token_group=s.token_group if grouped else 0,
                     token_group_stride=s.token_group_stride if grouped else 0,
                 ),
@@ -744,10 +762,11 @@ class _Read:
     ref: torch.Tensor
 
 
-def _head_runs(axes: list[tuple[int, int]], esz: int, at: str, ref: torch.Tensor) -> tuple[int, int, int]:
+def _head_runs(axes: list[tuple[int, int]], esz: int, at: str, ref: torch.Tensor) -> tuple[int, int, int, int, int]:
     """A head's element axes ``[(count, byte stride)]`` (outermost first) as
-    ``(chunk stride, chunk_bytes, n_chunks)``: axes that continue each other merge, a
-    contiguous innermost run is one chunk, and at most one chunk level may remain."""
+    ``(chunk stride, chunk_bytes, n_chunks, sub stride, n_sub)``: axes that continue each other
+    merge, a contiguous innermost run is one chunk's run, and at most two strided levels may
+    remain (chunks, and strided runs inside a chunk: :class:`PlaneStrides`)."""
     stack: list[tuple[int, int]] = []  # innermost first
     for n, s in reversed([(n, s) for n, s in axes if n > 1]):
         if stack and s == stack[-1][0] * stack[-1][1]:
@@ -759,12 +778,15 @@ def _head_runs(axes: list[tuple[int, int]], esz: int, at: str, ref: torch.Tensor
         run = stack[0][0] * esz
         stack = stack[1:]
     if not stack:
-        return 0, run, 1
+        return 0, run, 1, 0, 1
     if len(stack) == 1:
-        return stack[0][1], run, stack[0][0]
+        return stack[0][1], run, stack[0][0], 0, 1
+    if len(stack) == 2:
+        (n_sub, sub), (n_chunks, chunk) = stack
+        return chunk, run, n_chunks, sub, n_sub
     raise GeometryError(
         f"{at}: a head's elements form {len(stack)} strided levels ({_describe_tensor(ref)}); kvcore addresses a head as chunks "
-        "of contiguous elements at one chunk stride, so the elements inside a chunk (HSE) must be contiguous"
+        "of strided runs of contiguous elements (two strided levels at most)"
     )
 
 
@@ -866,7 +888,7 @@ def _read_template(at: str, syn: Any, leaves: list, node: Any, dtype: torch.dtyp
         head_axes = [(inner_n, inner_s)]
     else:
         hs, head_axes = 1, []
-    chunk, chunk_bytes, n_chunks = _head_runs(head_axes, esz, at, ref)
+    chunk, chunk_bytes, n_chunks, sub, n_sub = _head_runs(head_axes, esz, at, ref)
     tg = tgs = 0
     if syn.has("NBBS"):
         num_blocks, block_size, num_slots = None, None, sizes["NBBS"]
@@ -892,13 +914,28 @@ def _read_template(at: str, syn: Any, leaves: list, node: Any, dtype: torch.dtyp
         num_slots = num_blocks * block_size
     head, nh = st.get("NH", 0), sizes.get("NH", 1)
     strides = PlaneStrides(
-        block=blk, token=tokst, head=head, chunk=chunk, chunk_bytes=chunk_bytes, n_chunks=n_chunks, token_group=tg, token_group_stride=tgs
+        block=blk,
+        token=tokst,
+        head=head,
+        chunk=chunk,
+        chunk_bytes=chunk_bytes,
+        n_chunks=n_chunks,
+        token_group=tg,
+        token_group_stride=tgs,
+        sub=sub,
+        n_sub=n_sub,
     )
     kv_delta = st["TWO"] if syn.axis("TWO") is not None else (hs * inner_s if etok == "CS" else 0)
     num_layers = sizes.get("NL", 1)
     layer_delta = st.get("NL", 0) if syn.axis("NL") is not None else 0
     # axes living inside one tensor must not alias each other
-    extents = [("block", num_blocks or num_slots, blk), *tok_extents, ("head", nh, head), ("chunk", n_chunks, chunk)]
+    extents = [
+        ("block", num_blocks or num_slots, blk),
+        *tok_extents,
+        ("head", nh, head),
+        ("chunk", n_chunks, chunk),
+        ("sub-run", n_sub, sub),
+    ]
     if syn.axis("TWO") is not None or etok == "CS":
         extents.append(("K/V", 2, kv_delta))
     if syn.axis("NL") is not None:
@@ -1361,13 +1398,7 @@ class Spec:
         last_tok = min(tb.block_size, tb.num_slots) - 1
         for p in tb.planes:
             s = p.strides
-            span = (
-                (nblocks - 1) * s.block
-                + s.max_token_offset(last_tok)
-                + (p.num_heads - 1) * s.head
-                + (s.n_chunks - 1) * s.chunk
-                + s.chunk_bytes
-            )
+            span = (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + s.head_span
             for t, off in p.bases:
                 last = off + span
                 nbytes = t.untyped_storage().nbytes()
@@ -1503,11 +1534,9 @@ def _regions(table: StrideTable) -> list[_Region]:
             axes += [(s.token_group_stride, -(-bs // s.token_group)), (s.token, s.token_group)]
         else:
             axes.append((s.token, bs))
-        axes += [(s.head, p.num_heads), (s.chunk, s.n_chunks)]
+        axes += [(s.head, p.num_heads), (s.chunk, s.n_chunks), (s.sub, s.n_sub)]
         ax = tuple((abs(st), n) for st, n in axes if n > 1 and st != 0)
-        span = (
-            (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + (s.n_chunks - 1) * s.chunk + s.chunk_bytes
-        )
+        span = (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + s.head_span
         for li, (t, off) in enumerate(p.bases):
             st = t.untyped_storage()
             if st.nbytes() == 0:

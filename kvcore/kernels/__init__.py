@@ -200,7 +200,7 @@ def plane_span(table: StrideTable, p) -> int:
     last_tok = min(table.block_size, table.num_slots) - 1
     if nblocks <= 0 or last_tok < 0:
         return 0
-    return (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + (s.n_chunks - 1) * s.chunk + s.chunk_bytes
+    return (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + s.head_span
 
 
 def check_storages(table: StrideTable) -> None:

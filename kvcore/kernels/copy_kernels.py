@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.errors import TransferError
+from kvcore.kernels.views import UNIT as _UNIT
+from kvcore.kernels.views import cache_rows_view
 from kvcore.spec import Plane, StrideTable
 
 __all__ = ["CopyPlan", "ReferenceCopyKernel", "NativeCopyKernel", "copy_kernels", "select_copy_kernel", "check_tables"]
-
-_UNIT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -91,31 +91,9 @@ def check_tables(src: StrideTable, dst: StrideTable) -> None:
 # -- reference -------------------------------------------------------------------------
 
 
-def _storage_units(t: torch.Tensor, w: int, cache: dict) -> torch.Tensor:
-    st = t.untyped_storage()
-    key = (t.device, st.data_ptr(), st.nbytes(), w)
-    v = cache.get(key)
-    if v is None:
-        v = cache[key] = torch.empty(0, dtype=_UNIT[w], device=t.device).set_(st, 0, (st.nbytes() // w,), (1,))
-    return v
-
-
 def _rows_view(p: Plane, t: torch.Tensor, off: int, nblocks: int, block_size: int, w: int, cache: dict) -> torch.Tensor:
-    """``[blocks, (groups,) tokens, heads, chunks, units]`` of one (layer, plane), as ``w``-byte integers."""
-    s = p.strides
-    units = _storage_units(t, w, cache)
-    cu = s.chunk_bytes // w
-    if s.token_group and s.token_group < block_size:
-        g = s.token_group
-        return torch.as_strided(
-            units,
-            (nblocks, block_size // g, g, p.num_heads, s.n_chunks, cu),
-            (s.block // w, s.token_group_stride // w, s.token // w, s.head // w, s.chunk // w, 1),
-            off // w,
-        )
-    return torch.as_strided(
-        units, (nblocks, block_size, p.num_heads, s.n_chunks, cu), (s.block // w, s.token // w, s.head // w, s.chunk // w, 1), off // w
-    )
+    """``[blocks, (groups,) tokens, heads, chunks, sub-runs, units]`` of one (layer, plane), as ``w``-byte integers."""
+    return cache_rows_view(p, t, off, nblocks, block_size, w, cache)
 
 
 def _index(table: StrideTable, p: Plane, slots: torch.Tensor) -> tuple:
@@ -132,7 +110,17 @@ def _unit_width(plan: CopyPlan) -> int:
     for table in (plan.src, plan.dst):
         for p in table.planes:
             s = p.strides
-            for v in (s.block, s.token, s.head, s.chunk, s.chunk_bytes, s.token_group_stride, p.head_bytes, *(o for _, o in p.bases)):
+            for v in (
+                s.block,
+                s.token,
+                s.head,
+                s.chunk,
+                s.chunk_bytes,
+                s.token_group_stride,
+                s.sub,
+                p.head_bytes,
+                *(o for _, o in p.bases),
+            ):
                 if v:
                     g = math.gcd(g, int(v))
     return g if g in _UNIT else 1
@@ -179,7 +167,7 @@ class ReferenceCopyKernel:
                 rows = sv[si].reshape(nv, -1)
                 if sdev != ddev:
                     rows = rows.to(ddev)
-                dv[di] = rows.reshape(nv, pd.num_heads, pd.strides.n_chunks, -1)
+                dv[di] = rows.reshape(dv[di].shape)
 
 
 REFERENCE_COPY = ReferenceCopyKernel()
@@ -353,7 +341,7 @@ class NativeCopyKernel:
 
     def supports_copy(self, plan: CopyPlan) -> bool:
         n = len(plan.src.planes)
-        if not 1 <= n <= 8:
+        if not 1 <= n <= 8 or any(p.strides.sub_runs for t in (plan.src, plan.dst) for p in t.planes):
             return False
         if self.device_type == "cpu":
             return plan.src.device.type == "cpu" and plan.dst.device.type == "cpu"

@@ -314,8 +314,9 @@ class _NativeKernel:
         return (self.device_type,)
 
     def supports(self, table: StrideTable) -> bool:
-        """Every table of the stride table v2 with at most 64 planes."""
-        return 1 <= len(table.planes) <= MAX_PLANES
+        """Every table of the stride table v2 with at most 64 planes whose chunks are one run
+        each (no plane with strided runs inside a chunk, ``PlaneStrides.sub_runs``)."""
+        return 1 <= len(table.planes) <= MAX_PLANES and not any(p.strides.sub_runs for p in table.planes)
 
     def _call(self, plan: TransferPlan, gather: bool) -> None:
         if _ops() is None or not self.supports(plan.table):

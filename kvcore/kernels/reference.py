@@ -16,9 +16,10 @@ import math
 import torch
 
 from kvcore.kernels import TransferPlan, check_storages, single_threaded
+from kvcore.kernels.views import UNIT as _UNIT
+from kvcore.kernels.views import cache_rows_view
+from kvcore.kernels.views import storage_units as _storage_units
 from kvcore.spec import Plane, StrideTable
-
-_UNIT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _byte_offset(t: torch.Tensor) -> int:
@@ -30,7 +31,7 @@ def _unit_width(table: StrideTable, buffers: dict[str, torch.Tensor]) -> int:
     vals: list[int] = []
     for p in table.planes:
         s = p.strides
-        vals += [s.block, s.token, s.head, s.chunk, s.chunk_bytes, s.token_group_stride, p.head_bytes]
+        vals += [s.block, s.token, s.head, s.chunk, s.chunk_bytes, s.token_group_stride, s.sub, p.head_bytes]
         vals += [p.staging.offset, p.staging.head_stride]
         vals += [off for _, off in p.bases]
     for b in buffers.values():
@@ -40,36 +41,6 @@ def _unit_width(table: StrideTable, buffers: dict[str, torch.Tensor]) -> int:
         if v:
             g = math.gcd(g, int(v))
     return g if g in _UNIT else 1
-
-
-def _storage_units(t: torch.Tensor, w: int, cache: dict) -> torch.Tensor:
-    """A 1-D view of ``t``'s whole storage as ``w``-byte integers (one per storage)."""
-    st = t.untyped_storage()
-    key = (t.device, st.data_ptr(), st.nbytes())
-    v = cache.get(key)
-    if v is None:
-        v = cache[key] = torch.empty(0, dtype=_UNIT[w], device=t.device).set_(st, 0, (st.nbytes() // w,), (1,))
-    return v
-
-
-def _cache_view(p: Plane, t: torch.Tensor, off: int, nblocks: int, block_size: int, w: int, cache: dict) -> torch.Tensor:
-    s = p.strides
-    units = _storage_units(t, w, cache)
-    cu = s.chunk_bytes // w
-    if s.token_group and s.token_group < block_size:
-        g = s.token_group
-        return torch.as_strided(
-            units,
-            (nblocks, block_size // g, g, p.num_heads, s.n_chunks, cu),
-            (s.block // w, s.token_group_stride // w, s.token // w, s.head // w, s.chunk // w, 1),
-            off // w,
-        )
-    return torch.as_strided(
-        units,
-        (nblocks, block_size, p.num_heads, s.n_chunks, cu),
-        (s.block // w, s.token // w, s.head // w, s.chunk // w, 1),
-        off // w,
-    )
 
 
 def _staging_view(p: Plane, buf: torch.Tensor, layer: int, w: int, cache: dict) -> torch.Tensor:
@@ -141,7 +112,7 @@ class ReferenceKernel:
             else:
                 idx = (blk, off)
             for li, (t, base) in enumerate(p.bases):
-                cv = _cache_view(p, t, base, nblocks, table.block_size, w, views)
+                cv = cache_rows_view(p, t, base, nblocks, table.block_size, w, views)
                 sv = _staging_view(p, buf, li, w, views)
                 if gather:
                     rows = cv[idx].reshape(nv, p.num_heads, -1)

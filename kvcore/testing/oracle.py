@@ -377,13 +377,17 @@ class TokenGroups:
 
 def planes(kv_view: Callable[[Any, int, int], Any], kv_caches: Any, num_layers: int, kv_size: int) -> list[list[Plane]]:
     """``[layer][kv]`` :class:`Plane` s of the engine's views; ``kv_view(kv_caches, layer, kv)``
-    (e.g. a bound ``FixtureCase.view``) returns a tensor or a tuple of segment tensors."""
+    (e.g. a bound ``FixtureCase.view``) returns a tensor or a tuple of segment tensors, or
+    either wrapped in :class:`TokenGroups`."""
     out = []
     for layer in range(num_layers):
         row = []
         for kv in range(kv_size):
             v = kv_view(kv_caches, layer, kv)
-            row.append(Plane(list(v) if isinstance(v, (tuple, list)) else [v]))
+            grouped = isinstance(v, TokenGroups)
+            if grouped:
+                v = v.view
+            row.append(Plane(list(v) if isinstance(v, (tuple, list)) else [v], token_groups=grouped))
         out.append(row)
     return out
 

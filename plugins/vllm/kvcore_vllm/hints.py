@@ -101,6 +101,7 @@ __all__ = [
     "env_flag",
     "ENV_LAYOUTS",
     "parse_hints",
+    "CPU_ATTN_ISAS",
 ]
 
 #: every name vLLM can report or be configured with: the families kvcore reads, then those it
@@ -142,6 +143,17 @@ FP8_KINDS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_inc": "e4m3", "fp8_e5m2": "
 KV_CACHE_SPECS = ("attention", "mla", "mamba", "indexer")
 
 DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
+#: vLLM CPU_ATTN's kernel paths (``cpu_attn.py::_get_attn_isa``, the layers' ``isa``; 0.24-0.32
+#: ``csrc/cpu/cpu_attn_*.hpp``): ``amx`` (x86 AMX, bfloat16, block_size % 32 == 0), ``vec`` /
+#: ``vec16`` (x86 AVX-512 / AVX2), ``neon`` (Arm), ``vsx`` (POWER), ``vxe`` (s390x), ``rvv`` (RISC-V).
+CPU_ATTN_ISAS = ("amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv", "amx_fp8")
+#: kernel paths whose packing kvcore does not read (``csrc/cpu/cpu_attn_amx_fp8.hpp``: K tile packings
+#: that differ between stored versions; ``cpu_attn_neon_bfmmla.hpp``: NEON bfloat16 BFMMLA tiles whose
+#: constants were not checked against a running engine), and why
+CPU_ISAS_NOT_CLAIMED = {
+    "amx_fp8": "the native AMX-FP8 kernel (csrc/cpu/cpu_attn_amx_fp8.hpp) packs K per 64-byte slice in an order that "
+    "differs between vLLM's stored versions of the file; kvcore does not read it",
+}
 
 
 def env_flag(value: Any) -> bool:
@@ -197,6 +209,10 @@ class VllmHints(BaseModel):
         env_kv_cache_layout: the ``VLLM_KV_CACHE_LAYOUT`` the engine ran with (hint
             ``VLLM_KV_CACHE_LAYOUT``, else this process's variable), when no explicit
             layout was given; exactly one of vLLM's accepted values.
+        cpu_attn_isa: vLLM CPU_ATTN's kernel path (the attention layers' ``isa``, chosen by
+            ``cpu_attn.py::_get_attn_isa`` from the CPU, the model dtype, block size and head
+            size): ``amx`` packs K and V in AMX tiles, the other paths store K column-major
+            (:data:`CPU_ATTN_ISAS`). The tensors cannot show it.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
@@ -225,6 +241,19 @@ class VllmHints(BaseModel):
     use_ipex: bool | None = None
     prefill_decode_attention: bool | None = None
     env_kv_cache_layout: str | None = None
+    cpu_attn_isa: str | None = None
+
+    @field_validator("cpu_attn_isa", mode="before")
+    @classmethod
+    def _isa(cls, v):
+        if v is None:
+            return None
+        s = str(v).strip().lower()
+        if s not in CPU_ATTN_ISAS:
+            raise _bad("cpu_attn_isa", v, CPU_ATTN_ISAS)
+        if s in CPU_ISAS_NOT_CLAIMED:
+            raise DetectionError(f"vLLM CPU_ATTN kernel path {s!r} is not claimed by kvcore-vllm: {CPU_ISAS_NOT_CLAIMED[s]}")
+        return s
 
     @field_validator("use_ipex", mode="before")
     @classmethod
@@ -431,6 +460,14 @@ class VllmHints(BaseModel):
         return self.family == "MLA"
 
     @property
+    def cpu_amx(self) -> bool | None:
+        """Whether vLLM's CPU attention ran its AMX kernel path (``cpu_attn_isa``): True for
+        ``amx``, False for any other path, None when not stated."""
+        if self.cpu_attn_isa is None:
+            return None
+        return self.cpu_attn_isa == "amx"
+
+    @property
     def fp8_kind(self) -> str | None:
         """``"e4m3"`` / ``"e5m2"`` for the fp8 cache dtypes, else None."""
         return FP8_KINDS.get(self.cache_dtype or "")
@@ -620,6 +657,17 @@ def declared_hints() -> list[Any]:
             "else the tensors' device and the torch build of the process holding them: accelerator tensors are not the CPU "
             "backend's, CPU tensors may be (its readings are then considered beside the GPU ones); tensors that say nothing "
             "(meta, a description) name this hint where it decides",
+        ),
+        Hint(
+            engine="vllm",
+            name="cpu_attn_isa",
+            meaning="vLLM CPU_ATTN's kernel path (the attention layers' isa): amx stores K and V in AMX tiles, the others "
+            "K column-major then V row-major per block and head; the tensors cannot show it",
+            type="str",
+            values=list(CPU_ATTN_ISAS),
+            default="from the engine's objects (kvcore_vllm.engine); else from the dtype, block size and head size where "
+            "they rule AMX out (AMX needs bfloat16, block_size % 32 == 0, head_size % 32 == 0); else the shapes name this hint",
+            source="vllm/v1/attention/backends/cpu_attn.py::_get_attn_isa; csrc/cpu/cpu_attn_vec.hpp, cpu_attn_amx.hpp",
         ),
         Hint(
             engine="vllm",

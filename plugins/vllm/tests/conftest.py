@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvcore
+from kvcore.testing import TokenGroups
 
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -33,12 +34,20 @@ def encode(
     return v.to(idt).view(num_layers, kv_size, num_slots, num_heads, head_size)
 
 
+def engine_view(view_fn, kv_caches, layer: int, kv: int) -> torch.Tensor:
+    """The engine's view of one plane; a :class:`kvcore.testing.TokenGroups` answer (a block's
+    tokens in groups, ``[NB, BSC, BSE, NH, *elem]``) unwrapped: its rows still flatten
+    row-major to ``[slot, NH, HS]``."""
+    v = view_fn(kv_caches, layer, kv)
+    return v.view if isinstance(v, TokenGroups) else v
+
+
 def fill(kv_caches, view_fn, codes: torch.Tensor) -> None:
     """Write ``codes[layer, kv]`` through the engine view ``view_fn(kv_caches, layer, kv)``."""
     nl, kvs = codes.shape[:2]
     for layer in range(nl):
         for kv in range(kvs):
-            v = view_fn(kv_caches, layer, kv)
+            v = engine_view(view_fn, kv_caches, layer, kv)
             iv = v.view(INT_OF_SIZE[v.element_size()])
             iv.copy_(codes[layer, kv].reshape(iv.shape))
 
@@ -47,7 +56,7 @@ def read(kv_caches, view_fn, nl: int, kvs: int, like: torch.Tensor) -> torch.Ten
     out = torch.empty_like(like)
     for layer in range(nl):
         for kv in range(kvs):
-            v = view_fn(kv_caches, layer, kv)
+            v = engine_view(view_fn, kv_caches, layer, kv)
             out[layer, kv] = v.view(INT_OF_SIZE[v.element_size()]).reshape(out[layer, kv].shape)
     return out
 
@@ -73,7 +82,7 @@ def check_semantic(layout, kv_caches, view_fn, *, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     nl, kvs, nh, hs = layout.num_layers, layout.kv_size, layout.num_heads, layout.head_size
     s = layout.page_buffer_size
-    probe = view_fn(kv_caches, 0, 0)
+    probe = engine_view(view_fn, kv_caches, 0, 0)
     codes = encode(nl, kvs, s, nh, hs * layout.element_size // probe.element_size(), probe.dtype, salt=seed)
     fill(kv_caches, view_fn, codes)
     perm = torch.randperm(s, generator=g)

@@ -17,7 +17,6 @@ from kvcore_vllm import fixtures
 from kvcore_vllm.fixtures import (
     MATRIX,
     MLA_BACKENDS,
-    MULTI_PLANE,
     SLOT_BACKEND_LIMITS,
     SPLIT_K,
     allocate,
@@ -26,6 +25,7 @@ from kvcore_vllm.fixtures import (
     case_name,
     fixture_hints,
     kv_view,
+    slot_row,
 )
 
 import kvcore
@@ -33,14 +33,19 @@ import kvcore
 GEOMS = [(nh, bs, nb) for nh in (1, 2, 8) for bs in (16, 64) for nb in (2, 3) if not (bs == 64 and nb == 3)]
 
 
-def _head_size(backend: str) -> int:
-    """576 for an MLA latent, the smallest head size B12X / ROCM_SEGMENTED_ATTN take (64), else 16."""
+def _head_size(backend: str, extra: dict | None = None) -> int:
+    """576 for an MLA latent, the smallest head size B12X / ROCM_SEGMENTED_ATTN take (64), 32 for
+    CPU_ATTN's AMX path (head_size % 32), else 16."""
+    if (extra or {}).get("cpu_attn_isa") == "amx":
+        return 32
     return 576 if backend in MLA_BACKENDS else 64 if backend in SLOT_BACKEND_LIMITS else 16
 
 
 def _engine_refuses(row, bs: int, nb: int) -> str | None:
     """Why vLLM never allocates ``row`` at this geometry (the fixture raises GeometryError), or None."""
     version, backend, *_, extra = row
+    if extra.get("cpu_attn_isa") == "amx" and bs % 32:
+        return "vLLM CPU_ATTN takes its AMX path for block sizes that are multiples of 32 only (cpu_attn.py::_get_attn_isa)"
     if backend == "B12X" and bs not in SLOT_BACKEND_LIMITS["B12X"]["block_sizes"]:
         return "B12X runs kernel blocks of 64 or 128 tokens (b12x.py _B12X_SUPPORTED_PAGE_SIZES)"
     if extra.get("mamba_hybrid") and nb == 2 and version[:4] in ("0.11", "0.13"):
@@ -54,7 +59,7 @@ def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
     if why:
         with pytest.raises(kvcore.GeometryError):  # the fixture refuses it as vLLM does
             allocate(version, backend, layout, num_layers=layers, num_blocks=nb, block_size=bs, num_kv_heads=nh,
-                     head_size=_head_size(backend), dtype=dtype, **extra)  # fmt: skip
+                     head_size=_head_size(backend, extra), dtype=dtype, **extra)  # fmt: skip
         pytest.skip(why)
     kw = dict(extra)
     block = kw.pop("block_size", bs)
@@ -62,7 +67,7 @@ def _alloc(row, nh, bs, nb, dtype=torch.bfloat16, layers=2):
         kw["kernel_block_size"] = bs
         block = bs * 4
     mla = backend in MLA_BACKENDS
-    hs = _head_size(backend)
+    hs = _head_size(backend, extra)
     kv = allocate(
         version, backend, layout, num_layers=layers, num_blocks=nb, block_size=block, num_kv_heads=1 if mla else nh,
         head_size=hs, dtype=dtype, cross_layer=cross, **kw,
@@ -96,7 +101,9 @@ def test_fixtures_import_nothing_from_detection():
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
     }
-    assert not {m for m in mods if m and (m.startswith("kvcore_vllm") or m.startswith("kvcore.detection") or m == "kvcore.spec")}
+    # kvcore_vllm.writers is vLLM's own writer op (engine code), not a reading of kvcore_vllm's
+    mine = {m for m in mods if m and (m.startswith("kvcore_vllm") or m.startswith("kvcore.detection") or m == "kvcore.spec")}
+    assert not mine - {"kvcore_vllm.writers"}
 
 
 @pytest.mark.parametrize(
@@ -168,20 +175,21 @@ def _slot_rows_match(lay, kv, slots, kvs=2):
     for li in range(lay.num_layers):
         for k in range(kvs):
             v = kv_view(kv, li, k)
-            bs = v.shape[1]
             for i, s in enumerate(slots):
-                want = v[s // bs, s % bs].reshape(-1)
+                want = slot_row(v, s)
                 assert torch.equal(out[k, li, i].view(torch.int16), want.view(torch.int16)), (li, k, s)
 
 
 @pytest.mark.parametrize("version", ["0.24.0", "0.26.0"])
 def test_cpu_attn_rows_issue_geometry(version):
-    """(NB, NH, BS, 2*HS) read by view(NB, NH, 2*BS, HS).chunk(2, dim=2): per (block, head) BS K
-    rows then BS V rows. Geometry of the issue: 2 layers, NB 3, BS 16, NH 2, HS 64, bf16, random bytes."""
+    """(NB, NH, BS, 2*HS) is only the container ``view(NB, NH, 2*BS, HS).chunk(2, dim=2)`` hands the
+    kernel; vLLM's CPU kernel stores per (block, head) K column-major ([HS, BS]) then V row-major
+    (cpu_attn_vec.hpp; proven by vLLM's writer in tests/engine). Block size 16 takes the vec16 path
+    (no AMX), so no kernel-path hint is needed. 2 layers, NB 3, BS 16, NH 2, HS 64, bf16, random bytes."""
     kv = allocate(version, "CPU_ATTN", "HND", num_layers=2, num_blocks=3, block_size=16, num_kv_heads=2, head_size=64)
     _random_fill(kv)
     lay = kvcore.detect(kv, "vllm", {"device_type": "cpu", "vllm_version": version, "dtype": "bfloat16"})
-    assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+    assert lay.format.name == fixtures.CPU_VEC
     _slot_rows_match(lay, kv, list(range(48)))
 
 
@@ -370,7 +378,7 @@ def test_fp8_ds_mla_head_size_576_is_the_engines_truth(version, semantic):
     [
         ("0.33.0", "FLASH_ATTN", "LBNHC", "NL_X_NB_BS_NH_CS"),
         ("0.33.0", "FLASH_ATTN", "LBHNC", "NL_X_NB_NH_BS_CS"),
-        ("0.33.0", "CPU_ATTN", "LBHNC", "NL_X_NB_NH_TWO_BS_HS"),
+        ("0.33.0", "CPU_ATTN", "LBHNC", fixtures.CPU_VEC),
         ("0.24.0", "FLASH_ATTN", "NHD", "NL_X_NB_TWO_BS_NH_HS"),
         ("0.26.0", "FLASH_ATTN", "HND", "NL_X_NB_NH_BS_CS"),
     ],
@@ -379,7 +387,7 @@ def test_manager_block_size_split_into_kernel_blocks(version, backend, layout, f
     kv = allocate(version, backend, layout, num_layers=2, num_blocks=2, block_size=64, kernel_block_size=16, num_kv_heads=2, head_size=16)
     hints = {"vllm_version": version, "attention_backend": backend, "kv_cache_layout": layout, "block_size": 64}
     if backend == "CPU_ATTN":
-        hints["device_type"] = "cpu"
+        hints.update(device_type="cpu", cpu_attn_isa="vec16")  # bfloat16 blocks of 16: vec16 (Arm's BFMMLA tiles otherwise)
     lay = kvcore.detect(kv, "vllm", hints)  # cache_config.block_size 64: the kernel reads blocks of 16
     assert (lay.format.name, lay.block_size, lay.num_blocks) == (fmt, 16, 8)
     assert "kernel" in lay.note or "manager" in lay.note
@@ -396,7 +404,14 @@ def test_kernel_blocks_need_dense_pages():
 # -- multi-plane names: K and V of different orders ---------------------------------------------
 
 
-SPLIT_ROWS = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] in MULTI_PLANE]
+SPLIT_ROWS = [pytest.param(r, id=case_name(*r[:4], r[5])) for r in MATRIX if r[4] == SPLIT_K]
+
+
+def test_the_cpu_kernel_rows():
+    """vLLM CPU_ATTN rows are named by the kernel's packing, per kernel path, from 0.13."""
+    rows = {case_name(*r[:4], r[5]): r[4] for r in MATRIX if r[1] == "CPU_ATTN"}
+    assert set(rows.values()) == {fixtures.CPU_VEC, fixtures.CPU_AMX}
+    assert {n.split("-")[1] for n in rows} == {"0.13", "0.24", "0.26", "0.29"}
 
 
 def test_the_split_rows():
@@ -405,7 +420,7 @@ def test_the_split_rows():
     them that sit beside Mamba layers restrided (0.11 / 0.13 every (2, NB, ...) tensor, 0.24 / 0.26
     ROCM_ATTN, whose block dim is 1). 0.33 ROCM_SEGMENTED_ATTN shares ROCM_ATTN's head slots but
     reads them token-major: not a split row."""
-    ids = {case_name(*r[:4], r[5]) for r in MATRIX if r[4] in MULTI_PLANE}
+    ids = {case_name(*r[:4], r[5]) for r in MATRIX if r[4] == SPLIT_K}
     assert ids == {
         "vllm-0.11-ROCM_ATTN-NHD-prefill_decode",
         "vllm-0.13-ROCM_ATTN-NHD",

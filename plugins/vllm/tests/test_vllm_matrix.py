@@ -83,6 +83,8 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
     hints = {k: full[k] for k in ("device_type", "use_ipex", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION") if k in full}
     hints.setdefault("device_type", "cuda")  # the platform: CPU tensors may also be vLLM CPU's (platform_cpu)
     hints["tensor_order"] = "allocated"
+    if "CPU_ATTN" in name:
+        hints["cpu_attn_isa"] = full["cpu_attn_isa"]  # the kernel path packs the block; no tensor shows it
     if "TORCH_SDPA" in name:
         hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
     if "PALLAS" in name:

@@ -156,15 +156,16 @@ def _segments(p: Plane) -> tuple[list[int], list[int], int]:
     row on each side. One segment when all heads are one run on both sides (NHD, MLA);
     else one per head, or one per (head, chunk) when heads are chunked."""
     s, st = p.strides, p.staging
-    if s.n_chunks == 1:
+    if s.n_chunks == 1 and s.n_sub == 1:
         if p.num_heads == 1 or (s.head == p.head_bytes and st.head_stride == p.head_bytes):
             return [0], [0], p.num_heads * p.head_bytes
         return [h * s.head for h in range(p.num_heads)], [h * st.head_stride for h in range(p.num_heads)], p.head_bytes
     cache, stage = [], []
     for h in range(p.num_heads):
         for c in range(s.n_chunks):
-            cache.append(h * s.head + c * s.chunk)
-            stage.append(h * st.head_stride + c * s.chunk_bytes)
+            for j in range(s.n_sub):
+                cache.append(h * s.head + c * s.chunk + j * s.sub)
+                stage.append(h * st.head_stride + (c * s.n_sub + j) * s.chunk_bytes)
     return cache, stage, s.chunk_bytes
 
 
