@@ -60,11 +60,11 @@ def _inputs(req: Path, seen: set[Path] | None = None) -> list[Path]:
     return out
 
 
-def digest(req: Path, python: str) -> str:
+def digest(req: Path, python: str, root: Path = ROOT) -> str:
     """The digest recorded for ``req`` (see the module docstring)."""
-    h = hashlib.sha256(f"{ROOT}\n{python}\n".encode())
+    h = hashlib.sha256(f"{root}\n{python}\n".encode())
     for path in _inputs(req.resolve()):
-        h.update(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}\n".encode())
+        h.update(f"{path.relative_to(root) if path.is_relative_to(root) else path}\n".encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -87,17 +87,22 @@ def _load(stamp: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def install(venv: Path, req: str, *, force: bool) -> bool:
-    """Install ``req`` into ``venv`` unless its recorded digest is current; True when pip ran."""
+def install(venv: Path, req: str, *, force: bool = False, root: Path = ROOT) -> bool:
+    """Install ``root/req`` into ``venv`` unless its recorded digest is current; True when pip ran.
+
+    Raises:
+        subprocess.CalledProcessError: pip failed (nothing is recorded then).
+    """
     python = _venv_python(venv) or ""
     stamp = venv / STAMP
-    key = digest(ROOT / req, python)
+    key = digest(root / req, python, root)
     if not force and _load(stamp).get(req) == key:
-        _say(f"{req}: unchanged since it was installed ({stamp.relative_to(ROOT)}): skipped")
+        shown = stamp.relative_to(root) if stamp.is_relative_to(root) else stamp
+        _say(f"{req}: unchanged since it was installed (recorded in {shown}): skipped")
         return False
     _say(f"{req}: pip install -r {req}")
     t0 = time.monotonic()
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-r", req], cwd=ROOT, check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-r", req], cwd=root, check=True)
     stamp.write_text(json.dumps({**_load(stamp), req: key}, indent=1, sort_keys=True) + "\n")
     _say(f"{req}: installed in {time.monotonic() - t0:.0f} s")
     return True
