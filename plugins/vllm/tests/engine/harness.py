@@ -178,7 +178,7 @@ def make_llm(
 ) -> LLM:
     """``vllm.LLM`` on the CPU, in this process, with informative dummy weights."""
     with _informative_weights():
-        return LLM(
+        llm = LLM(
             model=model_dir,
             load_format="dummy",
             skip_tokenizer_init=True,
@@ -193,6 +193,18 @@ def make_llm(
             seed=0,
             **kw,
         )
+    _negative_decay(llm)
+    return llm
+
+
+def _negative_decay(llm: LLM) -> None:
+    """Mamba's decay ``A`` must be negative (vLLM loads ``A = -exp(A_log)`` from a checkpoint;
+    the dummy loader writes ``A`` itself, and a positive decay makes the state, and every
+    logit, overflow to NaN: GraniteMoeHybrid then answers token 0 whatever its cache holds)."""
+    with torch.no_grad():
+        for name, p in runner_of(llm).model.named_parameters():
+            if name.endswith(".A") and p.is_floating_point():
+                p.copy_(-p.abs())
 
 
 def close(llm: LLM | None) -> None:
