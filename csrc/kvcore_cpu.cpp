@@ -5,9 +5,11 @@
 // scatter: staging buffers -> paged cache
 // The CPU kernel walks rows (plane, layer, token); each contiguous run (a whole row of a
 // plane where the layout keeps it contiguous on both sides, e.g. NHD; one head's run for
-// HND or interleaved staging; one chunk for chunked heads) is one copy (copy_run: a
-// 16-byte vector loop). Bytes move unchanged, so every dtype (fp8, NaN payloads, -0) is
-// bit-exact. A transfer below the per-thread byte grain stays on the calling thread: on
+// HND or interleaved staging) is one copy (copy_run: a 16-byte vector loop). A head split
+// into chunks (its elements not one run: a column-major [HS, BS] head, VNNI tiles) moves
+// the block's tokens that follow each other in the slot mapping together, per head one
+// register-tiled transpose of chunk-sized items (kvcore_tile.h), the next head's rows
+// prefetched. Bytes move unchanged, so every dtype (fp8, NaN payloads, -0) is bit-exact. A transfer below the per-thread byte grain stays on the calling thread: on
 // a busy host, waking a pool thread costs more than moving a few MB.
 //
 // Nothing here throws across the ABI: a refused call returns a non-zero code and the
@@ -27,6 +29,7 @@
 
 #include "kvcore_ops.h"
 #include "kvcore_copy.h"
+#include "kvcore_tile.h"
 
 #ifdef KVCORE_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -397,13 +400,41 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
           else copy_run(cache + h * p->head, row + h * p->st_head, p->head_bytes);
         }
       } else {
-        for (int64_t h = 0; h < p->num_heads; ++h)
-          for (int64_t c = 0; c < p->n_chunks; ++c) {
-            char* a = cache + h * p->head + c * p->chunk;
-            char* b = row + h * p->st_head + c * p->chunk_bytes;
-            if (kGather) copy_run(b, a, p->chunk_bytes);
-            else copy_run(a, b, p->chunk_bytes);
+        // a head in chunks (its elements not one run): where a chunk's items of consecutive
+        // tokens sit side by side (token stride == chunk bytes: a column-major [HS, BS] head,
+        // VNNI tiles, 16-byte chunks across tokens), the block's tokens that follow in the
+        // slot mapping move together, per head one [n_chunks, n] <-> [n, n_chunks] transpose
+        int64_t n = 1;
+        if (p->token == p->chunk_bytes) {
+          const int64_t lim = std::min(T - t, end - r);
+          while (n < lim && ko[t + n] == off + n * p->token) ++n;
+        }
+        const int64_t span = (n - 1) * p->token + p->chunk_bytes;  // bytes of one chunk row of the run
+        for (int64_t h = 0; h < p->num_heads; ++h) {
+          char* a = cache + h * p->head;
+          char* b = row + h * p->st_head;
+          // the next head's rows (or the next run's first head, as long as this one), both
+          // sides, while this head moves: a head's chunk rows start a new stream per page
+          const char* na = nullptr;
+          const char* nb = nullptr;
+          int64_t nn = n;
+          if (h + 1 < p->num_heads) {
+            na = a + p->head;
+            nb = b + p->st_head;
+          } else if (t + n < T && ko[t + n] >= 0) {
+            na = pbase + ko[t + n];
+            nb = srow + (t + n) * p->st_tok;
+            nn = std::min(n, T - t - n);
           }
+          if (na != nullptr) {
+            tile::prefetch_rows<!kGather>(na, p->n_chunks, p->chunk, nn == n ? span : (nn - 1) * p->token + p->chunk_bytes);
+            tile::prefetch_rows<kGather>(nb, nn, p->st_tok, p->head_bytes);
+          }
+          if (kGather) tile::transpose_items(b, p->st_tok, a, p->chunk, p->n_chunks, n, p->chunk_bytes);
+          else tile::transpose_items(a, p->chunk, b, p->st_tok, n, p->n_chunks, p->chunk_bytes);
+        }
+        r += n - 1;
+        t += n - 1;
       }
     }
   };

@@ -20,7 +20,7 @@ Layouts are declared by plugins (entry-point group ``kvcore``); the core knows n
 
 from __future__ import annotations
 
-from kvcore.detection import TENSOR_ORDER, Candidate, Planes, detect, detect_per_layer, memory_ordered, resolve, split_aliases
+from kvcore.detection import TENSOR_ORDER, Candidate, Layers, Planes, detect, detect_per_layer, memory_ordered, resolve, split_aliases
 from kvcore.distributed import recv, send
 from kvcore.errors import (
     AmbiguousLayoutError,
@@ -31,13 +31,13 @@ from kvcore.errors import (
     PluginError,
     TransferError,
 )
-from kvcore.formats import KVFormat, Source
+from kvcore.format_decl import KVFormat, Source
 from kvcore.grammar import parse as parse_format
-from kvcore.hints import Hint
+from kvcore.hint_decl import Hint, tensor_order_hint
 from kvcore.hookspecs import hookimpl
 from kvcore.layout import Detection, KVLayout, PageBufferShapeDesc, build_layout
 from kvcore.layout_copy import copy
-from kvcore.plan import LayoutPlan, plan, synchronize
+from kvcore.layout_plan import LayoutPlan, plan, synchronize
 from kvcore.registry import (
     KVCorePluginWarning,
     disable_plugins,
@@ -65,6 +65,7 @@ __all__ = [
     "KVCorePluginWarning",
     "KVFormat",
     "KVLayout",
+    "Layers",
     "LayoutPlan",
     "PageBufferShapeDesc",
     "Plane",
@@ -104,5 +105,6 @@ __all__ = [
     "slots_for_blocks",
     "split_aliases",
     "synchronize",
+    "tensor_order_hint",
     "unregister_plugin",
 ]

@@ -63,13 +63,23 @@ class Case:
     head_size: int
     storage_dtype: torch.dtype
     dtype: torch.dtype
-    kind: str = "classic"  # "quant": int8 K/V values + bf16 per-(token, head) scales, four planes
+    kind: str = "classic"  # "quant": int8 K/V values + bf16 per-(token, head) scales, four planes;
+    # "shared": a two-plane name whose planes are views of one per-layer tensor (_shared_planes)
 
 
 _LLAMA = dict(num_layers=32, num_heads=8, head_size=128)
 #: the quantised case's multi-plane name: int8 K and V values, bf16 per-(token, head) scales
 QUANT_FORMAT = "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS+KS=NL_X_NB_BS_NH+VS=NL_X_NB_BS_NH"
 _MLA = dict(num_layers=61, num_heads=1, head_size=576)
+
+#: two planes in one per-layer tensor ``[NB, NH, 2 * BS * HS]`` (per block and head: the K
+#: plane's ``BS * HS`` elements, then V's), K not head-contiguous: column-major ``[HS, BS]``
+#: (``KT``), or tiles of 16 tokens x 4 bytes of elements ``[BS/16, HS/p, 16, p]`` (``Ktile``,
+#: p = 4 / element size: VNNI pairs of bf16); V row-major ``[BS, HS]``
+KT_FORMAT = "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
+KTILE_FORMAT = "K=NL_X_NB_NH_BSC_HSC_BSE_HSE+V=NL_X_NB_NH_BS_HS"
+#: tokens per tile (BSE) of the ``Ktile`` case
+TILE_TOKENS = 16
 
 CASES: dict[str, Case] = {
     "NHD": Case("NHD", "NL_X_TWO_NB_BS_NH_HS", **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
@@ -78,6 +88,9 @@ CASES: dict[str, Case] = {
     "MLA-bf16": Case("MLA-bf16", "NL_X_NB_BS_HS", **_MLA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
     "MLA-fp8": Case("MLA-fp8", "NL_X_NB_BS_HS", **_MLA, storage_dtype=torch.uint8, dtype=torch.float8_e4m3fn),
     "Q-int8": Case("Q-int8", QUANT_FORMAT, **_LLAMA, storage_dtype=torch.int8, dtype=torch.int8, kind="quant"),
+    "KT": Case("KT", KT_FORMAT, **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16, kind="shared"),
+    "KT-fp8": Case("KT-fp8", KT_FORMAT, **_LLAMA, storage_dtype=torch.uint8, dtype=torch.float8_e4m3fn, kind="shared"),
+    "Ktile": Case("Ktile", KTILE_FORMAT, **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16, kind="shared"),
 }
 
 BLOCK_SIZES = (16, 64, 256)
@@ -237,6 +250,49 @@ def quantised_table(
     return table, tensors
 
 
+def shared_planes(
+    name: str, *, num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_size: int, dtype: torch.dtype, device
+) -> dict[str, list[torch.Tensor]]:
+    """Per layer one tensor ``[NB, NH, 2 * BS * HS]`` of ``dtype`` (random bytes) whose two
+    halves per (block, head) are the planes of the two-plane ``name`` (first plane first),
+    each viewed in its template's order of the axes after ``NB_NH``: ``HS``, ``BS``, and
+    ``BSC``/``BSE`` (tiles of :data:`TILE_TOKENS` tokens), ``HSC``/``HSE`` (``HSE``: 4 bytes
+    of elements).
+
+    Returns:
+        ``{role: [view per layer]}`` for :func:`kvcore.build_layout`.
+    Raises:
+        kvcore.GeometryError: a name that is not two planes ``NL_X_NB_NH_...``, or a block
+            size its token tiles do not divide.
+    """
+    from kvcore.errors import GeometryError
+    from kvcore.grammar import parse
+
+    syn = parse(name)
+    if len(syn.planes) != 2:
+        raise GeometryError(f"{name}: shared_planes lays out two planes")
+    esz = torch.empty(0, dtype=dtype).element_size()
+    pair = max(1, 4 // esz)
+    sizes = {"HS": head_size, "BS": block_size, "BSE": TILE_TOKENS, "BSC": block_size // TILE_TOKENS, "HSE": pair, "HSC": head_size // pair}
+    if block_size % TILE_TOKENS and any(p.syntax.has("BSC") for p in syn.planes):
+        raise GeometryError(f"{name}: block_size {block_size} is not a multiple of {TILE_TOKENS}")
+    half = block_size * head_size
+    out: dict[str, list[torch.Tensor]] = {p.role: [] for p in syn.planes}
+    for _ in range(num_layers):
+        t = random_fill(torch.empty(num_blocks, num_heads, 2 * half, dtype=dtype, device=device))
+        for i, p in enumerate(syn.planes):
+            inner = p.syntax.axes[2:]
+            if p.syntax.axes[:2] != ("NB", "NH") or p.syntax.list_levels != ("NL",):
+                raise GeometryError(f"{name}: plane {p.role} is not NL_X_NB_NH_...")
+            out[p.role].append(t[:, :, i * half : (i + 1) * half].unflatten(2, tuple(sizes[a] for a in inner)))
+    return out
+
+
+def random_slots(num_tokens: int, num_slots: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    """int64 ``[num_tokens]``: distinct slots of ``[0, num_slots)`` in random order."""
+    return torch.randperm(num_slots, generator=gen)[:num_tokens].contiguous()
+
+
 def block_slots(num_tokens: int, block_size: int, block_ids: torch.Tensor) -> torch.Tensor:
     """int64 ``[num_tokens]``: whole blocks ``block_ids`` in order, ``id*BS + [0, BS)``."""
     s = (block_ids[:, None].to(torch.int64) * block_size + torch.arange(block_size, device=block_ids.device)[None, :]).flatten()
@@ -246,8 +302,10 @@ def block_slots(num_tokens: int, block_size: int, block_ids: torch.Tensor) -> to
 # -- timing ------------------------------------------------------------------------------
 
 
-def _timer(device: torch.device, calls: int) -> Callable[[Callable[[int], None]], float]:
-    """Returns ``time(fn)``: the seconds of one call of ``fn(i)``, over ``calls`` calls."""
+def _timer(device: torch.device, calls: int, clock: str = "wall") -> Callable[[Callable[[int], None]], float]:
+    """Returns ``time(fn)``: the seconds of one call of ``fn(i)``, over ``calls`` calls.
+    ``clock="cpu"`` (CPU device): the process's CPU seconds (every thread's), not wall time:
+    on a shared host a preempted call is not charged for the time it did not run."""
     if device.type == "cuda":
 
         def t_cuda(fn: Callable[[int], None]) -> float:
@@ -261,11 +319,13 @@ def _timer(device: torch.device, calls: int) -> Callable[[Callable[[int], None]]
 
         return t_cuda
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def t_cpu(fn: Callable[[int], None]) -> float:
-        t0 = time.perf_counter()
+        t0 = now()
         for i in range(calls):
             fn(i)
-        return (time.perf_counter() - t0) / calls
+        return (now() - t0) / calls
 
     return t_cpu
 
@@ -277,7 +337,15 @@ def _median_time(fn: Callable[[int], None], device: torch.device, repeats: int, 
 def _median_times(fns: dict[str, Callable[[int], None]], device: torch.device, repeats: int, calls: int) -> dict[str, float]:
     """Median seconds per call of each function; the functions take turns within every
     repeat, so a machine whose speed drifts (other load, clocks) affects them alike."""
-    timer = _timer(device, calls)
+    return {k: statistics.median(v) for k, v in _sample_times(fns, device, repeats, calls).items()}
+
+
+def _sample_times(
+    fns: dict[str, Callable[[int], None]], device: torch.device, repeats: int, calls: int, clock: str = "wall"
+) -> dict[str, list[float]]:
+    """Seconds per call of each function in every repeat (``repeats`` samples each, the
+    functions taking turns within a repeat: sample ``i`` of two functions ran back to back)."""
+    timer = _timer(device, calls, clock)
     for fn in fns.values():
         fn(0)  # warm-up (also builds the native library, uploads pointer tables)
     if device.type == "cuda":
@@ -286,7 +354,7 @@ def _median_times(fns: dict[str, Callable[[int], None]], device: torch.device, r
     for _ in range(repeats):
         for k, fn in fns.items():
             samples[k].append(timer(fn))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
 
 
 def _graph_times(fns: dict[str, Callable[[int], None]], device: torch.device, repeats: int, calls: int) -> dict[str, float]:
@@ -366,6 +434,12 @@ class Row:
     public_seconds: float | None = None  # kvcore.gather / kvcore.scatter per call (validate default), same run
     public_vs_kernel: float | None = None  # public time / kernel-entry time (1.00 = no overhead)
     public_graph_seconds: float | None = None  # cuda: the public call captured in a CUDA graph, per call
+    clock: str = "wall"  # CPU rows: "wall" seconds, or "cpu" (the process's CPU seconds, every thread)
+    slots: str = "blocks"  # the slot mapping: "blocks" (whole blocks in random order) or "random" (a random permutation of slots)
+    gbps_range: tuple[float, float] | None = None  # kernel GB/s, lowest and highest over the repeats
+    vs_copy_range: tuple[float, float] | None = None  # per repeat: copy time / kernel time of that repeat (they ran back to back)
+    public_vs_copy: float | None = None  # the public call against the same-run copy (median copy time / median public time)
+    public_vs_copy_range: tuple[float, float] | None = None  # per repeat, as vs_copy_range
 
 
 def _kernels(device: torch.device):
@@ -387,11 +461,16 @@ def bench_case(
     host_reference: bool = True,
     seed: int = 0,
     sample_bytes: float = 400e6,
+    slots: str = "blocks",
+    clock: str = "wall",
 ) -> list[Row]:
     """Benchmark one layout/geometry; returns the rows (both directions, and the pinned
     host rows when ``host``). On CPU one timed sample repeats the call until about
     ``sample_bytes`` bytes moved (at most 20 calls): ~100 ms by default, less for
-    ``--quick``."""
+    ``--quick``. ``slots``: ``"blocks"`` (whole blocks in random order, a request's
+    consecutive slots) or ``"random"`` (a random permutation of the pool's slots).
+    ``clock``: ``"wall"``, or ``"cpu"`` (CPU device: the process's CPU seconds, see
+    :func:`_timer`)."""
     import kvcore
     from kvcore.kernels import TransferPlan
 
@@ -403,8 +482,12 @@ def bench_case(
     sets = max(1, min(8, math.ceil(_L2_ROTATE_BYTES / payload))) if device.type == "cuda" else 1
     num_blocks = (sets + 1) * nblk
     layout, table, new_staging = _setup(case, block_size, num_blocks, device)
-    perm = torch.randperm(num_blocks, generator=gen)
-    slot_sets = [block_slots(tokens, block_size, perm[i * nblk : (i + 1) * nblk]).to(device) for i in range(sets)]
+    if slots == "random":  # disjoint sets: consecutive pieces of one permutation of every slot
+        perm = torch.randperm(num_blocks * block_size, generator=gen)
+        slot_sets = [perm[i * tokens : (i + 1) * tokens].contiguous().to(device) for i in range(sets)]
+    else:
+        perm = torch.randperm(num_blocks, generator=gen)
+        slot_sets = [block_slots(tokens, block_size, perm[i * nblk : (i + 1) * nblk]).to(device) for i in range(sets)]
     staging = [new_staging(tokens, device) for _ in range(sets)]
     plans = [TransferPlan(table=table, slots=slot_sets[i], staging=staging[i], num_valid=tokens) for i in range(sets)]
     kernel = select_kernel(device.type, case.format, device.type, table)
@@ -422,8 +505,16 @@ def bench_case(
             fns["pub-" + d] = lambda i, d=d: getattr(kvcore, d)(layout, slot_sets[i % sets], staging[i % sets])
         if with_reference and kernel is not reference:
             fns["ref-" + d] = lambda i, d=d: getattr(reference, d)(plans[i % sets])
-    tm = _median_times(fns, device, repeats, calls)
+    samples = _sample_times(fns, device, repeats, calls, clock if device.type == "cpu" else "wall")
+    tm = {k: statistics.median(v) for k, v in samples.items()}
     copy_s = tm["copy"]
+
+    def ratio_range(key: str) -> tuple[float, float] | None:
+        if key not in samples:
+            return None
+        r = [c / x for c, x in zip(samples["copy"], samples[key])]
+        return (min(r), max(r))
+
     gt: dict[str, float] = {}
     if device.type == "cuda" and kernel is not reference:
         gt = _graph_times(
@@ -459,6 +550,12 @@ def bench_case(
                 public_seconds=tm.get("pub-" + direction),
                 public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
                 public_graph_seconds=gt.get("pub-" + direction),
+                slots=slots,
+                clock=clock if device.type == "cpu" else "wall",
+                gbps_range=(2 * payload / max(samples[direction]) / 1e9, 2 * payload / min(samples[direction]) / 1e9),
+                vs_copy_range=ratio_range(direction),
+                public_vs_copy=copy_s / tm["pub-" + direction] if "pub-" + direction in tm else None,
+                public_vs_copy_range=ratio_range("pub-" + direction),
             )
         )
     if host and device.type == "cuda":
@@ -506,6 +603,7 @@ def bench_case(
                     vs_reference=None if ref_s is None else ref_s / sec,
                     public_seconds=tm.get("pub-" + direction),
                     public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
+                    slots=slots,
                 )
             )
     return rows
@@ -554,6 +652,23 @@ def _setup(case: Case, block_size: int, num_blocks: int, device: torch.device):
             return _fill_staging({b.key: torch.empty(b.shape(case.num_layers, t), dtype=b.dtype, device=dev) for b in table.buffers})
 
         return layout, table, new_staging
+    if case.kind == "shared":
+        planes = shared_planes(
+            case.format,
+            num_layers=case.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=case.num_heads,
+            head_size=case.head_size,
+            dtype=case.storage_dtype,
+            device=device,
+        )
+        layout = kvcore.build_layout(case.format, planes, dtype=case.dtype if case.dtype != case.storage_dtype else None)
+
+        def new_staging_shared(t: int, dev):
+            return _fill_staging(torch.empty(layout.staging_shape(t), dtype=case.dtype, device=dev))
+
+        return layout, layout.stride_table(), new_staging_shared
     from kvcore.grammar import parse
 
     syn = parse(case.format)
@@ -610,6 +725,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_range(1, MAX_REPEATS),
         default=None,
         help=f"timed repeats per measurement, 1..{MAX_REPEATS}; the median is reported",
+    )
+    parser.add_argument(
+        "--slots",
+        choices=["blocks", "random"],
+        default="blocks",
+        help="the slot mapping: whole blocks in random order (a request's consecutive slots; the default) or a random "
+        "permutation of the pool's slots",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="CPU rows: time by the wall clock (default) or by the process's CPU seconds (every thread's; on a shared host "
+        "a call is not charged for time other processes ran; GB/s are then per CPU second)",
     )
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference kernel")
     parser.add_argument("--no-host", action="store_true", help="cuda: skip the pinned-host rows")
@@ -675,13 +804,21 @@ def format_table(rows: list[Row]) -> str:
     """A markdown table of ``rows``."""
     head = (
         "| layout | dtype | BS | T | direction | staging | kernel | MB | µs | GB/s | baseline GB/s | vs baseline | reference GB/s "
-        "| vs reference | public API µs | public / kernel | graph µs | graph vs copy | public graph µs |\n"
-        "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| vs reference | public API µs | public / kernel | graph µs | graph vs copy | public graph µs | slots | GB/s spread "
+        "| vs baseline spread | public vs baseline (spread) |\n"
+        "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| --- | ---: | ---: | ---: |"
     )
     lines = [head]
 
     def num(v, fmt="{:.1f}", scale=1.0):
         return "-" if v is None else fmt.format(v * scale)
+
+    def span(v, fmt, scale=1.0):  # lowest–highest over the repeats
+        return "-" if v is None else f"{fmt.format(v[0] * scale)}–{fmt.format(v[1] * scale)}"
+
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.1f}%"
 
     for r in rows:
         ref = "-" if r.reference_gbps is None else f"{r.reference_gbps:.1f}"
@@ -691,7 +828,10 @@ def format_table(rows: list[Row]) -> str:
             f"{r.seconds * 1e6:.1f} | {r.gbps:.1f} | {r.baseline_gbps:.1f} | {100 * r.vs_copy:.1f}% | {ref} | {vr} | "
             f"{num(r.public_seconds, scale=1e6)} | {num(r.public_vs_kernel, '{:.3f}x')} | "
             + ("- | - |" if r.graph_seconds is None else f"{r.graph_seconds * 1e6:.1f} | {100 * r.graph_vs_copy:.1f}% |")
-            + f" {num(r.public_graph_seconds, scale=1e6)} |"
+            + f" {num(r.public_graph_seconds, scale=1e6)} | {r.slots}{'' if r.clock == 'wall' else ', cpu clock'} | {span(r.gbps_range, '{:.1f}')} | "
+            f"{span(r.vs_copy_range, '{:.1f}%', 100)} | {pct(r.public_vs_copy)}"
+            + ("" if r.public_vs_copy_range is None else f" ({span(r.public_vs_copy_range, '{:.1f}', 100)})")
+            + " |"
         )
     return "\n".join(lines)
 
@@ -903,6 +1043,8 @@ def run(args: argparse.Namespace) -> int:
             host=not args.no_host,
             host_reference=(b == bss[0]),
             sample_bytes=sample_bytes,
+            slots=getattr(args, "slots", "blocks"),
+            clock=getattr(args, "clock", "wall"),
         )
         rows += new
         progress.finished(label, len(new), time.monotonic() - t_case)
@@ -918,6 +1060,8 @@ def run(args: argparse.Namespace) -> int:
         small += got
         progress.note(f"small transfers T={t}: {len(got)} rows in {time.monotonic() - t_case:.1f} s")
     progress.close()
+    meta["loadavg_end"] = _loadavg()
+    meta["clock"] = getattr(args, "clock", "wall") if device.type == "cpu" else "wall"
     data = [asdict(r) for r in rows]
     sdata = [asdict(r) for r in small]
     if args.output:
@@ -926,7 +1070,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"meta": meta, "rows": data, "small": sdata}, indent=1))
     else:
-        print(f"# {meta['device_name']} | torch {meta['torch']} | {meta['threads']} threads")
+        load = "" if meta["loadavg_start"] is None else f" | load average {meta['loadavg_start'][0]} -> {meta['loadavg_end'][0]}"
+        print(f"# {meta['device_name']} | torch {meta['torch']} | {meta['threads']} threads{load}")
         if "quick" in meta:
             print(f"# {meta['quick']}")
         print(format_table(rows))
@@ -948,7 +1093,30 @@ def _meta(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "native": {"loaded": st.loaded, "cuda": st.cuda, "reason": st.reason},
         "gbps_counts": "device rows: bytes read + bytes written; pinned rows: bytes crossing the host link once",
+        "loadavg_start": _loadavg(),
+        "cpu_model": _cpu_model() if device.type == "cpu" else None,
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _loadavg() -> list[float] | None:
+    """The host's 1, 5 and 15 minute load averages (None where the OS has none): a shared
+    machine's other work, to read CPU rows by."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

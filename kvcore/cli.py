@@ -569,7 +569,9 @@ def _layout_dict(layout: Any) -> dict[str, Any]:
         d["plugin"] = getattr(layout, "plugin", None) or registry.format_owner(layout.format.name)
     except KeyError:
         d["plugin"] = None
-    d["sources"] = [str(s) for s in layout.format.sources]
+    # the answering plugin's own declaration's sources (the merged format lists every declaring plugin's)
+    own = registry.host().declarations.get(layout.format.name, {}).get(d["plugin"]) if d["plugin"] else None
+    d["sources"] = [str(s) for s in (own.sources if own is not None and own.sources else layout.format.sources)]
     syn = layout.format.syntax
     d["head_order"] = ("HND" if syn.is_hnd else "NHD") if (syn.has("NH") and syn.has("BS")) else None
     try:

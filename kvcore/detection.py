@@ -125,6 +125,24 @@ class Planes(dict):
         return f"Planes({dict.__repr__(self)})"
 
 
+class Layers(list):
+    """A list whose items are **one layer each**, in layer order: what kvcore hands a detector
+    whenever it knows the outer level is layers -- the entries of a dict of layer names
+    (``{"model.layers.0.attn": ..., ...}``, put in layer order) and every group
+    :func:`detect_per_layer` detects. Item ``i`` is layer ``i``'s entry exactly as the caller
+    gave it: a tensor, a per-layer ``(K, V)`` pair, a tuple of planes.
+
+    A plain list or tuple from the caller arrives as it is: its outer level may be layers or
+    K/V (``[k_layers, v_layers]``), and for two layers of two same-shaped tensors each the two
+    readings look alike. A detector that reads ``[[K, V], [K, V]]`` as ``[K list, V list]`` takes
+    layer 0's V for layer 1's K; given a ``Layers`` it must read each item as one layer. A
+    caller may pass ``kvcore.Layers([...])`` to say the same.
+    """
+
+    def __repr__(self) -> str:
+        return f"Layers({list.__repr__(self)})"
+
+
 def _is_planes(x: Any) -> bool:
     """``x`` is a dict of plane roles: :class:`Planes`, or a plain dict whose keys are all
     role names without a digit (a layer name carries a layer number: ``layers.0``)."""
@@ -190,7 +208,7 @@ def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any
             order = sorted(range(len(items)), key=lambda i: (keys[i], i))
             items = [items[i] for i in order]
         names = [str(k) for k, _ in items]
-        kv_caches = [v for _, v in items]
+        kv_caches = Layers(v for _, v in items)
     if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 0:
         raise DetectionError("kv_caches is empty; pass the engine's KV cache tensors (a list, tuple or dict of layers)")
     if not tensors_in(kv_caches):
@@ -342,7 +360,7 @@ def _check_registered(fmt: Any) -> None:
         FormatError: a malformed name (naming the token).
         DetectionError: not a format name, or a name no loaded plugin registers.
     """
-    from kvcore.formats import KVFormat
+    from kvcore.format_decl import KVFormat
     from kvcore.grammar import parse
 
     name = fmt.name if isinstance(fmt, KVFormat) else fmt
@@ -384,6 +402,28 @@ def _advice(container: Any, rejected: Sequence[str]) -> str:
     return ("\n" + "\n".join(lines)) if lines else ""
 
 
+def _engine_name(engine: Any) -> str:
+    """The engine argument of :func:`detect` / :func:`detect_per_layer`: one engine name.
+
+    Raises:
+        DetectionError: not a non-empty ``str`` (a list of engines, None, an enum member
+            without a string value...), naming the engines the installed plugins declare.
+    """
+    if isinstance(engine, str) and engine.strip():
+        return engine
+    v = getattr(engine, "value", None)  # an enum member whose value is the engine's name
+    if isinstance(v, str) and v.strip() and not isinstance(engine, (list, tuple, set, dict)):
+        return v
+    shown = f"{type(engine).__name__} {engine!r:.80}"
+    hint = ""
+    if isinstance(engine, (list, tuple, set, frozenset)) and len(engine) == 1 and isinstance(next(iter(engine)), str):
+        hint = f"; pass engine={next(iter(engine))!r} (a cache comes from one engine)"
+    raise DetectionError(
+        f"engine must be one engine name (a str), got {shown}{hint}. Engines the installed plugins declare: "
+        f"{', '.join(known_engines()) or 'none'}"
+    )
+
+
 def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
     """Recognise an engine's KV cache and describe it.
 
@@ -407,6 +447,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
             ``kvcore_detect`` crashed or returned something that is not a Detection.
         AmbiguousLayoutError: two formats fit and no hint decides (names both and the hints).
     """
+    engine = _engine_name(engine)
     container, names = normalize_container(kv_caches)
     h = _hints_dict(hints)
     _check_order_statement(container, h)
@@ -422,6 +463,7 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
         )
     if det.format is None:
         raise DetectionError(f"these tensors are not a KV cache: {det.excluded or det.note}\ntensors:\n{describe_input(container)}")
+    layout = page_split(layout, det, h, engine)
     _check_distinct_aliases(engine, det, container, [f"layer {n!r}" for n in names] if names is not None else None, False)
     # the caller's own tensors (often views themselves): a transfer refuses once one is re-pointed or reshaped
     record_callers(layout.spec.stride_table(), tensor_paths(kv_caches))
@@ -432,6 +474,104 @@ def detect(kv_caches: Any, engine: str, hints: Any = None) -> KVLayout:
             layout.layer_names = tuple(names)
     log.debug("detected %s %s for engine %s (%s)", layout.format.name, layout.describe(), engine, det.note)
     return layout
+
+
+#: the generic hints that split a fused NBBS axis into blocks (:func:`page_split`)
+PAGE_HINTS = ("block_size", "page_size")
+
+
+def split_name(name: str) -> str:
+    """The format name with each fused ``NBBS`` axis split into ``NB_BS`` (every plane of a
+    multi-plane name)."""
+    parts = []
+    for plane in name.split("+"):
+        role, eq, tpl = plane.rpartition("=")
+        toks = ["NB_BS" if t == "NBBS" else t for t in tpl.split("_")]
+        parts.append(f"{role}{eq}{'_'.join(toks)}")
+    return "+".join(parts)
+
+
+def _page_hint(hints: Mapping[str, Any]) -> tuple[str, int] | None:
+    given = {k: hints[k] for k in PAGE_HINTS if k in hints and hints[k] is not None}
+    if not given:
+        return None
+    bad = {k: v for k, v in given.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0}
+    if bad:
+        raise DetectionError(f"hint {', '.join(f'{k}={v!r}' for k, v in bad.items())}: the tokens per block must be a positive int")
+    if len(set(given.values())) > 1:
+        raise DetectionError(f"hints {given} disagree on the tokens per block; give one")
+    k, v = next(iter(given.items()))
+    return k, v
+
+
+def _unflatten(node: Any, depth: int, axis: int, bs: int) -> Any:
+    if depth == 0:
+        pbs = int(node.shape[axis])
+        if pbs % bs:
+            raise DetectionError(
+                f"the hint block_size/page_size={bs} does not divide the fused NBBS axis of {pbs} rows (tensor {tuple(node.shape)}): "
+                "the pool is no whole number of blocks of that size"
+            )
+        return node.unflatten(axis, (pbs // bs, bs))
+    items = [_unflatten(x, depth - 1, axis, bs) for x in node]
+    return tuple(items) if isinstance(node, tuple) else items
+
+
+def page_split(layout: KVLayout, det: Detection, hints: Mapping[str, Any], engine: str) -> KVLayout:
+    """A fused ``NBBS`` layout split into blocks of the caller's ``block_size`` / ``page_size``
+    hint: the same bytes and slot numbering (slot = row = ``block * BS + offset``), with
+    ``num_blocks``, ``block_size`` and block transfers (``gather_blocks``). The split format is
+    the name with ``NBBS`` -> ``NB_BS``: the one a plugin registers, else derived from the fused
+    declaration (its engines and sources). Without the hint, or for a format that is not fused
+    or has a plugin's own spec, the layout is returned as it is.
+
+    Raises:
+        DetectionError: the hint is not a positive int, two hints disagree, or the hint does
+            not divide the fused axis.
+    """
+    from kvcore.format_decl import KVFormat
+
+    fmt = layout.format
+    page = _page_hint(hints)
+    if page is None or not fmt.fused_nbbs or registry.spec_for(fmt) is not None:
+        return layout
+    key, bs = page
+    name = split_name(fmt.name)
+    syn = fmt.syntax
+    if syn.multi_plane:
+        kv = {
+            p.role: _unflatten(det.kv_caches[p.role], len(p.syntax.list_levels), p.syntax.axes.index("NBBS"), bs)
+            if "NBBS" in p.syntax.axes
+            else det.kv_caches[p.role]
+            for p in syn.planes
+        }
+    else:
+        kv = _unflatten(det.kv_caches, len(syn.list_levels), syn.axes.index("NBBS"), bs)
+    if name in registry.host().formats:
+        split: Any = name
+    else:
+        split = KVFormat(
+            name=name,
+            engines=list(fmt.engines),
+            attention_backends=list(fmt.attention_backends),
+            description=f"{fmt.description} (page-split by the {key} hint)".strip(),
+            sources=list(fmt.sources),
+        )
+    try:
+        out = _build_layout(
+            split,
+            kv,
+            dtype=det.dtype,
+            params=det.params,
+            note=f"{det.note}; fused NBBS axis split into blocks of {bs} ({key} hint)".lstrip("; "),
+            engine=engine,
+            layer_ids=det.layer_ids,
+            aliases=det.aliases,
+        )
+    except GeometryError as e:
+        raise DetectionError(f"{fmt.name} split into blocks of {bs} by the {key} hint does not build: {e}") from e
+    out.plugin = getattr(layout, "plugin", None)
+    return out
 
 
 def _check_order_statement(container: Any, hints: Mapping[str, Any]) -> None:
@@ -517,6 +657,7 @@ def detect_per_layer(
             recognises twice), a plugin that crashed, or ``layer_groups`` naming an entry
             that does not exist or putting one in two groups.
     """
+    engine = _engine_name(engine)
     as_dict = isinstance(kv_caches, Mapping)
     keys = list(kv_caches.keys()) if as_dict else None
     container, names = normalize_container(kv_caches, sort_dicts=False)
@@ -533,7 +674,7 @@ def detect_per_layer(
         for i in g:
             by_sig.setdefault(_signature(container[i]), []).append(i)
         for idxs in by_sig.values():
-            sub = [container[i] for i in idxs]
+            sub = Layers(container[i] for i in idxs)
             det, layout, rejected = _ask(host, sub, engine, h)
             if det is None:
                 asked = ", ".join(_detectors()) or "none"
@@ -544,6 +685,7 @@ def detect_per_layer(
             if det.format is None:
                 log.info("layers %s excluded: %s", idxs, det.excluded or det.note)
                 continue
+            layout = page_split(layout, det, h, engine)
             _check_distinct_aliases(
                 engine, det, sub, [f"kv_caches[{keys[i]!r}]" if as_dict else f"kv_caches[{i}]" for i in idxs], layer_groups is not None
             )

@@ -87,7 +87,7 @@ from kvcore.errors import TransferError
 from kvcore.kernels import TransferPlan, select_kernel
 from kvcore.layout import KVLayout
 from kvcore.layout_copy import _check_slots, _select, head_range
-from kvcore.plan import _dense
+from kvcore.layout_plan import _dense
 from kvcore.spec import StagingBuffer, StagingTarget, StrideTable
 from kvcore.transfer import _index_tensor, _layers
 

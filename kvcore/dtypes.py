@@ -48,6 +48,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
     "float8_e4m3fnuz": torch.float8_e4m3fnuz,
     "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    # MXFP8 block scales (OCP MX: 8 exponent bits, no sign, no mantissa): a scale plane's dtype
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
     "int8": torch.int8,
     "uint8": torch.uint8,
     "int16": torch.int16,
@@ -67,6 +69,8 @@ DTYPE_ALIASES: dict[str, str] = {
     "fp8_e4m3fn": "float8_e4m3fn",
     "fp8_e4m3fnuz": "float8_e4m3fnuz",
     "fp8_e5m2fnuz": "float8_e5m2fnuz",
+    "fp8_e8m0fnu": "float8_e8m0fnu",
+    "e8m0": "float8_e8m0fnu",
 }
 
 #: the fp8 element dtypes (OCP and FNUZ).

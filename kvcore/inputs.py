@@ -33,7 +33,7 @@ import torch
 
 from kvcore.errors import DetectionError, GeometryError, KVCoreError
 
-__all__ = ["MAX_DEPTH", "check_container", "check_tensor", "tensor_paths"]
+__all__ = ["MAX_DEPTH", "check_container", "check_tensor", "tensor_paths", "plain_integers"]
 
 #: Container levels (list, tuple, dict) allowed above a tensor: the deepest container a
 #: format name spells is two (``TWO_X_NL_X_...``), an engine's bound layers three
@@ -129,3 +129,28 @@ def tensor_paths(container: Any, what: str = "kv_caches") -> list[tuple[str, tor
         inner = (*above, id(x))
         stack.extend((v, p, inner) for p, v in reversed(items))
     return out
+
+
+def plain_integers(x: Any, what: str, error: type[KVCoreError]) -> Any:
+    """An integer argument given as a tensor or array (a layer index, ``layers=``,
+    ``skip_prefix=``, a head range bound) as plain Python: a 0-d integer tensor or array
+    becomes an ``int``, a 1-D one a ``list`` of ints; anything else is returned as it is,
+    for the caller's own checks.
+
+    Raises:
+        ``error``: a tensor on the meta device (shapes without values: there is no index to
+            read), or a tensor or array of another rank than 0 or 1.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "meta":
+            raise error(
+                f"{what} is a tensor on the meta device (a shape without values, {x.dtype}, shape {list(x.shape)}): there "
+                "is no index to read; pass an int, a list of ints, or a CPU tensor"
+            )
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            return x  # the caller refuses it in its own words (not an integer)
+    elif not (hasattr(x, "ndim") and hasattr(x, "tolist")):
+        return x
+    if x.ndim > 1:
+        raise error(f"{what} must be an integer or a 1-D list of integers, got an array of shape {tuple(x.shape)}")
+    return x.tolist()

@@ -11,9 +11,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from kvcore.errors import FormatError, GeometryError, KVCoreError
-from kvcore.formats import KVFormat
+from kvcore.format_decl import KVFormat
 from kvcore.grammar import parse
-from kvcore.inputs import check_container, tensor_paths
+from kvcore.inputs import check_container, plain_integers, tensor_paths
 from kvcore.spec import PlaneInfo, Spec, StagingBuffer, StrideTable, record_callers
 
 __all__ = ["PageBufferShapeDesc", "KVLayout", "Detection", "build_layout"]
@@ -340,12 +340,17 @@ class KVLayout:
         n = self.num_layers
         if layer_indices is None:
             return list(range(n))
-        sel = list(layer_indices)
+        layer_indices = plain_integers(layer_indices, "layer_indices", GeometryError)
+        try:
+            sel = [layer_indices] if isinstance(layer_indices, int) else list(layer_indices)
+        except TypeError:
+            raise GeometryError(f"layer_indices must be a list of layer indices, got {layer_indices!r}") from None
         out = []
         for i in sel:
+            i = plain_integers(i, "a layer index", GeometryError)
             try:
                 j = operator.index(i)
-            except TypeError:
+            except (TypeError, RuntimeError):
                 j = None
             if j is None or isinstance(i, bool) or not (0 <= j < n):
                 raise GeometryError(f"layer index {i!r} is out of range: this layout has {n} layers (0..{n - 1})")

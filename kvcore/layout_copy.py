@@ -47,10 +47,11 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.errors import GeometryError, TransferError
+from kvcore.inputs import plain_integers
 from kvcore.kernels import plane_span
 from kvcore.kernels.copy_kernels import CopyPlan, check_tables, select_copy_kernel
 from kvcore.layout import KVLayout
-from kvcore.plan import _dense
+from kvcore.layout_plan import _dense
 from kvcore.spec import StrideTable
 from kvcore.transfer import _index_tensor, _layers
 
@@ -69,6 +70,9 @@ def head_range(rng, what: str, layout: KVLayout | None = None) -> tuple[int, int
     """
     if rng is None:
         return None
+    rng = plain_integers(rng, what, TransferError)
+    if isinstance(rng, (list, tuple)) and len(rng) == 2:
+        rng = tuple(plain_integers(x, f"{what}[{i}]", TransferError) for i, x in enumerate(rng))
     try:
         start, stop = rng
         start, stop = operator.index(start), operator.index(stop)
@@ -745,7 +749,7 @@ def copy(
             (``dst_layout.aliases``: KV-sharing layers) is written once, from the source
             layer paired with the first of them (as :func:`kvcore.scatter`).
         validate: ``"device"`` (default), ``"sync"`` or ``"none"``, as for
-            :func:`kvcore.gather` (:mod:`kvcore.plan`): on a GPU with ``"device"`` the slot
+            :func:`kvcore.gather` (:mod:`kvcore.layout_plan`): on a GPU with ``"device"`` the slot
             values are checked on the device, in a one-block kernel before the copy on the
             same stream; the host never waits. A refused copy writes nothing, and its
             :class:`~kvcore.TransferError` is raised by the next kvcore CUDA call or

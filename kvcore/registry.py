@@ -55,8 +55,8 @@ import pluggy
 
 from kvcore import hookspecs
 from kvcore.errors import DetectionError, FormatError, KVCoreError, PluginError
-from kvcore.formats import KVFormat
-from kvcore.hints import Hint
+from kvcore.format_decl import KVFormat
+from kvcore.hint_decl import Hint
 
 __all__ = [
     "KVCorePluginWarning",
@@ -177,6 +177,9 @@ class PluginHost:
         is_strict = strict()
         disabled = _env_list("KVCORE_DISABLE_PLUGINS") | self.disabled
         eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        _warn_unknown_disabled(
+            _env_list("KVCORE_DISABLE_PLUGINS"), {e.name for e in eps}, "KVCORE_DISABLE_PLUGINS", {n for n, _ in self.pm.list_name_plugin()}
+        )
         seen: set[str] = set()
         for ep in eps:
             if ep.name in seen or ep.name in disabled or self.pm.has_plugin(ep.name):
@@ -754,10 +757,42 @@ def unregister_plugin(name: str) -> None:
     host()._remove(name)
 
 
+def _warn_unknown_disabled(names: set[str], installed: set[str], where: str, registered: set[str] = frozenset()) -> None:
+    """Warn (:class:`KVCorePluginWarning`) about names to disable that no installed plugin
+    has: a misspelt name (``vlm``) would otherwise leave loaded the plugin the user meant
+    to disable, without a word. The warning names each unknown name, the closest installed
+    names, and every installed plugin."""
+    import difflib
+
+    known = set(installed) | set(registered)
+    unknown = sorted(n for n in names if n not in known and n != BUILTIN)
+    if BUILTIN in names:
+        warnings.warn(
+            f"{where}: the core's built-in plugin {BUILTIN!r} cannot be disabled; it stays loaded", KVCorePluginWarning, stacklevel=3
+        )
+    for n in unknown:
+        close = difflib.get_close_matches(n, sorted(known - {BUILTIN}), n=3, cutoff=0.5)
+        did = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+        warnings.warn(
+            f"{where} names {n!r}, which is no installed kvcore plugin{did}: nothing is disabled by it. Installed plugins "
+            f"(entry point names): {', '.join(sorted(known - {BUILTIN})) or 'none'}",
+            KVCorePluginWarning,
+            stacklevel=3,
+        )
+
+
 def disable_plugins(*names: str) -> None:
     """Disable plugins by name: those loaded are removed, and they are not loaded again
-    (the API twin of ``KVCORE_DISABLE_PLUGINS``)."""
+    (the API twin of ``KVCORE_DISABLE_PLUGINS``). A name no installed plugin has is
+    kept (a plugin registered later under it stays disabled) with a
+    :class:`KVCorePluginWarning` naming it and the installed plugins."""
     h = host()
+    _warn_unknown_disabled(
+        {n for n in names if n != BUILTIN},
+        {e.name for e in md.entry_points(group=ENTRY_POINT_GROUP)},
+        "disable_plugins",
+        {n for n, _ in h.pm.list_name_plugin()},
+    )
     for n in names:
         if n == BUILTIN:
             raise PluginError("the core's built-in plugin 'kvcore' cannot be disabled")
@@ -844,10 +879,10 @@ def demos() -> dict[str, tuple[Any, str, str]]:
 def hints(engine: str | None = None) -> list[tuple[str, Hint]]:
     """Declared hints as ``(plugin, Hint)``, for ``engine`` or all, in declaration order.
 
-    kvcore's generic ``tensor_order`` hint (:func:`kvcore.hints.tensor_order_hint`), which
+    kvcore's generic ``tensor_order`` hint (:func:`kvcore.tensor_order_hint`), which
     detection accepts for every engine, is listed after an engine's own hints (plugin
     ``kvcore``) where the engine's plugins do not declare it themselves."""
-    from kvcore.hints import tensor_order_hint
+    from kvcore.hint_decl import tensor_order_hint
 
     rows = [(p, h) for p, h in host().hints if engine is None or h.engine == engine]
     engines = dict.fromkeys(h.engine for _, h in rows)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvcore.errors import GeometryError
-from kvcore.formats import KVFormat
+from kvcore.format_decl import KVFormat
 from kvcore.grammar import VALUE_ROLES
 
 __all__ = [
@@ -1432,7 +1432,7 @@ class Spec:
         if self.num_blocks_ is None:
             raise GeometryError(
                 f"format {self.format.name} fuses blocks and tokens in one axis (NBBS): it has no num_blocks; "
-                "use page_buffer_size, or detect with a block_size/page_size hint that splits it"
+                "use page_buffer_size, or detect with a block_size (or page_size) hint: kvcore then splits the axis into blocks of that many tokens (NBBS -> NB_BS)"
             )
         return self.num_blocks_
 
@@ -1441,7 +1441,7 @@ class Spec:
         if self.block_size_ is None:
             raise GeometryError(
                 f"format {self.format.name} fuses blocks and tokens in one axis (NBBS): it has no block_size; "
-                "use page_buffer_size, or detect with a block_size/page_size hint that splits it"
+                "use page_buffer_size, or detect with a block_size (or page_size) hint: kvcore then splits the axis into blocks of that many tokens (NBBS -> NB_BS)"
             )
         return self.block_size_
 

@@ -4,7 +4,8 @@ ask about a cache they saw in a log without the cache.
 A description is ``{"engine": ..., "hints": {...}, "dtype": ..., "kv_caches": NODE}`` or a
 bare NODE. A NODE is a leaf ``{"shape": [...], "stride": [...], "dtype": "bfloat16",
 "storage": "name", "storage_offset": n}``, a list of NODEs, a dict of layer name → NODE,
-or ``{"repeat": N, "of": NODE}`` for N identical layers. Leaves naming one ``storage``
+or ``{"repeat": N, "of": NODE}`` for N identical layers (under a plane role, ``{"K": {"repeat": N, "of": ...}}``, the
+plane's list of layers). Leaves naming one ``storage``
 become views of one buffer (vLLM 0.33's per-layer views into one allocation).
 Tensors are built on ``meta`` (no memory) or as CPU storage that is reserved but never
 written.
@@ -13,6 +14,7 @@ written.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,8 +165,11 @@ def _expand(node: Any, where: str, default_dtype: str | None, depth: int = 0, re
         out: dict[str, Any] = {}
         for k, v in node.items():
             sub = _expand(v, f"{where}[{k!r}]", default_dtype, depth + 1, repeated)
-            if isinstance(sub, _Repeated) and "{i}" not in k:
-                raise UsageError(f"{where}: key {k!r} repeats its tensor; put '{{i}}' in the name (e.g. model.layers.{{i}}.self_attn.attn)")
+            if isinstance(sub, _Repeated) and "{i}" not in k and not _is_role(k):
+                raise UsageError(
+                    f"{where}: key {k!r} repeats its tensor; put '{{i}}' in the name (e.g. model.layers.{{i}}.self_attn.attn), "
+                    "or name a plane role (K, V, KS, ...), whose repeat is the plane's list of layers"
+                )
             out[k] = sub
         if not out:
             raise UsageError(f"{where}: an empty mapping describes no tensors")
@@ -175,6 +180,11 @@ def _expand(node: Any, where: str, default_dtype: str | None, depth: int = 0, re
             raise UsageError(f"{where}: an empty list describes no tensors")
         return items
     raise UsageError(f'{where}: expected a tensor ({{"shape": [...], "dtype": ...}}), a list or a mapping, got {_short(node)}')
+
+
+def _is_role(key: str) -> bool:
+    """A multi-plane role key (``K``, ``V``, ``KS``, ``KV``: upper case, as :class:`kvcore.Planes`)."""
+    return re.fullmatch(r"[A-Z][A-Z0-9]*", key) is not None
 
 
 def _count(node: Any) -> int:
@@ -239,7 +249,9 @@ def _materialize(node: Any, device: str) -> Any:
         if isinstance(x, dict):
             out: dict[str, Any] = {}
             for k, v in x.items():
-                if isinstance(v, _Repeated):
+                if isinstance(v, _Repeated) and "{i}" not in k:  # a plane role: its list of layers
+                    out[k] = copies(v, idx)
+                elif isinstance(v, _Repeated):
                     for i, item in enumerate(copies(v, idx)):
                         out[k.replace("{i}", str(i))] = item
                 else:

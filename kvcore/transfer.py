@@ -28,9 +28,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcore.errors import GeometryError, TransferError
+from kvcore.inputs import plain_integers
 from kvcore.kernels import TransferPlan, check_storages, select_kernel, staging_conflict
 from kvcore.layout import KVLayout
-from kvcore.plan import _plan_for
+from kvcore.layout_plan import _plan_for
 
 __all__ = ["gather", "scatter", "gather_blocks", "scatter_blocks", "slots_for_blocks"]
 
@@ -73,13 +74,7 @@ def _layers(layout: KVLayout, layers: Sequence[int] | int | None) -> list[int]:
     n = layout.num_layers
     if layers is None:
         return list(range(n))
-    if hasattr(layers, "ndim") and hasattr(layers, "tolist"):  # a torch or numpy array of layer indices
-        if layers.ndim == 0:
-            layers = layers.tolist()
-        elif layers.ndim == 1:
-            layers = list(layers.tolist())
-        else:
-            raise TransferError(f"layers must be a layer index or a 1-D list of layer indices, got an array of shape {tuple(layers.shape)}")
+    layers = plain_integers(layers, "layers", TransferError)  # a torch or numpy array of layer indices
     try:
         seq = [layers] if isinstance(layers, int) else list(layers)
     except TypeError:
@@ -87,11 +82,14 @@ def _layers(layout: KVLayout, layers: Sequence[int] | int | None) -> list[int]:
     if not seq:
         raise TransferError("layers is empty; pass None for all layers or a non-empty list of layer indices")
     for k, i in enumerate(seq):
+        if not isinstance(i, int):
+            i = plain_integers(i, f"layers[{k}]", TransferError)
         if not isinstance(i, int) and hasattr(i, "__index__"):
             try:
-                seq[k] = i = operator.index(i)  # numpy / torch integer scalars
+                i = operator.index(i)  # numpy / torch integer scalars
             except TypeError:
                 pass
+        seq[k] = i
         if not isinstance(i, int) or isinstance(i, bool) or not (0 <= i < n):
             raise TransferError(f"layer index {i!r} is out of range: this layout has {n} layers (0..{n - 1})")
     if len(set(seq)) != len(seq):
@@ -109,6 +107,7 @@ def _slots(layout: KVLayout, slot_mapping, skip_prefix: int, check_duplicates: b
     if slot_mapping.dim() != 1:
         raise TransferError(f"slot_mapping must be 1-D [T], got shape {tuple(slot_mapping.shape)}")
     t = slot_mapping.numel()
+    skip_prefix = plain_integers(skip_prefix, "skip_prefix", TransferError)
     if not isinstance(skip_prefix, (int, bool)) and hasattr(skip_prefix, "__index__"):
         try:
             skip_prefix = operator.index(skip_prefix)  # numpy / torch integer scalars
@@ -332,9 +331,12 @@ def _scalar_layer(layers):
         return layers
     if getattr(layers, "ndim", 0) != 0:  # a 1-element array is a list of one layer, not a scalar
         return layers
+    v = plain_integers(layers, "layers", TransferError)  # a meta tensor holds no index: refused here
+    if isinstance(v, int):
+        return v
     try:
         return operator.index(layers)
-    except TypeError:
+    except (TypeError, RuntimeError):
         return layers
 
 
@@ -416,7 +418,7 @@ def gather(
         layers: a layer subset (staging order follows it), or one layer index.
         skip_prefix: leave the first n rows untouched.
         validate: ``"device"`` (default), ``"sync"`` or ``"none"``: where slot values are
-            checked and when their error surfaces on a CUDA cache (:mod:`kvcore.plan`).
+            checked and when their error surfaces on a CUDA cache (:mod:`kvcore.layout_plan`).
     Returns:
         the staging buffer (``out`` when given): a tensor, or the dict of per-plane tensors.
     Raises:
@@ -491,6 +493,7 @@ def slots_for_blocks(
         raise TransferError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
     b = block_ids.to(device=layout.device, dtype=torch.int64)
     chk = b
+    skip_prefix = plain_integers(skip_prefix, "skip_prefix", TransferError)
     whole = skip_prefix // bs if isinstance(skip_prefix, int) and not isinstance(skip_prefix, bool) and skip_prefix > 0 else 0
     if whole:
         chk = b.clone()

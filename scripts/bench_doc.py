@@ -18,7 +18,9 @@ def main(path: str) -> int:
     d = json.loads(Path(path).read_text())
     fields = set(Row.__dataclass_fields__)
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in d["rows"]]
-    print(f"<!-- {d['meta']['device_name']}, torch {d['meta']['torch']}, {d['meta']['gbps_counts']} -->\n")
+    m = d["meta"]
+    load = f", load average {m['loadavg_start']} -> {m.get('loadavg_end')}" if m.get("loadavg_start") else ""
+    print(f"<!-- {m['device_name']}, torch {m['torch']}, {m['gbps_counts']}{load} -->\n")
     dev = [r for r in rows if r.staging == "device"]
     pin = [r for r in rows if r.staging == "pinned"]
     print(format_table(dev))

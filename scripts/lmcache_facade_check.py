@@ -93,8 +93,9 @@ MODULE_MAP = {
     "lmcache.device_ops": FACADE,
     "lmcache.v1.platform.ops_types": FACADE,
     "lmcache.utils": FACADE,
-    # the vLLM detector's module global the tests monkeypatch: a host fact
-    "lmcache.v1.gpu_connector.kv_format.detectors.vllm": HOST,
+    # the vLLM detector's module global the tests monkeypatch (torch_device_type): the facade's own
+    # (kvcore.compat.lmcache.torch_device_type, the platform LMCache's adapters state)
+    "lmcache.v1.gpu_connector.kv_format.detectors.vllm": FACADE,
 }
 #: names imported from the ``lmcache`` package itself that describe the host.
 HOST_NAMES = ("torch_device_type", "torch_dev")
@@ -110,31 +111,15 @@ OUT_OF_SCOPE_TESTS = {
 #: failures that are the facade's documented deliberate differences (the table in
 #: kvcore.compat.lmcache's docstring), as a regex on the test id -> the table row and why.
 _PACKED = "packed K|V (CS, TWO_HS): head_size is the K head size, kv_size 2, hidden_dim NH*HS (kvcore stages K and V apart)"
-_NO_PLUGIN = "detection: no installed kvcore plugin describes {} (LMCache's detector has a shape rule for it)"
 DELIBERATE: dict[str, str] = {
     r"test_kv_format_specs\.py::test_scalar_geometry\[NL_X_NB_(NH_BS|BS_NH)_(CS|TWO_HS)\]": _PACKED,
     r"test_blocks_first_cs_kv_format\.py::test_accessors": _PACKED,
     r"test_kv_format_specs\.py::test_deprecated_two_hs_specs_warn": (
         "TWO_HS specs: no DeprecationWarning (kvcore's vLLM plugin detects NL_X_NB_BS_NH_TWO_HS, TPU Pallas, as current)"
     ),
-    r"test_kv_format_detection\.py::test_vllm_flash_attn_hnd"
-    r"|test_normalize_per_layer_formats\.py::test_vllm_(layer_list_uniform|heterogeneous_groups)": (
-        "detection: a layout hint the strides contradict is an error, never obeyed (issue 16): these tests hand the "
-        "contiguous [2, NB, BS, NH, HS] tensors of vLLM's NHD allocation with kv_layout='HND' (an HND cache permuted into "
-        "memory order would say tensor_order='physical')"
-    ),
-    r"test_kv_format_detection\.py::test_vllm_rbln_native_singleton_axis": _NO_PLUGIN.format("vLLM-RBLN"),
-    r"test_kv_format_detection\.py::test_sglang_unified_": _NO_PLUGIN.format("SGLang's kv_list_layout='unified' views"),
-    r"test_kv_format_detection\.py::test_vllm_(mla_tuple|dsa_tuple|arity_one_single|tuple_equal)"
-    r"|test_per_layer_kv_tuple_format\.py::test_(discovery|accessors|group_data_ptrs|layer_grouping)": _NO_PLUGIN.format(
-        "vLLM-Ascend's per-layer tuples of unequal widths or arity other than two (kvcore-vllm reads equal (K, V) pairs "
-        "as NL_X_TWO_X_NB_BS_NH_HS)"
-    ),
-    r"test_kv_format_detection\.py::test_sglang_mha_mp_rejects_non_divisible_page_buffer": (
-        "errors: kvcore-sglang refuses it with DetectionError (a ValueError) in its own words, not LMCache's 'not divisible'"
-    ),
     r"test_blocks_first_detection\.py::test_compact_views_declared_blocks_first_still_classify": (
-        "detection: a hint contradicting the strides raises (tight per-layer tensors declared BLHNC)"
+        "detection: a hint contradicting the strides raises (tight per-layer tensors declared BLHNC: a blocks-first "
+        "cache's per-layer views step over every layer's block)"
     ),
     r"test_blocks_first_detection\.py::test_detects_per_layer_format_with_views_unchanged\[BLNHC": (
         "detection: kvcore-vllm reads a vLLM 0.33 per-layer view as [NB, NH, BS, C] (create_kv_cache_views), so these "

@@ -92,3 +92,14 @@ def test_a_piped_run_shows_one_progress_line_per_case_on_stderr(recorded, capsys
     assert all(" 2 rows in " in p for p in progress)
     assert lines[-1].startswith("kvcore bench: done in ") and "reference" not in err
     assert "kvcore bench" not in out  # stdout is the table only
+
+
+def test_slot_mapping_and_clock_reach_every_case_and_the_header_names_the_load(recorded, capsys):
+    assert bench.run(_args("--layouts", "KT,Ktile", "--block-sizes", "32", "--tokens", "64", "--slots", "random", "--clock", "cpu")) == 0
+    cases = recorded["case"]
+    assert [(label, bs, t) for label, bs, t, _ in cases] == [("KT", 32, 64), ("Ktile", 32, 64)]
+    assert all(kw["slots"] == "random" and kw["clock"] == "cpu" for *_, kw in cases)
+    out, _ = capsys.readouterr()
+    assert "load average" in out.splitlines()[0]
+    assert bench.run(_args("--layouts", "KT", "--block-sizes", "32", "--tokens", "64")) == 0
+    assert recorded["case"][-1][3]["slots"] == "blocks" and recorded["case"][-1][3]["clock"] == "wall"

@@ -494,25 +494,31 @@ def test_trtllm_plugin_gets_lmcaches_hint_names_and_the_6d_view():
         L.normalize_kv_and_discover_format(pool.view(nb, nl, 2, nh, bs, hd).transpose(3, 4), "trtllm")
 
 
-def test_sglang_mla_pool_keeps_its_fused_axis_under_tokens_per_block():
+def test_sglang_mla_pool_is_paged_by_tokens_per_block_as_lmcache_0_5_6():
+    # LMCache 0.5.6 detectors/sglang.py: a flat list of (rows, 1, D) tensors is the MLA pool; with tokens_per_block its
+    # rows are split into pages (NL_X_NB_BS_HS), without it the fused axis stays (NL_X_NBBS_ONE_HS)
     pytest.importorskip("kvcore_sglang")
-    rows, d = 9 * 16, 576
-    pool = [torch.zeros(rows, 1, d, dtype=torch.bfloat16) for _ in range(4)]  # an even layer count
-    for hints in ({}, {"tokens_per_block": 16}):
-        fmt, kv = L.normalize_kv_and_discover_format(pool, L.EngineType.SGLANG, hints)
-        assert fmt == "NL_X_NBBS_ONE_HS" and fmt.is_pbs_fused
-        assert [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool] and kv[0].shape == (rows, 1, d)
-        assert L.get_page_buffer_size(kv, fmt) == rows
+    rows, d = 3 * 16, 576
+    pool = [torch.zeros(rows, 1, d, dtype=torch.bfloat16) for _ in range(3)]  # the issue's three layers (48, 1, 576)
+    for i, t in enumerate(pool):
+        t.copy_(torch.arange(rows * d, dtype=torch.float32).view(rows, 1, d).remainder(97) + i)
+    fmt, kv = L.normalize_kv_and_discover_format(pool, L.EngineType.SGLANG, {"tokens_per_block": 16})
+    assert fmt == L.EngineKVFormat.NL_X_NB_BS_HS
+    assert [tuple(t.shape) for t in kv] == [(3, 16, d)] * 3 and [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool]
+    spec = L.get_spec(kv, fmt)
+    assert (spec.num_layers(), spec.num_blocks(), spec.block_size(), spec.head_size(), spec.kv_size()) == (3, 3, 16, d, 1)
+    assert torch.equal(kv[2][1, 5], pool[2][21, 0])  # slot 21 = block 1, offset 5
+    fmt, kv = L.normalize_kv_and_discover_format(pool, L.EngineType.SGLANG, {})
+    assert fmt == "NL_X_NBBS_ONE_HS" and fmt.is_pbs_fused and L.get_page_buffer_size(kv, fmt) == rows
     by_name = {f"model.layers.{i}.attn": t for i, t in enumerate(pool)}
     fmt, kv = L.normalize_kv_and_discover_format(by_name, "sglang", {"tokens_per_block": 16})
-    assert fmt == "NL_X_NBBS_ONE_HS" and [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool]
-    # kvcore's own page_size pages it, under LMCache's name for the same bytes
-    fmt, kv = L.normalize_kv_and_discover_format(pool, "sglang", {"page_size": 16})
-    assert fmt == L.EngineKVFormat.NL_X_NB_BS_HS and kv[0].shape == (9, 16, d) and kv[2].data_ptr() == pool[2].data_ptr()
+    assert fmt == "NL_X_NB_BS_HS" and [t.data_ptr() for t in kv] == [t.data_ptr() for t in pool]
+    with pytest.raises(DetectionError, match="not divisible"):  # LMCache: ValueError 'not divisible by tokens_per_block'
+        L.normalize_kv_and_discover_format(pool, "sglang", {"tokens_per_block": 7})
     # LMCache's MP registration: K layers then V layers, split into pages
     flat = [torch.zeros(rows, 1, 128, dtype=torch.bfloat16) for _ in range(4)]
     fmt, kv = L.normalize_kv_and_discover_format(flat, "sglang", {"tokens_per_block": 16, "kv_list_layout": "k_v"})
-    assert fmt == "TWO_X_NL_X_NB_BS_NH_HS" and kv[0][0].shape == (9, 16, 1, 128)
+    assert fmt == "TWO_X_NL_X_NB_BS_NH_HS" and kv[0][0].shape == (3, 16, 1, 128)
     assert L.get_group_data_ptrs(kv, fmt, [1]) == [flat[1].data_ptr(), flat[3].data_ptr()]
 
 
@@ -525,7 +531,7 @@ def test_vllm_hints_in_lmcache_names_reach_the_plugin():
     assert fmt == "NL_X_TWO_NB_BS_NH_HS"
     with pytest.raises(DetectionError, match="'head_size': 32"):  # head_dim arrives as head_size
         L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "head_dim": 32})
-    with pytest.raises(DetectionError, match="'block_size': 24"):  # tokens_per_block as block_size
+    with pytest.raises(DetectionError, match="block_size=24"):  # tokens_per_block as block_size
         L.normalize_kv_and_discover_format(fa, L.EngineType.VLLM, {"kv_layout": "NHD", "tokens_per_block": 24})
 
 
@@ -994,3 +1000,68 @@ def test_multi_plane_detections_are_refused_by_the_accessors_with_the_way_forwar
         assert lay.num_layers == 2 and lay.staging_shapes(3) == {roles[0]: (2, 3, 256), roles[1]: (2, 3, 128)}
         staged = kvcore.gather(lay, torch.tensor([5]))
         assert torch.equal(staged[roles[1]][1, 0], kv[1][1][0, 5].reshape(-1))
+
+
+# -- LMCache 0.5.6's contract: the platform its adapters state, kv_layout as memory order (issue 24) ---------
+
+
+def test_singleton_head_pages_are_read_as_lmcache_reads_them_one_row_per_token():
+    pytest.importorskip("kvcore_vllm")
+    nb, bs = 9, 16
+    for w, dt, fmt in ((576, torch.bfloat16, "NL_X_NB_BS_HS"), (656, torch.uint8, "NL_X_NB_BS_HS"), (132, torch.uint8, "NL_X_NB_BSV_BSS")):
+        kv = [torch.zeros(nb, 1, bs, w, dtype=dt) for _ in range(3)]  # vLLM 0.33 MLA / record pages, LMCache's vLLM adapter
+        for hints in ({"kv_layout": "HND"}, {"kv_layout": "HND", "torch_device_type": "cuda"}):
+            f, norm = L.normalize_kv_and_discover_format(kv, L.EngineType.VLLM, hints)
+            assert f == fmt and [t.data_ptr() for t in norm] == [t.data_ptr() for t in kv]
+            assert (L.get_kv_size(norm, f), L.get_num_blocks(norm, f), L.get_block_size(norm, f)) == (1, nb, bs)
+    kv = [torch.arange(nb * bs * 576, dtype=torch.float32).view(nb, 1, bs, 576).bfloat16() for _ in range(2)]
+    f, norm = L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})
+    assert (L.get_head_size(norm, f), L.get_num_heads(norm, f)) == (576, 1)  # LMCache's geometry: one head, the packed row
+    assert torch.equal(norm[1][3, 7], kv[1][3, 0, 7])
+    # V4's 584 B blocked page reads differently as a packed row: kvcore's ambiguity stays (LMCache reads rows: wrong there)
+    with pytest.raises(AmbiguousLayoutError) as e:
+        L.normalize_kv_and_discover_format([torch.zeros(nb, 1, bs, 584, dtype=torch.uint8)], "vllm", {"kv_layout": "HND"})
+    assert "cache_dtype" in e.value.hints
+
+
+def test_the_platform_lmcache_states_decides_cpu_tensors(monkeypatch):
+    pytest.importorskip("kvcore_vllm")
+    kv = [torch.zeros(6, 4, 16, 128, dtype=torch.bfloat16) for _ in range(3)]  # vLLM 0.26 HND packed K|V [NB, NH, BS, 2*HS]
+    f, _ = L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})  # unstated: LMCache's GPU layouts
+    assert f == L.EngineKVFormat.NL_X_NB_NH_BS_CS and L.get_num_heads(kv, f) == 4
+    f, norm = L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND", "torch_device_type": "cpu"})
+    assert f == "NL_X_NB_NH_TWO_BS_HS"  # vLLM CPU_ATTN: BS K rows then BS V rows per block and head (LMCache: CS, wrong)
+    monkeypatch.setattr(L, "torch_device_type", "cpu")  # the module global LMCache's detector reads
+    assert L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})[0] == "NL_X_NB_NH_TWO_BS_HS"
+    monkeypatch.setattr(L, "torch_device_type", "cuda")
+    assert L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})[0] == "NL_X_NB_NH_BS_CS"
+
+
+def test_kv_layout_names_the_memory_order_as_lmcache_reads_it():
+    pytest.importorskip("kvcore_vllm")
+    nb, bs, nh, hs = 5, 16, 2, 64
+    contiguous = [torch.zeros(2, nb, bs, nh, hs, dtype=torch.bfloat16) for _ in range(2)]
+    f, norm = L.normalize_kv_and_discover_format(contiguous, "vllm", {"kv_layout": "HND"})
+    # LMCache: the shape is the memory order, HND: [2, NB, NH=16, BS=2, HS]
+    assert f == "NL_X_TWO_NB_NH_BS_HS" and (L.get_num_heads(norm, f), L.get_block_size(norm, f)) == (bs, nh)
+    permuted = [torch.zeros(2, nb, nh, bs, hs, dtype=torch.bfloat16).transpose(2, 3) for _ in range(2)]  # vLLM <= 0.23 HND
+    f, norm = L.normalize_kv_and_discover_format(permuted, "vllm", {"kv_layout": "HND"})
+    assert f == "NL_X_TWO_NB_NH_BS_HS" and norm[0].shape == (2, nb, nh, bs, hs) and norm[0].is_contiguous()
+    assert (L.get_num_heads(norm, f), L.get_block_size(norm, f)) == (nh, bs) and norm[1].data_ptr() == permuted[1].data_ptr()
+
+
+def test_vllm_ascend_plane_tuples_get_lmcaches_name_and_rbln_and_unified_views_are_detected():
+    pytest.importorskip("kvcore_vllm")
+    pytest.importorskip("kvcore_sglang")
+    nope, rope, dsa = (torch.zeros(7, 3, 1, w) for w in (32, 4, 8))
+    for entry in ((nope, rope), (nope, rope, dsa), (nope,)):
+        f, norm = L.normalize_kv_and_discover_format([entry] * 2, "vllm", {"kv_layout": "NHD"})
+        assert f == L.EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS and [p.data_ptr() for p in norm[0]] == [p.data_ptr() for p in entry]
+    k, v = torch.zeros(7, 3, 2, 4), torch.zeros(7, 3, 2, 4)
+    assert L.normalize_kv_and_discover_format([(k, v)], "vllm")[0] == L.EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS
+    rbln = [torch.zeros(2, 7, 2, 1, 3, 4) for _ in range(3)]
+    f, norm = L.normalize_kv_and_discover_format(rbln, "vllm", {"kv_layout": "NHD"})
+    assert f == L.EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS and norm[0].data_ptr() == rbln[0].data_ptr()
+    unified = [torch.zeros(7, 3, 2, 4) for _ in range(6)]
+    f, norm = L.normalize_kv_and_discover_format(unified, "sglang", {"kv_list_layout": "unified"})
+    assert f == L.EngineKVFormat.NL_X_NB_BS_NH_HS and L.get_num_layers(norm, f) == 6 and L.get_kv_size(norm, f) == 1

@@ -259,3 +259,99 @@ def test_a_kv_view_of_the_wrong_rank_is_described_by_shape_not_values(registered
 def test_a_kv_view_that_copies_is_not_a_view_of_the_cache(registered):
     r = _run(registered, checks=["fixture_contract"])["-::fixture_contract"]
     assert r.status == suite.FAIL and "is not a view of the cache" in r.message
+
+
+# -- containers and writers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("registered", [broken.PairsAsLists], indirect=True)
+def test_per_layer_pairs_read_as_k_and_v_lists_are_caught_by_the_container_checks(registered, capsys):
+    results = _run(registered, kernels=["reference*"])
+    # the fixture's own container, the two-layer probe of it and every data check pass ...
+    for name in ("detect", "ambiguity[NL=2]"):
+        assert _status(results, name, kernel="-") == suite.PASS
+    assert _status(results, "semantic_gather") == suite.PASS
+    # ... handed the same cache per layer, two layers read as [K list, V list] fail
+    for shape in ("dict", "layer list", "per_layer", "per_layer dict", "per_layer groups"):
+        r = results[f"-::containers[{shape}]"]
+        assert r.status == suite.FAIL, (shape, r.line())
+    r = results["-::containers[per_layer]"]
+    assert "NL=2" in r.message and r.detail["layer"] == 1 and r.detail["kv"] == "K"
+    assert r.detail["actual_means"].startswith("the cache value of layer 0, V")
+    # kvcore check fails the plugin, naming the check
+    assert check.main([registered, "--check", "containers*", "-q"]) == 1
+    out = capsys.readouterr().out
+    assert "containers[per_layer]" in out and "FAIL  toy  TWO_X_NL_X_ONE_NB_BS_NH_HS" in out
+
+
+@pytest.mark.parametrize("registered", [broken.SharedMisreading], indirect=True)
+def test_a_misreading_shared_by_detector_and_kv_view_is_caught_only_by_the_writer(registered, capsys):
+    results = _run(registered, kernels=["reference*"])
+    fails = sorted(k for k, r in results.items() if r.status == suite.FAIL)
+    assert fails == ["-::writer_view", "reference@cpu::writer_gather", "reference@cpu::writer_scatter"]
+    r = results["-::writer_view"]
+    assert "kv_view disagrees with the engine's writer toyllm.store" in r.message
+    assert r.detail["kv"] == "K" and r.detail["actual_means"].startswith("the row the engine's writer wrote for layer 0, V")
+    g = results["reference@cpu::writer_gather"]
+    assert g.detail["expected_means"].startswith("the row the engine's writer wrote for layer 0, K")
+    assert check.main([registered, "--kernel", "reference", "-q"]) == 1
+    out = capsys.readouterr().out
+    assert "writers: toy: 0 of 1 format(s) proved by the engine's own writer" in out
+
+
+@pytest.mark.parametrize("registered", [broken.ToyPlugin], indirect=True)
+def test_the_control_is_proved_by_its_writer_and_the_report_counts_it(registered, capsys):
+    results = _run(registered, kernels=["reference*"], checks=["writer*", "containers*"])
+    assert {k: r.status for k, r in results.items() if "writer" in k} == {
+        "-::writer_view": suite.PASS,
+        "reference@cpu::writer_gather": suite.PASS,
+        "reference@cpu::writer_scatter": suite.PASS,
+    }
+    assert "byte-identical" in results["reference@cpu::writer_scatter"].message
+    assert all(r.status != suite.FAIL for r in results.values())
+    assert check.main([registered, "--kernel", "reference", "--check", "writer*"]) == 0
+    assert "writers: toy: 1 of 1 format(s) proved by the engine's own writer" in capsys.readouterr().out
+
+
+class _NoWriterReason(broken.ToyPlugin):
+    @kvcore.hookimpl
+    def kvcore_register_fixtures(self, register):
+        import dataclasses
+
+        case = kvcore.testing.FixtureCase(
+            name="toyllm-nowriter",
+            engine="toyllm",
+            format=broken.FORMAT,
+            make=self.allocate,
+            kv_view=self.engine_view,
+            sizes={"num_layers": 2, "num_blocks": 3, "block_size": 4, "num_heads": 2, "head_size": 8},
+            source="toy",
+            writer="toyllm's store is a CUDA kernel",
+        )
+        register(case)
+        register(
+            dataclasses.replace(
+                case,
+                name="toyllm-missing-engine",
+                writer=kvcore.testing.Writer(name="toyllm_engine.store", write=self.store, requires=("toyllm_engine_not_installed",)),
+            )
+        )
+
+
+@pytest.mark.parametrize("registered", [_NoWriterReason], indirect=True)
+def test_a_format_with_no_runnable_writer_gets_a_skipped_writer_record_with_the_reason(registered):
+    results = suite.run_checks([registered], suite.Options(examples=2), kernels=["reference*"], checks=["writer*"])
+    by = {(r.fixture, r.check): r for r in results}
+    r = by[("toyllm-nowriter", "writer")]
+    assert r.status == suite.SKIP and "toyllm's store is a CUDA kernel" in r.message
+    for name in ("writer_view", "writer_gather", "writer_scatter"):
+        r = by[("toyllm-missing-engine", name)]
+        assert r.status == suite.SKIP and "toyllm_engine_not_installed does not import here (ModuleNotFoundError" in r.message
+    assert check.writer_summary(results) == ["  writers: toy: 0 of 1 format(s) proved by the engine's own writer"]
+
+
+def test_the_guide_counts_the_broken_examples_truly():
+    guide = (ROOT / "docs" / "plugins.md").read_text()
+    n = len([c for c in broken.__all__ if isinstance(getattr(broken, c), type) and c != "ToyPlugin"])
+    words = {8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    assert f"shows {words.get(n, n)}\nplugins the suite rejects" in guide

@@ -112,7 +112,7 @@ def _import_path(name: str, path: Path):
 
 
 def test_the_guide_example_plugin_passes_kvcore_check(tmp_path):
-    block = re.search(r"```python\n# file: tinyllm_kvcore/plugin.py\n(.*?)```", GUIDE, re.S)
+    block = re.search(r"```python\n# file: kvcore-tinyllm/tinyllm_kvcore/plugin.py\n(.*?)```", GUIDE, re.S)
     assert block, "docs/plugins.md lost its runnable example plugin"
     path = tmp_path / "tinyllm_plugin.py"
     path.write_text(block.group(1))

@@ -345,11 +345,11 @@ def test_layer_name_dicts_stay_layers_and_roles_with_digits_need_planes(core_onl
     # layer names (they carry a number) are layers, never roles
     with pytest.raises(DetectionError, match="pass the planes"):
         kvcore.detect({"layers.0": k[0], "layers.1": k[1]}, "pl")
-    assert plugin.got[-1] == ("list", 2)
+    assert plugin.got[-1] == ("Layers", 2)  # a kvcore.Layers: a list whose items are layers
     # a role with a digit reads as a layer name in a plain dict; kvcore.Planes says it is a role
     with pytest.raises(DetectionError, match="pass the planes"):
         kvcore.detect({"K": k, "K2": k}, "pl")
-    assert plugin.got[-1] == ("list", 2)
+    assert plugin.got[-1] == ("Layers", 2)  # a kvcore.Layers: a list whose items are layers
     with pytest.warns(kvcore.KVCorePluginWarning, match="KeyError: 'V'"), pytest.raises(DetectionError):
         kvcore.detect(kvcore.Planes(K=k, K2=k), "pl")  # the plugin gets the roles (and has no V plane to read)
     assert plugin.got[-1] == ("Planes", ["K", "K2"])
@@ -373,7 +373,7 @@ def test_a_dict_of_containers_keyed_neither_by_role_nor_by_layer_number_is_refus
     # the same tensors under numbered layer names, or as upper-case roles, are read as such
     with pytest.raises(DetectionError, match="pass the planes"):
         kvcore.detect({f"layers.{i}": v for i, v in enumerate(lists.values())}, "pl")
-    assert plugin.got == [("list", len(keys))]
+    assert plugin.got == [("Layers", len(keys))]
     # a dict of tensors (not containers) without layer numbers stays a dict of layers, in order
     assert normalize_container({"attn": torch.zeros(2, NB, BS, NH, HS), "cross": torch.zeros(2, NB, BS, NH, HS)})[1] == [
         "attn",

@@ -24,7 +24,7 @@ import torch
 import kvcore
 from kvcore.bench import make_cache
 from kvcore.errors import TransferError
-from kvcore.formats import KVFormat
+from kvcore.format_decl import KVFormat
 from kvcore.kernels import TransferPlan, _build, select_kernel
 from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL
 from kvcore.kernels.reference import REFERENCE

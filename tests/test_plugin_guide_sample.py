@@ -21,7 +21,7 @@ GUIDE = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text(
 
 
 def _sample() -> list[str]:
-    m = re.search(r"kvcore check tinyllm +# one line per[^\n]*\n```\n\n```\n(.*?)```", GUIDE, re.S)
+    m = re.search(r"kvcore check tinyllm +# one line per[^\n]*\n```\n\n```text\n(.*?)```", GUIDE, re.S)
     assert m, "docs/plugins.md lost the sample output of `kvcore check tinyllm`"
     return m.group(1).rstrip("\n").split("\n")
 
@@ -53,7 +53,7 @@ def _follows(sample: list[str], real: list[str]) -> str | None:
 def test_the_guide_sample_is_the_real_output_of_kvcore_check(core_only, capsys, tmp_path):
     if not _build.load().loaded:
         pytest.skip(f"the sample shows native-cpu; native kernels unavailable here ({_build.status().reason})")
-    block = re.search(r"```python\n# file: tinyllm_kvcore/plugin.py\n(.*?)```", GUIDE, re.S)
+    block = re.search(r"```python\n# file: kvcore-tinyllm/tinyllm_kvcore/plugin.py\n(.*?)```", GUIDE, re.S)
     path = tmp_path / "tinyllm_plugin.py"
     path.write_text(block.group(1))
     spec = importlib.util.spec_from_file_location("tinyllm_plugin_for_sample", path)

@@ -35,6 +35,15 @@ instance (pluggy accepts any object with hook methods); register one at a time::
   every engine (``engine_scoped`` fails).
 * :class:`UndeclaredHints` — a fixture that detects with a hint the plugin never declares
   (``hints_declared`` fails: ``kvcore hints toyllm`` could not tell a user about it).
+* :class:`PairsAsLists` — the engine keeps a K list and a V list of per-layer tensors; the
+  detector reads any two-item container as ``[K list, V list]``. Handed two per-layer
+  ``(K, V)`` pairs (``detect_per_layer``, a dict of layers), it takes layer 0's V for layer
+  1's K. The fixture's own container (three layers) and ``ambiguity[NL=2]`` pass; the
+  ``containers[...]`` checks, which hand the same cache over per layer with two layers, fail.
+* :class:`SharedMisreading` — the engine's own writer stores V before K; the plugin's
+  detector *and* its fixture's ``kv_view`` both read K first (one reading, restated twice),
+  so every check built on ``kv_view`` passes. Only the writer oracle, the engine's write
+  path, sees it: ``writer_view`` and ``writer_gather`` fail.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from typing import Any
 import torch
 
 from kvcore import Detection, KVFormat, Source, TransferError, hookimpl
-from kvcore.testing import FixtureCase
+from kvcore.testing import FixtureCase, Writer
 
 FORMAT = "NL_X_ONE_TWO_NB_BS_NH_HS"
 SOURCE = Source(engine="toyllm", version="0", file="examples/broken/broken_plugins.py::ToyPlugin.allocate")
@@ -67,6 +76,16 @@ class ToyPlugin:
         """How the engine's attention reads K (kv=0) or V (kv=1): ``[NB, BS, NH, HS]``."""
         t = kv_caches[layer][0, (1 - kv) if self.v_first else kv]
         return t.transpose(1, 2) if self.hnd else t
+
+    def store(self, kv_caches: Any, slots: torch.Tensor, rows: dict, *, hints: dict) -> None:
+        """toyllm's own write path (its ``reshape_and_cache``), the fixture's writer oracle:
+        token ``slot`` of layer ``l`` goes to block ``slot // BS``, offset ``slot % BS`` of
+        ``kv_caches[l][0, K or V]``, V at index 0 when the engine stores V first."""
+        for layer, t in enumerate(kv_caches):
+            for role, idx in (("K", 1 if self.v_first else 0), ("V", 0 if self.v_first else 1)):
+                plane = t[0, idx].transpose(1, 2) if self.hnd else t[0, idx]  # [NB, BS, NH, HS]
+                bs = plane.shape[1]
+                plane[slots // bs, slots % bs] = rows[role][layer]
 
     # -- the plugin ------------------------------------------------------------------
     def normalise(self, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -94,6 +113,7 @@ class ToyPlugin:
                 sizes={"num_layers": 2, "num_blocks": 3, "block_size": 4, "num_heads": 2, "head_size": 8},
                 dtypes=(torch.float32, torch.bfloat16, torch.float8_e5m2),
                 source=str(SOURCE),
+                writer=Writer(name="toyllm.store", write=self.store, source="examples/broken/broken_plugins.py::ToyPlugin.store"),
             )
         )
 
@@ -213,6 +233,64 @@ class UndeclaredHints(ToyPlugin):
         return kv, {"toy_layout": "NHD"}
 
 
+PAIRS_FORMAT = "TWO_X_NL_X_ONE_NB_BS_NH_HS"
+
+
+class PairsAsLists(ToyPlugin):
+    """Broken: two per-layer ``(K, V)`` pairs are read as a K list and a V list."""
+
+    def allocate(self, sizes, dtype, device):
+        nb, bs, nh, hs = sizes["num_blocks"], sizes["block_size"], sizes["num_heads"], sizes["head_size"]
+        k = [torch.zeros((1, nb, bs, nh, hs), dtype=dtype, device=device) for _ in range(sizes["num_layers"])]
+        v = [torch.zeros((1, nb, bs, nh, hs), dtype=dtype, device=device) for _ in range(sizes["num_layers"])]
+        return [k, v], {}
+
+    def engine_view(self, kv_caches, layer, kv):
+        return kv_caches[kv][layer][0]
+
+    @hookimpl
+    def kvcore_register_formats(self, register):
+        register(
+            KVFormat(
+                name=PAIRS_FORMAT, engines=[self.engine], description="toyllm K list and V list of [1, NB, BS, NH, HS]", sources=[SOURCE]
+            )
+        )
+
+    @hookimpl
+    def kvcore_detect(self, kv_caches, engine, hints):
+        if engine != self.engine:
+            return None
+        if len(kv_caches) == 2:  # the bug: two per-layer (K, V) pairs look just like [K list, V list]
+            k, v = kv_caches
+        else:
+            k, v = [p[0] for p in kv_caches], [p[1] for p in kv_caches]
+        return Detection(format=PAIRS_FORMAT, kv_caches=[list(k), list(v)], note="toyllm")
+
+    @hookimpl
+    def kvcore_register_fixtures(self, register):
+        register(
+            FixtureCase(
+                name=f"{self.engine}-{type(self).__name__}",
+                engine=self.engine,
+                format=PAIRS_FORMAT,
+                make=self.allocate,
+                kv_view=self.engine_view,
+                sizes={"num_layers": 3, "num_blocks": 3, "block_size": 4, "num_heads": 2, "head_size": 8},
+                dtypes=(torch.float32, torch.bfloat16),
+                source=str(SOURCE),
+            )
+        )
+
+
+class SharedMisreading(ToyPlugin):
+    """Broken: the engine stores V first; detector and kv_view share the K-first misreading."""
+
+    v_first = True  # the engine's truth: its writer (ToyPlugin.store) puts V at index 0
+
+    def engine_view(self, kv_caches, layer, kv):
+        return kv_caches[layer][0, kv]  # the bug: K at index 0, the detector's own reading restated
+
+
 __all__ = [
     "FORMAT",
     "ToyPlugin",
@@ -224,4 +302,7 @@ __all__ = [
     "LogicalName",
     "IgnoresEngine",
     "UndeclaredHints",
+    "PAIRS_FORMAT",
+    "PairsAsLists",
+    "SharedMisreading",
 ]

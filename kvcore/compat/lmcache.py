@@ -18,7 +18,7 @@ changing its imports to this one module::
 Names, argument order, return values and the format facts follow LMCache 0.5.6 (its
 ``kv_format/specs/base.py`` ``KVFormatSpec``, ``specs/registry.py``, ``detection.py``,
 ``contiguity.py``, ``types.py`` and ``gpu_connector/utils.py``; the ``EngineKVFormat`` enum of
-``csrc/engine_kv_format.h``).
+``csrc/engine_kv_format.h``), read from the released sdist of ``lmcache==0.5.6``.
 ``scripts/lmcache_facade_check.py`` runs LMCache's own unit tests for those modules against
 this facade with only the imports changed.
 
@@ -51,28 +51,49 @@ deprecated ``TWO_HS``)         ``2*HS``), ``hidden_dim`` ``NH*CS``         size,
 ``TWO_HS`` specs               ``DeprecationWarning`` on construction      no warning: kvcore's vLLM plugin detects
                                                                            ``NL_X_NB_BS_NH_TWO_HS`` (TPU Pallas) as a
                                                                            current layout
-detection                      a shape rule per engine, for any sizes:     the engine's kvcore plugin, which never
-                               6-D tensors RBLN's; a layout hint obeyed    guesses: it detects what the engine
-                               over the strides (contiguous [2, NB, BS,    allocates (a vLLM 0.33 per-layer view is
-                               NH, HS] with ``kv_layout="HND"`` is HND);   ``[NB, NH, BS, C]``); a hint contradicting
-                               strided views refused unless dim-0          the strides raises (an HND cache already
-                               padded; tight per-layer tensors accepted    in memory order says
-                               under a blocks-first hint                   ``tensor_order="physical"``); strided views
-                                                                           are described; layouts no installed plugin
-                                                                           describes (vLLM-RBLN, SGLang ``"unified"``
-                                                                           views) raise :class:`~kvcore.DetectionError`
-plane tuples                   accessors over the planes' summed byte      the vLLM plugin detects vllm-ascend's
-(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          per-layer pairs of unequal widths as
-                               elements)                                   multi-plane layouts (``kv_cache_spec``
-                                                                           tells (K, V) from MLA (nope, rope)):
-                                                                           ``K=...+V=...`` / ``KV=...+KPE=...``,
-                                                                           each plane with its own width, dtype and
-                                                                           staging buffer. The spec accessors raise
-                                                                           :class:`~kvcore.GeometryError` for those
-                                                                           and for the ``NP`` name (a sum of widths
-                                                                           is no head size): use
-                                                                           ``kvcore.build_layout(fmt, kv)`` (README:
-                                                                           the layout grammar, multi-plane names)
+detection                      a shape rule per engine, for any sizes;     the engine's kvcore plugin, which never
+                               strided views refused unless dim-0          guesses: it detects what the engine
+                               padded; tight per-layer tensors accepted    allocates (a vLLM 0.33 per-layer view is
+                               under a blocks-first hint                   ``[NB, NH, BS, C]``: a BLNHC hint on
+                                                                           ``[NB, BS, NH, CS]`` views, or a blocks-
+                                                                           first hint on tight per-layer tensors,
+                                                                           contradicts the strides and raises);
+                                                                           strided views are described. LMCache's
+                                                                           contract is followed: ``kv_layout`` names
+                                                                           the tensors' memory order (they are
+                                                                           permuted into it, as LMCache's contiguity
+                                                                           recovery does); the platform is the one
+                                                                           LMCache states (below)
+device (vLLM)                  ``torch_device_type`` (the platform) only   the platform stated (``torch_device_type``
+                               picks the default ``kv_layout``; every      in ``layout_hints`` or this module's
+                               cache is read as a GPU backend's            ``torch_device_type``) reaches kvcore-vllm
+                                                                           as ``device_type``; unstated, a GPU
+                                                                           backend's (LMCache's reading). ``"cpu"``
+                                                                           reads vLLM CPU's own layouts: CPU_ATTN's
+                                                                           ``[NB, NH, BS, 2*HS]`` holds a block's BS
+                                                                           K rows, then its BS V rows per head
+                                                                           (``NL_X_NB_NH_TWO_BS_HS``), which LMCache's
+                                                                           ``NL_X_NB_NH_BS_CS`` misreads
+singleton-head pages (vLLM     ``NL_X_NB_NH_BS_CS`` with NH 1 (kv_size     ``NL_X_NB_BS_HS`` over the squeezed views:
+0.33 ``[NB, 1, BS, W]``, an    1, head W): one W-wide row per token        LMCache's geometry and rows (kvcore's CS is
+HND-family ``kv_layout``, no                                               packed K|V); the 132 B indexer page is
+``kv_cache_spec``)                                                         ``NL_X_NB_BSV_BSS`` as in LMCache; V4's
+                                                                           584 B blocked page (and MXFP4 68 B), which
+                                                                           LMCache reads as rows (wrong for
+                                                                           ``fp8_ds_mla`` V4: vLLM's
+                                                                           ``_rope_quant_insert_kernel`` writes a
+                                                                           block's values, then its scales), stays
+                                                                           kvcore's AmbiguousLayoutError naming
+                                                                           ``cache_dtype``
+plane tuples                   accessors over the planes' summed byte      detected as kvcore-vllm's multi-plane
+(``NL_X_NP_X_NB_BS_ONE_HS``)   width (``hidden_dim`` in plane 0's          layouts (vllm-ascend (nope, rope), (k, v,
+                               elements)                                   dsa_k[, dsa_k_scale]), (k_cache,)) and
+                                                                           returned under LMCache's name with the
+                                                                           tuples as lists; the spec accessors raise
+                                                                           :class:`~kvcore.GeometryError` for ``NP``
+                                                                           (a sum of widths is no head size): use
+                                                                           ``kvcore.detect(kv, "vllm")``, whose layout
+                                                                           stages each plane at its own width
 ``attention_backends``         the spec file's own labels                  LMCache's engine for the member first: the
                                                                            backends of that engine's kvcore plugin
                                                                            (else LMCache's label), then other plugins'
@@ -100,13 +121,20 @@ spellings must agree):
 
 * ``vllm``: ``kv_layout`` -> ``kv_cache_layout``, ``tokens_per_block`` -> ``block_size``,
   ``head_dim`` -> ``head_size``, ``torch_device_type`` -> ``device_type``; ``kv_list_layout``
-  (an SGLang key LMCache's vLLM detector ignores) is dropped.
+  (an SGLang key LMCache's vLLM detector ignores) is dropped. As LMCache 0.5.6 applies them
+  (``detection.py::detect_format``, ``detectors/vllm.py``): with ``kv_layout`` the tensors
+  are permuted into memory order and read with ``tensor_order="physical"`` (``kv_layout``
+  names that order); the device is the one stated, else a GPU backend's (the table's
+  "device" row). vllm-ascend's tuples keep their container (the tuple says they are
+  attention caches, a list Mamba state).
 * ``sglang``: ``tokens_per_block`` -> ``page_size``, ``head_dim`` -> ``head_size``,
-  ``kv_layout`` -> ``layout``; ``torch_device_type`` is dropped. LMCache reads
-  ``tokens_per_block`` as the trigger of its MHA un-flatten and a flat list of
-  ``(rows, 1, D)`` tensors without ``kv_list_layout="k_v"`` as MLA, so such a list is
-  detected with ``is_mla=True`` and without the page split: it keeps the fused
-  ``NL_X_NBBS_ONE_HS`` name, as LMCache's SGLang detector (commit ``3b5b68c``) returns it.
+  ``kv_layout`` -> ``layout``; ``torch_device_type`` is dropped. LMCache 0.5.6
+  (``detectors/sglang.py``) reads a flat list of ``(rows, 1, D)`` tensors without
+  ``kv_list_layout="k_v"`` as the MLA pool: detected with ``is_mla=True``, its rows split
+  into pages by ``tokens_per_block`` (``NL_X_NB_BS_HS``; rows that are not whole pages
+  raise) and fused without it (``NL_X_NBBS_ONE_HS``). ``kv_list_layout="unified"`` (LMCache's
+  SGLang unified connector: one paged component per entry) is ``NL_X_NB_BS_NH_HS`` /
+  ``NL_X_NB_BS_HS``, read by kvcore-sglang.
 * ``trtllm``: unchanged (the plugin reads ``num_kv_heads``, ``tokens_per_block``,
   ``head_dim``, ``kv_layout`` by these names). LMCache's already-viewed 6-D pool
   ``[NB, NL, 2, NH, BS, HS]`` is handed to the plugin as the 4-D pool it allocates, with
@@ -133,8 +161,8 @@ from typing import Any, ClassVar, Literal, TypedDict, Union
 import torch
 
 from kvcore.detection import detect, detect_per_layer, normalize_container, tensors_in
-from kvcore.errors import DetectionError, FormatError, GeometryError, KVCoreError, TransferError
-from kvcore.formats import KVFormat
+from kvcore.errors import AmbiguousLayoutError, DetectionError, FormatError, GeometryError, KVCoreError, TransferError
+from kvcore.format_decl import KVFormat
 from kvcore.grammar import TOKENS, parse, render_concrete, render_symbolic
 from kvcore.layout import KVLayout, build_layout
 from kvcore.layout import PageBufferShapeDesc as _KVCorePageBufferShapeDesc
@@ -202,6 +230,28 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvcore.compat.lmcache")
+
+
+#: LMCache's ``torch_device_type`` (``lmcache/v1/platform``; LMCache 0.5.6's vLLM detector reads
+#: it as a module global and its tests monkeypatch it): the platform the caller states. None
+#: (the default): not stated -- the facade then reads vLLM caches as LMCache does, as the GPU
+#: backends' layouts (LMCache has no other; its platform only picks a default ``kv_layout``),
+#: unless the tensors sit on another accelerator. ``"cpu"`` (here, or ``torch_device_type`` in
+#: ``layout_hints``) selects vLLM CPU's own layouts (kvcore-vllm's CPU rules).
+torch_device_type: str | None = None
+
+
+def _vllm_device(kv_caches: Any) -> str:
+    """The platform LMCache's contract gives a vLLM cache nobody stated one for: the
+    tensors' accelerator (ROCm builds: ``rocm``), else a GPU backend's (``cuda``)."""
+    if torch_device_type is not None:
+        return str(torch_device_type)
+    leaves = tensors_in(kv_caches) if not isinstance(kv_caches, torch.Tensor) else [kv_caches]
+    dev = leaves[0].device.type if leaves else "cpu"
+    if dev == "cuda":
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return dev if dev in ("xpu", "hpu") else "cuda"
+
 
 #: LMCache 0.5.6's ``EngineKVFormat`` members and their enum values
 #: (``csrc/engine_kv_format.h``, ``enum class EngineKVFormat``).
@@ -883,23 +933,47 @@ def _prepare(kv_caches: Any, engine: str, layout_hints: Any) -> tuple[Any, dict[
     module docstring's "Layout hints")."""
     hints = _hints(layout_hints, engine)
     raw = dict(layout_hints) if isinstance(layout_hints, Mapping) else {}
-    if engine == "sglang" and raw.get("kv_list_layout") != "k_v" and "is_mla" not in hints:
+    if engine == "vllm" and hints.get("device_type") is None:
+        # LMCache's adapters always state the platform (torch_device_type); LMCache reads the GPU backends' layouts
+        hints["device_type"] = _vllm_device(kv_caches)
+    if engine == "vllm" and hints.get("kv_cache_layout") is not None and hints.get("tensor_order") is None:
+        # LMCache reads kv_layout as the memory order of the tensors after its contiguity recovery
+        # (detection.py::detect_format: attempt_permute_to_contiguous_view, then the detector): the same here
+        kv_caches = _memory_ordered_views(kv_caches)
+        hints["tensor_order"] = "physical"
+    if engine == "sglang" and raw.get("kv_list_layout") not in ("k_v", "unified") and "is_mla" not in hints:
         entries = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else kv_caches
         if (
             isinstance(entries, (list, tuple))
             and entries
             and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] == 1 for t in entries)
         ):
-            # LMCache reads a flat list of (rows, 1, D) tensors as the MLA pool, and its
-            # tokens_per_block only un-flattens MHA K/V lists: the pool keeps its NBBS axis
+            # LMCache 0.5.6 (detectors/sglang.py) reads a flat list of (rows, 1, D) tensors as the MLA pool, and
+            # tokens_per_block splits its rows into pages (NL_X_NB_BS_HS; without it the fused NL_X_NBBS_ONE_HS)
             hints["is_mla"] = True
-            if "tokens_per_block" in raw and raw.get("page_size") is None and raw.get("block_size") is None:
-                hints.pop("page_size", None)
     if engine in ("trtllm", "tensorrt_llm", "tensorrt-llm"):
         pool = kv_caches[0] if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 1 else kv_caches
         if isinstance(pool, torch.Tensor) and pool.dim() == 6:
             kv_caches, hints = _trtllm_pool(pool, hints)
     return kv_caches, hints
+
+
+def _memory_ordered_views(kv_caches: Any) -> Any:
+    """Each tensor's axes put in memory order (LMCache's contiguity recovery,
+    :func:`attempt_permute_to_contiguous_view`, without re-viewing collapsed strides): a
+    permute, never a copy; containers keep their nesting and kind (tuples stay tuples:
+    vllm-ascend's container says what its entries are)."""
+    if isinstance(kv_caches, torch.Tensor):
+        if kv_caches.dim() == 0:
+            return kv_caches
+        st, sh = kv_caches.stride(), kv_caches.shape
+        perm = sorted(range(kv_caches.dim()), key=lambda i: (st[i], sh[i] != 1), reverse=True)
+        return kv_caches if perm == list(range(kv_caches.dim())) else kv_caches.permute(perm)
+    if isinstance(kv_caches, Mapping):
+        return {k: _memory_ordered_views(v) for k, v in kv_caches.items()}
+    if isinstance(kv_caches, (list, tuple)):
+        return type(kv_caches)(_memory_ordered_views(x) for x in kv_caches)
+    return kv_caches
 
 
 def _trtllm_pool(pool: torch.Tensor, hints: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -943,10 +1017,85 @@ def normalize_kv_and_discover_format(kv_caches: Any, serving_engine: Any, layout
     """
     engine = _engine(serving_engine)
     kv, hints = _prepare(kv_caches, engine, layout_hints)
-    layout = detect(kv, engine, hints)
-    fmt, normalized = _as_lmcache(layout)
+    try:
+        layout = detect(kv, engine, hints)
+    except AmbiguousLayoutError as e:
+        layout = _lmcache_reading(kv, engine, hints, e)
+    fmt, normalized = _plane_tuples(layout, kv) if engine == "vllm" else (None, None)
+    if fmt is None:
+        fmt, normalized = _as_lmcache(layout)
     logger.info("Engine KV Format: %s %s", fmt, render_symbolic(str(fmt)))
     return fmt, normalized
+
+
+#: vllm-ascend's tuple layouts (kvcore-vllm ``pairs``) whose planes LMCache names ``NL_X_NP_X_NB_BS_ONE_HS``
+_ASCEND_PLANE_TUPLES = (
+    "KV=NL_X_NB_BS_NH_HS+KPE=NL_X_NB_BS_NH_HS",
+    "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS",
+    "KV=NL_X_NB_BS_NH_HS+KPE=NL_X_NB_BS_NH_HS+IK=NL_X_NB_BS_NH_HS",
+    "KV=NL_X_NB_BS_NH_HS+KPE=NL_X_NB_BS_NH_HS+IK=NL_X_NB_BS_NH_HS+IKS=NL_X_NB_BS_NH_HS",
+    "KV=NL_X_NB_BS_NH_HS",
+    "K=NL_X_NB_BS_NH_HS",
+    "K=NL_X_NB_BS_NH_HS+KS=NL_X_NB_BS_NH_HS",
+)
+
+
+def _single_head_tuples(kv: Any) -> bool:
+    entries = list(kv.values()) if isinstance(kv, Mapping) else kv
+    return (
+        isinstance(entries, (list, tuple))
+        and bool(entries)
+        and all(
+            isinstance(x, tuple) and x and all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == 1 for t in x) for x in entries
+        )
+    )
+
+
+def _plane_tuples(layout: KVLayout, kv: Any) -> tuple[EngineKVFormat | None, Any]:
+    """vllm-ascend's single-head plane tuples (MLA (nope, rope), DSA (k, v, dsa_k[, scale]),
+    one-plane tuples) under LMCache's name for them, ``NL_X_NP_X_NB_BS_ONE_HS``, with the
+    tuples as LMCache returns them (lists, planes in tuple order): the same planes kvcore's
+    multi-plane layout reads, named without their roles. (None, None) for anything else."""
+    if layout.format.name not in _ASCEND_PLANE_TUPLES or not _single_head_tuples(kv):
+        return None, None
+    entries = list(kv.values()) if isinstance(kv, Mapping) else list(kv)
+    if len(entries[0]) == 2 and entries[0][0].shape[-1] == entries[0][1].shape[-1] and entries[0][0].dtype == entries[0][1].dtype:
+        return None, None  # equal-width pairs are (K, V): LMCache's NL_X_TWO_X_NB_BS_NH_HS
+    return EngineKVFormat("NL_X_NP_X_NB_BS_ONE_HS"), [list(x) for x in entries]
+
+
+def _lmcache_reading(kv: Any, engine: str, hints: dict[str, Any], err: AmbiguousLayoutError) -> KVLayout:
+    """Where kvcore's plugin names two readings and LMCache's contract picks one that is
+    right by the engine's source, that one; else ``err`` is raised.
+
+    * vLLM rank-4 pages with a singleton head axis (``[NB, 1, BS, W]`` HND / ``[NB, BS, 1,
+      W]`` NHD, what LMCache's vLLM adapter sends for 0.33 MLA and record pages): LMCache
+      reads one head of a ``W``-wide row per token (kv_size 1). That is the MLA reading
+      (``kv_cache_spec="mla"``) wherever that reading moves per-token rows or is the DSA
+      indexer's blocked page LMCache also reads (132 B); records whose readings differ
+      (V4's 584 B blocked page against a packed row) stay kvcore's ambiguity.
+    * vllm-ascend single-head tuples whose (nope, rope) / (K, V head_size_v) readings differ
+      only in their planes' names: LMCache's plane tuples (the MLA reading's planes).
+    """
+    if engine != "vllm" or hints.get("kv_cache_spec") is not None:
+        raise err
+    entries = list(kv.values()) if isinstance(kv, Mapping) else kv if isinstance(kv, (list, tuple)) else [kv]
+    if _single_head_tuples(entries):
+        return detect(kv, engine, {**hints, "kv_cache_spec": "mla"})
+    if not entries or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in entries):
+        raise err
+    family = str(hints.get("kv_cache_layout") or "").upper()
+    axis = 1 if family in ("HND", "LBHNC", "BLHNC") else 2 if family in ("NHD", "LBNHC", "BLNHC") else None
+    if axis is None or any(int(t.shape[axis]) != 1 for t in entries):
+        raise err
+    try:
+        lay = detect(kv, engine, {**hints, "kv_cache_spec": "mla"})
+    except DetectionError:
+        raise err from None
+    width = int(entries[0].shape[-1]) * entries[0].element_size()
+    if lay.format.name.endswith("NB_BS_HS") or (lay.format.name.endswith("NB_BSV_BSS") and width == 132):
+        return lay
+    raise err
 
 
 detect_format = normalize_kv_and_discover_format
@@ -1030,7 +1179,8 @@ def normalize_and_discover_per_layer_formats(
     if isinstance(container, torch.Tensor):
         raise DetectionError("a single tensor that no plugin reads as a cross-layer cache has no per-layer formats")
     groups = [list(g) for g in layer_index_groups] if layer_index_groups else None
-    layouts: Any = detect_per_layer(container, engine, layer_groups=groups, hints=_hints(layout_hints, engine))
+    container, hints = _prepare(container, engine, layout_hints)
+    layouts: Any = detect_per_layer(container, engine, layer_groups=groups, hints=hints)
     if isinstance(layouts, Mapping):  # keyed by layer: back to layer order
         layouts = [layouts[k] for k in (range(len(container)) if all(isinstance(k, int) for k in layouts) else layouts)]
     normalized: list[Any] = []
@@ -1559,7 +1709,8 @@ def _vllm_per_layer(f: EngineKVFormat, mla: bool) -> bool:
         engines = registry.get_format(str(f)).engines
     except FormatError:
         return False
-    return "vllm" in engines and f.syntax.container == "layer_list" and (mla or not f.is_mla)
+    # vLLM-RBLN's 6-D pages are the RBLN device ops' alone (LMCache's GPU connectors never take member 15)
+    return "vllm" in engines and f.syntax.container == "layer_list" and (mla or not f.is_mla) and str(f) != "NL_X_TWO_NB_NH_ONE_BS_HS"
 
 
 def assert_is_vllm_flash_attn_or_flash_infer(engine_kv_format: Any) -> None:

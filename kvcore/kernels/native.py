@@ -10,7 +10,11 @@ buffers. Any table of the stride table v2 moves: classic K/V, MLA, blocked-scale
 dtypes and staging buffers.
 
 - ``native-cpu``: walks (plane, layer, token) rows, one 16-byte vector copy loop per
-  contiguous run (a block's adjacent rows as one run); a transfer below two grains
+  contiguous run (a block's adjacent rows as one run); a plane whose head elements are not
+  one run (chunks: a column-major ``[HS, BS]`` head, VNNI tiles ``[BS/16, HS/2, 16, 2]``)
+  moves a block's consecutive tokens per head as one register-tiled transpose of
+  chunk-sized items (``csrc/kvcore_tile.h``: SSE2, AVX2 where the CPU has it); a transfer
+  below two grains
   (default 8 MiB per thread, ``KVCORE_CPU_GRAIN_BYTES``) stays on the calling thread,
   larger ones use ``at::parallel_for`` with one thread per grain, the rows split by bytes.
 - ``native-cuda``: every layer and every plane in one launch (up to 8 planes per launch),
@@ -358,7 +362,8 @@ class NativeCPUKernel(_NativeKernel):
         grain = _ops().cpu_grain() if _ops() is not None else 0
         return (
             f"C++ op torch.ops.kvcore (csrc/kvcore_cpu.cpp): every plane of the record, (plane, layer, token) rows, one 16-byte "
-            f"vector copy per contiguous run; one thread below {grain >> 10} KiB per thread, else at::parallel_for on up to "
+            f"vector copy per contiguous run, heads in chunks as tiled transposes of a block's consecutive tokens; one thread "
+            f"below {grain >> 10} KiB per thread, else at::parallel_for on up to "
             f"{torch.get_num_threads()} threads; {st.reason}"
         )
 

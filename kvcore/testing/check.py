@@ -22,7 +22,7 @@ from collections import Counter
 
 from kvcore.cli_args import OneLineParser, int_range
 
-__all__ = ["add_arguments", "run", "main", "DESCRIPTION", "EPILOG"]
+__all__ = ["add_arguments", "run", "main", "writer_proved", "writer_summary", "DESCRIPTION", "EPILOG"]
 
 DESCRIPTION = (
     "Run kvcore's conformance suite on installed plugins: for every format a plugin registers, its fixtures "
@@ -173,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         plugins = sorted({r.plugin for r in results})
         formats = sorted({r.format for r in results if r.format})
+        wlines = writer_summary(results)
+        if wlines:
+            print(("" if args.quiet else "\n") + "\n".join(wlines))
         print(
             f"{'' if args.quiet and not counts[suite.FAIL] else chr(10)}{counts[suite.PASS]} passed, {counts[suite.FAIL]} failed, {counts[suite.SKIP]} skipped: "
             f"{len(plugins)} plugin(s), {len(formats)} format(s), in {took:.1f} s"
@@ -182,6 +185,45 @@ def run(args: argparse.Namespace) -> int:
             for (p, f), n in sorted(failed.items()):
                 print(f"  FAIL  {p}  {f}: {n} check(s)")
     return 1 if counts[suite.FAIL] else 0
+
+
+def writer_proved(results) -> dict[str, dict[str, set[str]]]:
+    """Per plugin: ``{"formats": every format it was checked on, "engine": formats an engine's
+    own writer proved, "transcribed": formats a transcribed writer proved}``. A format is
+    proved when one of its fixtures passed ``writer_view`` and, with some kernel, both
+    ``writer_gather`` and ``writer_scatter``, and none of its writer checks failed."""
+    from kvcore.testing import suite
+
+    per: dict[tuple[str, str, str], dict[str, list[str]]] = {}
+    out: dict[str, dict[str, set[str]]] = {}
+    for r in results:
+        if r.format and r.fixture:
+            out.setdefault(r.plugin, {"formats": set(), "engine": set(), "transcribed": set()})["formats"].add(r.format)
+        if "writer" in r.check and r.fixture:
+            per.setdefault((r.plugin, r.format, r.fixture), {}).setdefault(r.check, []).append(r.status)
+            origin = "transcribed" if "(transcribed" in r.message else "engine"
+            per[(r.plugin, r.format, r.fixture)].setdefault("origin", []).append(origin)
+    bad = {(p, f) for (p, f, _), c in per.items() for k, v in c.items() if k != "origin" and suite.FAIL in v}
+    for (p, f, _), c in per.items():
+        ok = all(suite.PASS in c.get(k, []) for k in ("writer_view", "writer_gather", "writer_scatter"))
+        if ok and (p, f) not in bad:
+            out.setdefault(p, {"formats": set(), "engine": set(), "transcribed": set()})[c["origin"][0]].add(f)
+    for d in out.values():
+        d["transcribed"] -= d["engine"]
+    return out
+
+
+def writer_summary(results) -> list[str]:
+    """One line per plugin: how many of its formats a writer proved (``kvcore check``'s footer)."""
+    lines: list[str] = []
+    if not any("writer" in r.check for r in results):
+        return lines
+    for p, d in sorted(writer_proved(results).items()):
+        if not d["formats"]:
+            continue
+        extra = f", {len(d['transcribed'])} by a transcribed writer (the engine does not run here)" if d["transcribed"] else ""
+        lines.append(f"  writers: {p}: {len(d['engine'])} of {len(d['formats'])} format(s) proved by the engine's own writer{extra}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,9 @@ class FixtureCase:
         supports_padding: ``make`` honours ``sizes["block_padding"]`` (bytes per block).
         source: engine, version and file the allocation follows.
         size_constraints: extra rules for random geometries, e.g. ``{"block_size_multiple": 16}``.
+        writer: the engine's own write path (:class:`kvcore.testing.Writer`), the oracle
+            the ``writer_*`` checks prove the layout with; or a string saying why the
+            engine's writer cannot run here (reported on a skipped ``writer`` record).
     """
 
     name: str
@@ -73,6 +76,7 @@ class FixtureCase:
     supports_padding: bool = False
     source: str = ""
     size_constraints: dict[str, Any] = field(default_factory=dict)
+    writer: Any = None  # kvcore.testing.Writer | str | None
 
     def view(self, kv_caches: Any, layer: int, kv: int, hints: dict | None = None) -> torch.Tensor:
         """Call :attr:`kv_view`, passing ``hints`` when it takes them."""

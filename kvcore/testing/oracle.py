@@ -377,13 +377,17 @@ class TokenGroups:
 
 def planes(kv_view: Callable[[Any, int, int], Any], kv_caches: Any, num_layers: int, kv_size: int) -> list[list[Plane]]:
     """``[layer][kv]`` :class:`Plane` s of the engine's views; ``kv_view(kv_caches, layer, kv)``
-    (e.g. a bound ``FixtureCase.view``) returns a tensor or a tuple of segment tensors."""
+    (e.g. a bound ``FixtureCase.view``) returns a tensor or a tuple of segment tensors, or
+    either wrapped in :class:`TokenGroups`."""
     out = []
     for layer in range(num_layers):
         row = []
         for kv in range(kv_size):
             v = kv_view(kv_caches, layer, kv)
-            row.append(Plane(list(v) if isinstance(v, (tuple, list)) else [v]))
+            grouped = isinstance(v, TokenGroups)
+            if grouped:
+                v = v.view
+            row.append(Plane(list(v) if isinstance(v, (tuple, list)) else [v], token_groups=grouped))
         out.append(row)
     return out
 
@@ -524,6 +528,24 @@ class PlanesEncoding:
         elem = torch.arange(ps.head_size).view(1, 1, 1, -1)
         codes = self._finish(p, self._index(p, lay, s, head, elem), src).reshape(len(layers), slots.numel(), ps.num_heads * ps.head_size)
         return torch.where((slots >= 0).view(1, -1, 1), codes, torch.zeros_like(codes))
+
+    def where(self, p: int, value: int, limit: int = 3) -> str | None:
+        """For a plane too narrow to number every element (a hashed code): the places of plane
+        ``p`` whose cache code is ``value``, in words (the first ``limit`` and the count), or None."""
+        ps = self.planes[p]
+        every = self.rows(p, list(range(self.num_layers)), torch.arange(self.num_slots))  # [NL, S, NH*HS]
+        hits = torch.nonzero(every == value)
+        if not len(hits):
+            return None
+        shown = [
+            f"layer {int(li)}, slot {int(s)}, head {int(c) // ps.head_size}, element {int(c) % ps.head_size}" for li, s, c in hits[:limit]
+        ]
+        more = f" and {len(hits) - limit} more" if len(hits) > limit else ""
+        return f"a {ps.width}-byte code of plane {ps.role} that cannot name one place: the cache value of {'; '.join(shown)}{more}"
+
+    def describe_at(self, p: int, layer: int, slot: int, head: int, element: int) -> str:
+        """The cache value of one place, in words (what an expected code means, decodable or not)."""
+        return f"the cache value of plane {self.planes[p].role}, layer {layer}, slot {slot}, head {head}, element {element}"
 
     def decode(self, p: int, value: int) -> str | None:
         """Where a value found in plane ``p`` (of that plane's width) belongs, or None."""

@@ -19,6 +19,7 @@ from kvcore.testing.checks.common import (
     _kname,
     devices,
 )
+from kvcore.testing.checks.containers import SHAPES, check_containers
 from kvcore.testing.checks.context import _Ctx
 from kvcore.testing.checks.detection import (
     PROBES,
@@ -43,8 +44,10 @@ from kvcore.testing.checks.semantic import (
     check_semantic_scatter,
 )
 from kvcore.testing.checks.staging import check_staging_views
+from kvcore.testing.checks.writer import check_writer, check_writer_gather, check_writer_scatter, check_writer_view
 from kvcore.testing.fixtures import FixtureCase
 from kvcore.testing.results import CheckFailure, CheckSkip, Options, Task
+from kvcore.testing.writers import Writer
 
 #: every check name, in report order (``roundtrip``, ``ambiguity`` and ``invalid`` take a ``[...]`` suffix)
 CHECKS = (
@@ -59,6 +62,11 @@ CHECKS = (
     "render",
     "geometry",
     "ambiguity",
+    "containers",
+    "writer",
+    "writer_view",
+    "writer_gather",
+    "writer_scatter",
     "semantic_gather",
     "semantic_scatter",
     "roundtrip",
@@ -120,7 +128,13 @@ def kernel_tasks(plugin: str, case: FixtureCase, kernel: Any, device: torch.devi
     def with_ctx(fn):
         return lambda: fn(ctx())
 
-    tasks = [
+    tasks = []
+    if isinstance(case.writer, Writer):
+        tasks += [
+            T("writer_gather", lambda: check_writer_gather(case, device, kernel)),
+            T("writer_scatter", lambda: check_writer_scatter(case, device, kernel)),
+        ]
+    tasks += [
         T("semantic_gather", with_ctx(check_semantic_gather)),
         T("semantic_scatter", with_ctx(check_semantic_scatter)),
     ]
@@ -156,7 +170,13 @@ def _plane_kernel_tasks(T, case: FixtureCase, kernel: Any, device: torch.device,
     def with_ctx(fn):
         return lambda: fn(ctx())
 
-    tasks = [T("semantic_gather", with_ctx(pc.check_semantic_gather)), T("semantic_scatter", with_ctx(pc.check_semantic_scatter))]
+    tasks = []
+    if isinstance(case.writer, Writer):  # the writer checks skip records whose planes stage apart (writer.py)
+        tasks += [
+            T("writer_gather", lambda: check_writer_gather(case, device, kernel)),
+            T("writer_scatter", lambda: check_writer_scatter(case, device, kernel)),
+        ]
+    tasks += [T("semantic_gather", with_ctx(pc.check_semantic_gather)), T("semantic_scatter", with_ctx(pc.check_semantic_scatter))]
     for dt in case.dtypes:
         tasks.append(T(f"roundtrip[{_dname(dt)}]", lambda dt=dt: pc.check_roundtrip(case, device, kernel, dt)))
     tasks += [
@@ -197,6 +217,12 @@ def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = No
         tasks.append(T(f"ambiguity[{probe}]", lambda probe=probe, amb=amb: amb(case, probe, cpu)))
     if not multi:
         tasks.append(T("ambiguity[memory order]", lambda: check_memory_order(case, cpu)))
+    for shape in [x for x in SHAPES if (x == "planes") == multi]:
+        tasks.append(T(f"containers[{shape}]", lambda shape=shape: check_containers(case, shape)))
+    if isinstance(case.writer, Writer):
+        tasks.append(T("writer_view", lambda: check_writer_view(case)))
+    else:
+        tasks.append(T("writer", lambda: check_writer(case)))
     for dev in _devices(opts):
         ks = kernels if kernels is not None else _kernels_for(case.format, dev)
         for k in ks:

@@ -64,6 +64,7 @@ from kvcore.testing.checks.common import (
     devices,
     forced_kernel,
 )
+from kvcore.testing.checks.containers import SHAPES, check_containers
 from kvcore.testing.checks.context import _Ctx, _run_scatter
 from kvcore.testing.checks.detection import (
     FOREIGN_ENGINE,
@@ -89,6 +90,7 @@ from kvcore.testing.checks.semantic import (
     check_semantic_scatter,
 )
 from kvcore.testing.checks.staging import check_staging_views
+from kvcore.testing.checks.writer import check_writer, check_writer_gather, check_writer_scatter, check_writer_view
 from kvcore.testing.planner import (
     _SHARED,
     CHECKS,

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvcore import Candidate, DetectionError, GeometryError, Hint, KVFormat, Source, hookimpl, memory_ordered, resolve
-from kvcore.testing import FixtureCase
+from kvcore.testing import FixtureCase, Writer
 
 ENGINES = ("trtllm", "tensorrt_llm", "tensorrt-llm")
 HND = "NB_NL_TWO_NH_BS_HS"
@@ -253,6 +253,35 @@ def _view(pool: torch.Tensor, layer: int, kv: int, *, hints: dict) -> torch.Tens
     return chunk.unflatten(-1, (nh, bs, hd)).transpose(1, 2)
 
 
+def _write(pool: torch.Tensor, slots: torch.Tensor, rows: dict, *, hints: dict) -> None:
+    """The attention kernels' store, transcribed: element ``(head, token, channel)`` of token
+    ``slot`` of a layer's K (V) goes to flat element ``((block * NL + layer) * kvFactor + kv) *
+    blockSize + head * tokensPerBlock * dimsPerHead + token * dimsPerHead + channel`` of the
+    pool (``kvCacheManager.cpp::WindowBlockManager::allocatePools`` for the chunk,
+    ``kvCacheUtils.h::KVBlockArray::getKVLocalIdx`` inside it). Per-element address arithmetic
+    on the flat pool, not a view: TensorRT-LLM itself does not run on this machine, so this is
+    a transcription of its kernel's addressing, reported as such (``origin="transcribed"``)."""
+    nh, bs, hd = hints["num_kv_heads"], hints["tokens_per_block"], hints["head_dim"]
+    nb, nl, kvf, block = (int(x) for x in pool.shape)
+    flat = pool.reshape(-1)  # the pool is one contiguous allocation
+    slot = slots.to(pool.device).view(-1, 1, 1)
+    head = torch.arange(nh, device=pool.device).view(1, -1, 1)
+    chan = torch.arange(hd, device=pool.device).view(1, 1, -1)
+    for layer in range(nl):
+        for kv, role in enumerate(("K", "V")[:kvf]):
+            base = ((slot // bs * nl + layer) * kvf + kv) * block
+            idx = base + head * bs * hd + (slot % bs) * hd + chan
+            flat[idx.reshape(-1)] = rows[role][layer].reshape(-1)
+
+
+WRITER = Writer(
+    name="TensorRT-LLM KVBlockArray::getKVLocalIdx",
+    write=_write,
+    origin="transcribed",
+    source="tensorrt_llm main cpp/tensorrt_llm/kernels/kvCacheUtils.h::KVBlockArray::getKVLocalIdx; "
+    "cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp::WindowBlockManager::allocatePools",
+)
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8)
 
 
@@ -267,6 +296,7 @@ def _case(name: str, fmt: str, kv_factor: int, sizes: dict, source: Source, bloc
         dtypes=_DTYPES,
         source=f"{_POOL}; {source}",
         size_constraints={"block_size_choices": block_sizes},
+        writer=WRITER,
     )
 
 

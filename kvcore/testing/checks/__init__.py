@@ -10,6 +10,11 @@ check                     module
 ``detect``, ``render``,   :mod:`kvcore.testing.checks.detection`
 ``geometry``,
 ``ambiguity[...]``
+``containers[...]``       :mod:`kvcore.testing.checks.containers`
+``writer``,               :mod:`kvcore.testing.checks.writer`
+``writer_view``,
+``writer_gather``,
+``writer_scatter``
 ``semantic_gather``,      :mod:`kvcore.testing.checks.semantic`
 ``semantic_scatter``,
 ``negative_slots``,

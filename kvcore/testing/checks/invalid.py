@@ -10,7 +10,7 @@ import torch
 
 from kvcore.errors import TransferError
 from kvcore.layout import KVLayout
-from kvcore.plan import synchronize
+from kvcore.layout_plan import synchronize
 from kvcore.testing.checks.common import (
     _change_where,
     _dname,

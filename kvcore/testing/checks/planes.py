@@ -151,6 +151,11 @@ def _first_diff(what: str, layout: KVLayout, enc: oracle.PlanesEncoding, p: int,
     w = 2 * _esize(info.dtype)
     s = int(slots[t])
     ed, ad = enc.decode(p, e), enc.decode(p, a)
+    if not enc.exact(p):  # a narrow plane hashes its codes: say where they belong all the same
+        head, elem = col // info.head_size, col % info.head_size
+        if s >= 0 and e == int(enc.rows(p, [layers[li]], torch.tensor([s]))[0, 0, col]):
+            ed = enc.describe_at(p, layers[li], s, head, elem)
+        ad = ad or enc.where(p, a) or "no cache value of this plane: bytes from elsewhere (another plane, padding, or outside the cache)"
     raise CheckFailure(
         f"{what}: plane {info.role}, layer {layers[li]}, token {t}"
         + (f" (slot {s})" if s >= 0 else "")
@@ -182,6 +187,8 @@ def _plane_change(before: list[list[torch.Tensor]], after: list[list[torch.Tenso
                 ev, av = int(b[i0, i1, h, e]), int(a[i0, i1, h, e])
                 w = 2 * _esize(layout.planes[p].dtype)
                 ed, ad = enc.decode(p, ev), enc.decode(p, av)
+                if not enc.exact(p):
+                    ad = ad or enc.where(p, av)
                 return (
                     f"plane {layout.planes[p].role}, layer {layer}, slot {i0 * b.shape[1] + i1}, head {h}, element {e}: "
                     f"expected 0x{ev:0{w}x}" + (f" ({ed})" if ed else "") + f", actual 0x{av:0{w}x}" + (f" ({ad})" if ad else "")
@@ -578,7 +585,7 @@ def _expect_refusal(ctx: PCtx, what: str, call: Callable[[], Any], staging: Any 
     try:
         call()
         # a CUDA refusal validated on the device surfaces at kvcore.synchronize()
-        from kvcore.plan import synchronize
+        from kvcore.layout_plan import synchronize
 
         synchronize(ctx.layout.device)
     except TransferError:

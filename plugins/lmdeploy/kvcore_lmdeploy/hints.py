@@ -239,8 +239,7 @@ def parse_hints(hints: Mapping[str, Any] | None) -> LMDeployHints:
 
 def declared_hints() -> list[Any]:
     """The hints :class:`LMDeployHints` reads, for ``kvcore hints lmdeploy``."""
-    from kvcore import Hint
-    from kvcore.hints import tensor_order_hint
+    from kvcore import Hint, tensor_order_hint
 
     ce = "lmdeploy/pytorch/engine/cache_engine.py::CacheEngine"
     return [

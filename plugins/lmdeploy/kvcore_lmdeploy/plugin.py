@@ -31,7 +31,16 @@ def kvcore_register_hints(register):
 
 @hookimpl
 def kvcore_register_fixtures(register):
+    import dataclasses
+
     from kvcore_lmdeploy.fixtures import CASES
+    from kvcore_lmdeploy.writers import NOT_THIS_VERSION, fill_writer, no_writer_reason
 
     for case in CASES:
+        if case.writer is None:
+            cuda_bshd = case.format in ("NL_X_TWO_X_NB_BS_NH_HS", "NL_X_NB_BS_ONE_HS") and "-cuda-" in case.name
+            if cuda_bshd and case.name.startswith("lmdeploy-0.14.0-"):
+                case = dataclasses.replace(case, writer=fill_writer())
+            else:
+                case = dataclasses.replace(case, writer=NOT_THIS_VERSION if cuda_bshd else no_writer_reason(case.name))
         register(case)

@@ -9,6 +9,7 @@ indices (``out_cache_loc``) into kvcore's ``slot_mapping`` and for hybrid pools,
 from kvcore_sglang.hints import SGLangHints
 from kvcore_sglang.pools import (
     MambaState,
+    NoCache,
     hybrid_linear_layer_entries,
     kv_caches_of,
     layer_entries,
@@ -20,6 +21,7 @@ from kvcore_sglang.pools import (
 __all__ = [
     "SGLangHints",
     "MambaState",
+    "NoCache",
     "hybrid_linear_layer_entries",
     "kv_caches_of",
     "layer_entries",

@@ -44,7 +44,7 @@ from kvcore.dtypes import dtype_name, fp8_dtype, rocm_build
 from kvcore_sglang.formats import HOST_FORMATS, INDEXER_FORMAT
 from kvcore_sglang.hints import SGLangHints, element_dtype, parse_hints
 from kvcore_sglang.indexer import RECORD_SCALE_BYTES, index_page_view
-from kvcore_sglang.pools import MambaState
+from kvcore_sglang.pools import MambaState, NoCache
 
 __all__ = ["detect_sglang"]
 
@@ -204,7 +204,13 @@ def _detect(kv_caches: Any, h: SGLangHints) -> Detection:
             f"sglang: expected a list of per-layer tensors, [k_buffer, v_buffer] or a host pool tensor, got {type(kv_caches).__name__}"
         )
     entries = list(kv_caches)
-    if any(isinstance(e, MambaState) for e in entries):
+    if any(isinstance(e, (MambaState, NoCache)) for e in entries):
+        if all(isinstance(e, NoCache) for e in entries):
+            return Detection(
+                format=None,
+                excluded="layers that hold no cache (a hybrid model's MoE-only / MLP layers, which SGLang's global layer ids "
+                "skip: HybridLinearKVPool.full_attention_layer_id_mapping): not KV",
+            )
         if all(isinstance(e, MambaState) for e in entries):
             return Detection(format=None, excluded=_MAMBA_REASON)
         raise DetectionError("sglang: this list mixes Mamba state and KV layers; use kvcore.detect_per_layer (one entry per layer)")
@@ -272,6 +278,8 @@ def _flat(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
             "use kv_list_layout='k_v' (K layers then V layers) or pass [k_buffer, v_buffer]"
         )
     rank = ranks[0]
+    if h.kv_list_layout == "unified":
+        return _unified(ts, h)
     if rank == 2:
         return _indexer(ts, h)
     if rank == 5:
@@ -344,10 +352,95 @@ def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+#: LMCache 0.5.6's SGLang connector for SGLang's unified radix cache, which pages SGLang's own buffers
+UNIFIED_SOURCE = (
+    "LMCache 0.5.6 lmcache/integration/sglang/unified_kv_adapter.py::SGLangUnifiedKVAdapter._resolve_pool_tensors "
+    "([*k_buffer, *v_buffer] of an NHD MHATokenToKVPool, or kv_buffer) and unified_lmcache_mp_connector.py::"
+    "_to_wire_block_tensor (tensor.view(num_blocks, page_size, *shape[1:]) / .view(num_blocks, page_size, -1)), "
+    "registered with layout_hints={'kv_list_layout': 'unified'}"
+)
+
+
+def _unified(ts: list[torch.Tensor], h: SGLangHints) -> Detection:
+    """LMCache's unified per-component views of SGLang's buffers: each entry one paged
+    component (see :data:`UNIFIED_SOURCE`). Rank 4 ``[NB, BS, NH, HS]`` (an MHA pool's K
+    or V buffer of one layer) is ``NL_X_NB_BS_NH_HS``; rank 3 ``[NB, BS, D]`` (an MLA
+    ``kv_buffer``) ``NL_X_NB_BS_HS``. The connector allows contiguous NHD / MLA buffers
+    only.
+
+    Raises:
+        kvcore.DetectionError: another rank, entries that differ, permuted strides, or
+            hints the views contradict.
+    """
+    ref = _same(ts, "kv_caches")
+    if ref.dim() not in (3, 4):
+        raise DetectionError(
+            f"sglang: kv_list_layout='unified' entries are paged components [NB, page_size, NH, HS] (MHA K or V) or "
+            f"[NB, page_size, D] (MLA) ({UNIFIED_SOURCE}); got {ref.dim()}-D {tuple(ref.shape)}"
+        )
+    if not all(t.is_contiguous() for t in ts):
+        raise DetectionError(
+            "sglang: kv_list_layout='unified' views are contiguous NHD / MLA pages (the connector refuses others: "
+            "'LMCache MP currently requires contiguous SGLang NHD/MLA tensors'); these strides are permuted"
+        )
+    bs = int(ref.shape[1])
+    if h.page_size not in (None, bs):
+        raise DetectionError(f"sglang: page_size hint {h.page_size} but the unified views hold pages of {bs} tokens")
+    if ref.dim() == 4:
+        nh, hs = int(ref.shape[2]), int(ref.shape[3])
+        if h.is_mla is True or h.num_kv_heads not in (None, nh) or h.head_size not in (None, hs):
+            raise DetectionError(
+                f"sglang: unified MHA component views [NB, {bs}, {nh}, {hs}] but the hints say is_mla={h.is_mla}, "
+                f"num_kv_heads={h.num_kv_heads}, head_size={h.head_size}"
+            )
+        fmt, what = "NL_X_NB_BS_NH_HS", "MHA K/V component"
+    else:
+        if h.is_mla is False or h.head_size not in (None, int(ref.shape[2])):
+            raise DetectionError(
+                f"sglang: unified MLA views [NB, {bs}, {ref.shape[2]}] but the hints say is_mla={h.is_mla}, head_size={h.head_size}"
+            )
+        fmt, what = "NL_X_NB_BS_HS", "MLA latent"
+    return Detection(
+        format=fmt,
+        kv_caches=list(ts),
+        dtype=element_dtype(ref.dtype, h),
+        note=f"SGLang unified {what} views, one list entry per component ({UNIFIED_SOURCE})",
+    )
+
+
 # -- MHA ----------------------------------------------------------------------------------
 
 
 def _mha_candidates(
+    ks: list[torch.Tensor], vs: list[torch.Tensor], h: SGLangHints, reasons: list[str], decided: dict[str, Any], label: str
+) -> list[Candidate]:
+    """The readings of an MHA pool's K and V lists. K and V of different head sizes
+    (``MHATokenToKVPool`` with ``v_head_dim != head_dim``: 0.5.3 / 0.5.23
+    ``memory_pool.py::MHATokenToKVPool._create_buffers`` allocates ``v_buffer`` with
+    ``v_head_dim``) are two planes of their own widths, ``K=NL_X_<t>+V=NL_X_<t>`` for the
+    equal-width name ``TWO_X_NL_X_<t>``, staged apart (``{"K": ..., "V": ...}``)."""
+    out = _mha_readings(ks, vs, h, reasons, decided, label)
+    if out and ks and vs and ks[0].shape[-1] != vs[0].shape[-1]:
+        out = [_as_kv_planes(c) for c in out]
+    return out
+
+
+def _as_kv_planes(c: Candidate) -> Candidate:
+    rest = c.format.removeprefix("TWO_X_NL_X_")
+    ks, vs = c.kv_caches
+    return Candidate(
+        f"K=NL_X_{rest}+V=NL_X_{rest}",
+        {"K": ks, "V": vs},
+        c.dtype,
+        note=f"{c.note}; K and V of head sizes {ks[0].shape[-1]} and {vs[0].shape[-1]} (v_head_dim): one plane each",
+        decided_by=c.decided_by,
+        label=f"{c.label}, K/V planes",
+        order=c.order,
+        against=c.against,
+    )
+
+
+def _mha_readings(
     ks: list[torch.Tensor], vs: list[torch.Tensor], h: SGLangHints, reasons: list[str], decided: dict[str, Any], label: str
 ) -> list[Candidate]:
     if not ks or len(ks) != len(vs):
@@ -365,13 +458,9 @@ def _mha_candidates(
         reasons.append(f"{label}: MHA per-layer tensors are 3-D (rows, NH, HS) or 4-D page rows, got {k.dim()}-D {tuple(k.shape)}")
         return []
     hs, vhs = int(k.shape[-1]), int(v.shape[-1])
-    if hs != vhs or (h.v_head_size is not None and h.head_size is not None and h.v_head_size != h.head_size):
-        raise DetectionError(
-            f"sglang: MHA pool with K head size {hs} and V head size {vhs if hs != vhs else h.v_head_size} "
-            "(MHATokenToKVPool head_dim != v_head_dim): kvcore's staging layout [2, NL, T, NH*HS] carries one head size "
-            "for K and V, so no K/V format can describe this pool; move K and V as two key-only layouts: "
-            "kvcore.build_layout('NL_X_NBBS_NH_HS', k_buffer) and kvcore.build_layout('NL_X_NBBS_NH_HS', v_buffer)"
-        )
+    if h.v_head_size is not None and h.v_head_size != vhs:
+        reasons.append(f"{label}: v_head_size hint {h.v_head_size} but the V tensors' head size is {vhs}")
+        return []
     if not _check(reasons, h.head_size in (None, hs), f"{label}: head_size hint {h.head_size} but the tensors' head size is {hs}"):
         return []
     if not _check(reasons, h.layout != "ASCEND", f"{label}: layout='ascend' is one cross-layer tensor (2, NL, pages, page_size, NH, HS)"):
@@ -395,7 +484,9 @@ def _mha_candidates(
                 Candidate("TWO_X_NL_X_NBBS_NH_HS", [ks, vs], dtype, note=f"SGLang {label}, NHD token rows", decided_by=decided, label=label)
             )
         elif _check(
-            reasons, rows % ps == 0, f"{label}: {rows} rows are not whole pages of page_size {ps} (SGLang allocates size + page_size rows)"
+            reasons,
+            rows % ps == 0,
+            f"{label}: {rows} rows are not whole pages of page_size {ps} (not divisible; SGLang allocates size + page_size rows)",
         ):
             split = [[t.unflatten(0, (rows // ps, ps)) for t in ks], [t.unflatten(0, (rows // ps, ps)) for t in vs]]
             out.append(
@@ -464,7 +555,7 @@ def _mla_candidates(ts: list[torch.Tensor], h: SGLangHints, reasons: list[str]) 
             return [
                 Candidate("NL_X_NBBS_ONE_HS", list(ts), dtype, note="SGLang MLATokenToKVPool kv_buffer", decided_by=decided, label="MLA")
             ]
-        if not _check(reasons, rows % ps == 0, f"MLA: {rows} rows are not whole pages of page_size {ps}"):
+        if not _check(reasons, rows % ps == 0, f"MLA: {rows} rows are not whole pages of page_size {ps} (not divisible)"):
             return []
         return [
             Candidate(

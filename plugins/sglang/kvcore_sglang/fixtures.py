@@ -232,12 +232,19 @@ def _geom(sizes: dict) -> tuple[int, int, int, int, int]:
     return nl, nb, bs, nh, hs
 
 
-def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD", src: str = "") -> FixtureCase:
+def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD", src: str = "", v_extra: int = 0) -> FixtureCase:
+    """``v_extra``: V's head size is ``head_dim + v_extra`` (``v_head_dim``; 0.5.3 separate
+    buffers, 0.5.23 HND page rows ``(num_pages, head_num, page_size, v_head_dim)``)."""
+
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         nl, nb, bs, nh, hs = _geom(sizes)
         size = (nb - 1) * bs  # SGLang: size + page_size rows; slot 0's page is the padded page
-        if version == "0.5.3":
-            k, v = alloc_mha_053(nl, size, bs, nh, hs, dtype, device)
+        if v_extra and layout == "HND":
+            st = store_dtype(dtype)
+            k = [torch.zeros((nb, nh, bs, hs), dtype=st, device=device) for _ in range(nl)]
+            v = [torch.zeros((nb, nh, bs, hs + v_extra), dtype=st, device=device) for _ in range(nl)]
+        elif version == "0.5.3":
+            k, v = alloc_mha_053(nl, size, bs, nh, hs, dtype, device, v_head_dim=hs + v_extra if v_extra else None)
         else:
             k, v = alloc_mha_0523(nl, size, bs, nh, hs, dtype, device, layout=layout)
         hints = {**_hints_for(dtype), "sglang_version": version}
@@ -248,6 +255,8 @@ def _mha_case(name: str, fmt: str, version: str, paged: bool, layout: str = "NHD
             hints["page_size"] = bs
         if layout == "HND":
             hints["layout"] = "HND"
+        if v_extra:
+            hints["v_head_size"] = hs + v_extra
         return [k, v], hints
 
     def kv_view(kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
@@ -422,6 +431,42 @@ def _flat_kv_case() -> FixtureCase:
     )
 
 
+def _unified_case(mla: bool) -> FixtureCase:
+    """LMCache's unified connector views (``_to_wire_block_tensor``) over SGLang 0.5.3 pools:
+    ``[*k_buffer, *v_buffer]`` each ``.view(NB, page_size, NH, HS)``, or MLA ``kv_buffer``
+    each ``.view(NB, page_size, D)``; the oracle is SGLang's own buffer addressed by token
+    slot (``set_kv_buffer``: ``buffer[loc]``), unflattened by page."""
+
+    def make(sizes: dict, dtype: torch.dtype, device: Any):
+        nl, nb, bs, nh, hs = _geom(sizes)
+        if mla:
+            bufs = alloc_mla(nl, (nb - 1) * bs, bs, hs, dtype, device)
+            views = [b.view(nb, bs, -1) for b in bufs]
+        else:
+            # nl components: the K buffers then the V buffers of (nl + 1) // 2 layers (an odd count leaves out the
+            # last V: the suite's random geometries draw any count)
+            k, v = alloc_mha_053((nl + 1) // 2, (nb - 1) * bs, bs, nh, hs, dtype, device)
+            views = [b.view(nb, bs, *b.shape[1:]) for b in [*k, *v]][:nl]
+        return views, {**_hints_for(dtype), "kv_list_layout": "unified"}
+
+    def kv_view(kv_caches: Any, layer: int, kv: int) -> torch.Tensor:
+        t = kv_caches[layer]
+        rows = t.reshape(-1, *(t.shape[2:] if not mla else (1, t.shape[-1])))  # SGLang's buffer, one row per token slot
+        return rows.unflatten(0, (t.shape[0], t.shape[1]))
+
+    return _case(
+        f"sglang-unified-{'mla' if mla else 'mha'}",
+        "NL_X_NB_BS_HS" if mla else "NL_X_NB_BS_NH_HS",
+        make,
+        kv_view,
+        {"block_size": 4, "num_layers": 4, **({"num_heads": 1} if mla else {})},
+        f"sglang 0.5.3 memory_pool.py pools viewed by {UNIFIED_VIEW_SOURCE}",
+    )
+
+
+UNIFIED_VIEW_SOURCE = "LMCache 0.5.6 lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor"
+
+
 CASES: list[FixtureCase] = [
     _mha_case(
         "sglang-0.5.3-mha-nhd", "TWO_X_NL_X_NBBS_NH_HS", "0.5.3", False, src="sglang 0.5.3 memory_pool.py::MHATokenToKVPool._create_buffers"
@@ -451,12 +496,30 @@ CASES: list[FixtureCase] = [
         "HND",
         src="sglang 0.5.23 memory_pool.py::_kv_buffer_shapes (use_hnd)",
     ),
+    *[
+        _mha_case(
+            f"sglang-{ver}-mha-v_head_dim-{what}",
+            f"K=NL_X_{t}+V=NL_X_{t}",
+            ver,
+            paged,
+            lay,
+            src=f"sglang {ver} memory_pool.py::MHATokenToKVPool (v_head_dim != head_dim)",
+            v_extra=8,
+        )
+        for ver, what, t, paged, lay in (
+            ("0.5.3", "nhd", "NBBS_NH_HS", False, "NHD"),
+            ("0.5.3", "nhd-paged", "NB_BS_NH_HS", True, "NHD"),
+            ("0.5.23", "hnd", "NB_NH_BS_HS", True, "HND"),
+        )
+    ],
     _mla_case("sglang-mla", "NL_X_NBBS_ONE_HS", False),
     _mla_case("sglang-mla-paged", "NL_X_NB_BS_ONE_HS", True),
     _ascend_case(),
     _indexer_case(),
     _indexer_dcp_case(),
     _flat_kv_case(),
+    _unified_case(False),
+    _unified_case(True),
     *[_host_case(m, False) for m in ("layer_first", "page_first", "page_first_direct", "page_head")],
     *[_host_case(m, True) for m in ("layer_first", "page_first", "page_first_direct")],
 ]

@@ -85,6 +85,55 @@ FORMATS: list[KVFormat] = [
         description="SGLang Ascend (NPU) MHA device pool: one cross-layer tensor (2, NL, size // page_size + 1, page_size, NH, HS)",
         sources=[_src("0.5.3", f"{MEMORY_POOL}::AscendTokenToKVPool._create_buffers")],
     ),
+    # -- LMCache's unified per-component views of SGLang's buffers (kv_list_layout="unified") -----
+    KVFormat(
+        name="NL_X_NB_BS_NH_HS",
+        engines=["sglang"],
+        attention_backends=["MHATokenToKVPool (LMCache unified views)"],
+        description="SGLang MHA buffers as LMCache's unified connector registers them: one list entry per K or V component, "
+        "[NB, page_size, NH, HS]",
+        sources=[
+            _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers_normal (k_buffer, v_buffer)"),
+            Source(
+                engine="sglang",
+                version="LMCache 0.5.6",
+                file="lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor",
+            ),
+        ],
+    ),
+    KVFormat(
+        name="NL_X_NB_BS_HS",
+        engines=["sglang"],
+        attention_backends=["MLATokenToKVPool (LMCache unified views)"],
+        description="SGLang MLA kv_buffer as LMCache's unified connector registers it: [NB, page_size, D] per layer",
+        sources=[
+            _src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers"),
+            Source(
+                engine="sglang",
+                version="LMCache 0.5.6",
+                file="lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor",
+            ),
+        ],
+    ),
+    # -- MHA pools whose V has its own head size (v_head_dim != head_dim): K and V planes --
+    *[
+        KVFormat(
+            name=f"K=NL_X_{t}+V=NL_X_{t}",
+            engines=["sglang"],
+            attention_backends=["MHATokenToKVPool (v_head_dim)"],
+            description=f"SGLang MHA device pool with V head size v_head_dim != head_dim: k_buffer[l], v_buffer[l] as {what}, "
+            "one plane each (staged apart)",
+            sources=[
+                _src("0.5.3", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers (v_buffer (size + page_size, head_num, v_head_dim))"),
+                _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._kv_buffer_shapes"),
+            ],
+        )
+        for t, what in (
+            ("NBBS_NH_HS", "NHD token rows"),
+            ("NB_BS_NH_HS", "NHD token rows split into pages by a page_size hint"),
+            ("NB_NH_BS_HS", "HND page rows (SGLANG_USE_HND_KVCACHE)"),
+        )
+    ],
     # -- HiCache host pools (one pinned tensor, the layer axis inside it) -----------------
     KVFormat(
         name="TWO_NL_NBBS_NH_HS",

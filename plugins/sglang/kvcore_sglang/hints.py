@@ -16,6 +16,11 @@ Fields (all optional; aliases in brackets):
   ``data_ptrs = cat(k_data_ptrs, v_data_ptrs)`` order, LMCache's MP path);
   ``"nested"``: ``[k_buffer, v_buffer]``; ``"pairs"``: one ``(k, v)`` per layer (what
   :func:`kvcore.detect_per_layer` hands a group). ``"k_v"`` also says "this is MHA".
+  ``"unified"``: each list entry is one cache *component* already paged, as LMCache's
+  SGLang unified-radix-cache connector registers SGLang's buffers (``k_buffer`` then
+  ``v_buffer`` entries ``[NB, page_size, NH, HS]``, MLA ``kv_buffer`` entries
+  ``[NB, page_size, D]``): ``NL_X_NB_BS_NH_HS`` / ``NL_X_NB_BS_HS``, one "layer" per
+  component (kvcore does not pair K with V there: the connector concatenates groups).
 * ``layout`` [``kv_cache_layout``]: ``"NHD"`` (SGLang's default token rows),
   ``"HND"`` (``SGLANG_USE_HND_KVCACHE``: page rows ``(num_pages, NH, page_size, HS)``)
   or ``"ascend"`` (``AscendTokenToKVPool``: one cross-layer tensor
@@ -105,7 +110,7 @@ class SGLangHints(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True)
 
     page_size: int | None = Field(None, ge=1, validation_alias=AliasChoices("page_size", "tokens_per_block", "block_size"))
-    kv_list_layout: Literal["k_v", "nested", "pairs"] | None = None
+    kv_list_layout: Literal["k_v", "nested", "pairs", "unified"] | None = None
     layout: Literal["NHD", "HND", "ASCEND"] | None = Field(None, validation_alias=AliasChoices("layout", "kv_cache_layout"))
     mem_layout: Literal["layer_first", "page_first", "page_first_direct", "page_head"] | None = Field(
         None, validation_alias=AliasChoices("mem_layout", "hicache_mem_layout")
@@ -245,9 +250,8 @@ def element_dtype(storage: torch.dtype, hints: SGLangHints) -> torch.dtype | Non
 def declared_hints() -> list[Any]:
     """The hints :class:`SGLangHints` reads, declared for ``kvcore hints sglang``
     (``kvcore_register_hints``); meanings as in this module's docstring."""
-    from kvcore import Hint
+    from kvcore import Hint, tensor_order_hint
     from kvcore.dtypes import DTYPE_ALIASES, DTYPES
-    from kvcore.hints import tensor_order_hint
 
     pool = "python/sglang/srt/mem_cache/memory_pool.py"
     return [
@@ -265,8 +269,9 @@ def declared_hints() -> list[Any]:
             engine="sglang",
             name="kv_list_layout",
             meaning="how a list of per-layer tensors is arranged: k_v = all K layers then all V layers (2*NL tensors, MHA), "
-            "nested = [k_buffer, v_buffer], pairs = one (k, v) per layer",
-            values=["k_v", "nested", "pairs"],
+            "nested = [k_buffer, v_buffer], pairs = one (k, v) per layer, unified = one paged component per entry (LMCache's "
+            "SGLang unified connector: K and V buffers [NB, page_size, NH, HS] or MLA [NB, page_size, D])",
+            values=["k_v", "nested", "pairs", "unified"],
             default="read from the nesting",
         ),
         Hint(

@@ -56,6 +56,7 @@ from kvcore import DetectionError, TransferError
 
 __all__ = [
     "MambaState",
+    "NoCache",
     "slot_mapping",
     "layer_entries",
     "swa_layer_entries",
@@ -72,6 +73,16 @@ class MambaState(tuple):
 
     def __new__(cls, tensors: Sequence[torch.Tensor]):
         return super().__new__(cls, tuple(tensors))
+
+
+class NoCache(tuple):
+    """A layer that holds no cache at all (a hybrid model's MoE-only or MLP-only layer: SGLang
+    numbers layers globally, and ``HybridLinearKVPool`` maps only the attention layers' global
+    ids to its full-attention sub-pool). Not KV: the detector excludes it, so
+    ``detect_per_layer``'s result is ``None`` at that id."""
+
+    def __new__(cls):
+        return super().__new__(cls, ())
 
 
 def slot_mapping(out_cache_loc: Any, *, page_size: int = 1, skip_dummy_page: bool = False) -> torch.Tensor:
@@ -181,26 +192,45 @@ def hybrid_linear_layer_entries(
     ``(conv[i], temporal[i])``); they become :class:`MambaState` entries, which
     detection excludes (``None`` in ``detect_per_layer``'s result).
 
+    Layer ids are SGLang's **global** model layer ids: ``HybridLinearKVPool`` takes
+    ``full_attention_layer_ids`` and maps each to its sub-pool index
+    (``full_attention_layer_id_mapping = {id: i for i, id in enumerate(...)}``), so a
+    NemotronH pool holds attention at 3, 8, 14 beside Mamba layers and MoE-only layers
+    that hold no cache. The entries span ids ``0..max id``; an id neither list names is
+    :class:`NoCache` (excluded like Mamba state), and ``layout.layer_ids`` are the global
+    ids.
+
     Returns / Raises: as :func:`swa_layer_entries`.
     """
     kv = _pool_entries(full_pool)
     ids = sorted(mamba_states)
     states = [MambaState(mamba_states[i]) for i in ids]
-    return _merge([(kv, list(full_attention_layer_ids), "full attention"), (states, ids, "mamba")])
+    return _merge([(kv, list(full_attention_layer_ids), "full attention"), (states, ids, "mamba")], gaps=True)
 
 
-def _merge(parts: list[tuple[list[Any], list[int], str]]) -> tuple[list[Any], list[list[int]]]:
-    n = sum(len(ids) for _, ids, _ in parts)
+def _merge(parts: list[tuple[list[Any], list[int], str]], gaps: bool = False) -> tuple[list[Any], list[list[int]]]:
+    """Entries by layer id. ``gaps``: ids are global model layer ids that need not cover
+    ``0..max`` (layers without a cache become :class:`NoCache`); else they must partition
+    ``0..n-1``."""
+    all_ids = [i for _, ids, _ in parts for i in ids]
+    for i in all_ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise DetectionError(f"layer id {i!r} is not a layer id (a non-negative int)")
+    n = (max(all_ids) + 1 if all_ids else 0) if gaps else len(all_ids)
     out: list[Any] = [None] * n
     for entries, ids, what in parts:
         if len(entries) != len(ids):
             raise DetectionError(f"the {what} sub-pool holds {len(entries)} layers but {len(ids)} layer ids were given for it")
         for e, i in zip(entries, ids):
             if not (0 <= i < n) or out[i] is not None:
+                if gaps:
+                    raise DetectionError(f"layer id {i} is given twice; each global layer id belongs to one sub-pool")
                 raise DetectionError(
                     f"layer id {i} is out of range 0..{n - 1} or given twice; the sub-pools' layer ids must partition 0..{n - 1}"
                 )
             out[i] = e
+    if gaps:
+        out = [NoCache() if e is None else e for e in out]
     return out, [list(ids) for _, ids, _ in parts if ids]
 
 

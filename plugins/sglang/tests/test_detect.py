@@ -13,7 +13,12 @@ import kvcore
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.uint8)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+#: the classic-staging cases ([kv_size, NL, T, NH*HS]); multi-plane cases (K/V of two head sizes) are proven by
+#: the conformance suite (kvcore check sglang) and test_v_head_size_different_from_k_is_two_planes
+CLASSIC = [c for c in CASES if "=" not in c.format]
+
+
+@pytest.mark.parametrize("case", CLASSIC, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_fixture_detects_with_declared_geometry(case, dtype):
     if dtype not in case.dtypes:
@@ -149,16 +154,26 @@ def test_hnd_vs_nhd_when_page_size_equals_num_heads():
     assert (lay.format.name, lay.block_size, lay.num_heads) == ("TWO_X_NL_X_NB_NH_BS_HS", 8, 2)
 
 
-def test_v_head_size_different_from_k_is_refused_clearly():
+def test_v_head_size_different_from_k_is_two_planes():
+    # MHATokenToKVPool._create_buffers: v_buffer (size + page_size, head_num, v_head_dim)
     k, v = fx.alloc_mha_053(num_layers=2, size=8, page_size=1, head_num=2, head_dim=16, v_head_dim=8)
-    with pytest.raises(kvcore.DetectionError, match=r"K head size 16 and V head size 8") as ei:
-        kvcore.detect([k, v], "sglang")
-    # the workaround the message names: K and V as two key-only layouts
-    assert "build_layout('NL_X_NBBS_NH_HS', v_buffer)" in str(ei.value)
-    lv = kvcore.build_layout("NL_X_NBBS_NH_HS", v)
-    v[1][3] = torch.arange(16, dtype=torch.bfloat16).reshape(2, 8)
-    assert (lv.kv_size, lv.head_size) == (1, 8)
-    assert torch.equal(kvcore.gather(lv, torch.tensor([3]))[0, 1, 0], v[1][3].reshape(-1))
+    for layer in range(2):
+        k[layer].copy_(torch.arange(k[layer].numel(), dtype=torch.float32).view(k[layer].shape) + 1000 * layer)
+        v[layer].copy_(-torch.arange(v[layer].numel(), dtype=torch.float32).view(v[layer].shape) - 1000 * layer)
+    for hints in ({}, {"v_head_size": 8}, {"head_size": 16, "v_head_dim": 8}):
+        lay = kvcore.detect([k, v], "sglang", hints)
+        assert lay.format.name == "K=NL_X_NBBS_NH_HS+V=NL_X_NBBS_NH_HS"
+        assert lay.staging_shapes(3) == {"K": (2, 3, 32), "V": (2, 3, 16)}
+    out = kvcore.gather(lay, torch.tensor([3, 7]))
+    assert torch.equal(out["K"][1, 0], k[1][3].reshape(-1)) and torch.equal(out["V"][0, 1], v[0][7].reshape(-1))
+    want = (-torch.arange(48, 64, dtype=torch.float32) - 1000).to(v[1].dtype)  # V row 3 of layer 1: its own 2 x 8 values
+    assert torch.equal(out["V"][1, 0], want)
+    kvcore.scatter(lay, torch.tensor([5, 6]), out)  # into other rows: each plane at its own width
+    assert torch.equal(v[1][5], v[1][3]) and torch.equal(k[0][6], k[0][7])
+    paged = kvcore.detect([k, v], "sglang", {"page_size": 1})
+    assert paged.format.name == "K=NL_X_NB_BS_NH_HS+V=NL_X_NB_BS_NH_HS" and paged.block_size == 1
+    with pytest.raises(kvcore.DetectionError, match="v_head_size hint 4 but the V tensors' head size is 8"):
+        kvcore.detect([k, v], "sglang", {"v_head_size": 4})
 
 
 def test_hints_that_contradict_the_tensors_are_errors():
@@ -283,3 +298,21 @@ def test_ascend_cross_layer_pool_from_the_tensor_or_its_halves():
         kvcore.detect(buf, "sglang")
     with pytest.raises(kvcore.DetectionError, match="kv_buffer\\[0\\], kv_buffer\\[1\\]"):
         kvcore.detect([buf[0].clone(), buf[1].clone()], "sglang")
+
+
+def test_lmcache_unified_component_views_are_one_entry_per_component():
+    # LMCache's unified connector: [*k_buffer, *v_buffer] each .view(NB, page_size, NH, HS) (_to_wire_block_tensor)
+    k, v = fx.alloc_mha_053(num_layers=2, size=12, page_size=4, head_num=2, head_dim=8)
+    for i, t in enumerate([*k, *v]):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + 1000 * i)
+    views = [t.view(4, 4, 2, 8) for t in [*k, *v]]
+    lay = kvcore.detect(views, "sglang", {"kv_list_layout": "unified"})
+    assert (lay.format.name, lay.num_layers, lay.kv_size, lay.num_blocks, lay.block_size) == ("NL_X_NB_BS_NH_HS", 4, 1, 4, 4)
+    out = kvcore.gather(lay, torch.tensor([6]))  # SGLang token slot 6 = page 1, offset 2
+    assert [torch.equal(out[0, i, 0], t[6].reshape(-1)) for i, t in enumerate([*k, *v])] == [True] * 4
+    mla = [t.view(4, 4, 16) for t in fx.alloc_mla(3, size=12, page_size=4, kv_cache_dim=16)]
+    assert kvcore.detect(mla, "sglang", {"kv_list_layout": "unified"}).format.name == "NL_X_NB_BS_HS"
+    with pytest.raises(kvcore.DetectionError, match="page_size hint 8"):
+        kvcore.detect(views, "sglang", {"kv_list_layout": "unified", "page_size": 8})
+    with pytest.raises(kvcore.DetectionError, match="contiguous"):
+        kvcore.detect([t.transpose(1, 2) for t in views], "sglang", {"kv_list_layout": "unified"})

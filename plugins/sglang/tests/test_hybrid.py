@@ -7,7 +7,7 @@ import logging
 import kvcore_sglang
 import pytest
 import torch
-from kvcore_sglang import MambaState, hybrid_linear_layer_entries, kv_caches_of, swa_layer_entries
+from kvcore_sglang import MambaState, NoCache, hybrid_linear_layer_entries, kv_caches_of, swa_layer_entries
 from kvcore_sglang import fixtures as fx
 from kvcore_sglang.fixtures import as_bytes, fill_random
 
@@ -123,3 +123,28 @@ def test_swa_pool_object_and_full_to_swa_slot_translation():
     assert torch.equal(as_bytes(out[0, 3, 1]), as_bytes(sk[3][30 % 17]))  # model layer 4 = swa sub-pool layer 3
     with pytest.raises(kvcore.DetectionError, match="not an SGLang SWAKVPool"):
         kvcore_sglang.swa_pool_layer_entries(object())
+
+
+def test_hybrid_linear_pool_takes_global_layer_ids():
+    # NemotronH: attention at global ids 3, 8, 14; Mamba layers beside them; MoE-only layers (7, 11, 13) hold no cache.
+    # HybridLinearKVPool maps the attention layers' global ids to its sub-pool (full_attention_layer_id_mapping)
+    size = 16
+    fk, fv = fx.alloc_mha_053(3, size, 1, 2, 8)
+    for i, t in enumerate(fk):
+        t.copy_(torch.full_like(t, float(i + 1)))
+    mamba_ids = [0, 1, 2, 4, 5, 6, 9, 10, 12]
+    conv = torch.zeros(len(mamba_ids), size + 1, 24, 3)
+    temporal = torch.zeros(len(mamba_ids), size + 1, 2, 8, 16)
+    entries, groups = hybrid_linear_layer_entries([fk, fv], [3, 8, 14], {lid: (conv[j], temporal[j]) for j, lid in enumerate(mamba_ids)})
+    assert len(entries) == 15 and groups == [[3, 8, 14], mamba_ids]
+    assert [i for i, e in enumerate(entries) if isinstance(e, NoCache)] == [7, 11, 13]
+    lays = kvcore.detect_per_layer(entries, "sglang", layer_groups=groups)
+    assert [i for i, lay in enumerate(lays) if lay is not None] == [3, 8, 14]
+    lay = lays[14]
+    assert lay.layer_ids == (3, 8, 14) and lay.num_layers == 3
+    out = kvcore.gather(lay, torch.tensor([5]))
+    assert out[0, :, 0, 0].tolist() == [1.0, 2.0, 3.0]  # sub-pool layers 0, 1, 2 = global 3, 8, 14
+    with pytest.raises(kvcore.DetectionError, match="layer id 8 is given twice"):
+        hybrid_linear_layer_entries([fk, fv], [3, 8, 14], {8: (conv[0], temporal[0])})
+    with pytest.raises(kvcore.DetectionError, match="holds 3 layers but 2 layer ids"):
+        hybrid_linear_layer_entries([fk, fv], [3, 8], {})

@@ -37,6 +37,7 @@ from kvcore import GeometryError
 from kvcore.testing import FixtureCase
 
 from .caches import LAYER_PAIRS_FORMAT, LAYER_PAIRS_NHD_FORMAT, PAGED_FORMAT, layer_pairs
+from .writers import LEGACY_NO_WRITER, EnginePairs, dynamic_writer, paged_writer, register_allocator, sliding_writer, static_writer
 
 __all__ = ["fixture_cases", "Legacy453DynamicCache", "Legacy453StaticCache", "make_paged_cache", "make_paged_object", "OBJECT_BUILDERS"]
 
@@ -105,7 +106,8 @@ def _pairs(builder):
     same layout, tested in ``tests/test_hf_fixtures.py``)."""
 
     def make(sizes, dtype, device):
-        return layer_pairs(builder(sizes, dtype, device)), {}
+        cache = builder(sizes, dtype, device)
+        return EnginePairs(layer_pairs(cache), cache), {}
 
     return make
 
@@ -184,27 +186,15 @@ def make_paged_cache(
     Raises:
         GeometryError: ``num_blocks`` is not 2 trash sectors plus whole sectors.
     """
-    from transformers.generation.continuous_batching.cache_allocators import CachePool, FullAttentionCacheAllocator
+    from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
-    cfg = SimpleNamespace(head_dim=head_size)
-    alloc = FullAttentionCacheAllocator(
-        index=0,
-        config=cfg,
-        num_key_value_heads=num_heads,
-        cache_dtype=dtype,
-        page_size=page_size,
-        layer_indices=list(range(num_layers)),
-        allow_block_sharing=True,
-    )
-    bytes_per_sector = lcm(alloc.bytes_per_block, 128)
-    per_sector = bytes_per_sector // alloc.bytes_per_block
+    bpb = FullAttentionCacheAllocator.get_bytes_per_page(num_heads, head_size, dtype, page_size) * num_layers
+    bytes_per_sector = lcm(bpb, 128)
+    per_sector = bytes_per_sector // bpb
     if num_blocks % per_sector or num_blocks < 2 * per_sector:
         raise GeometryError(f"num_blocks={num_blocks} must be a multiple of {per_sector} blocks per sector, at least 2 sectors")
-    num_sectors = num_blocks // per_sector - 2
-    non_trash = num_sectors * bytes_per_sector
-    tensor = torch.zeros(non_trash + 2 * bytes_per_sector, dtype=torch.uint8, device=device)
-    pool = CachePool(num_sectors, 1)
-    alloc.register_cache_tensor(bytes_per_sector, non_trash, tensor, pool)
+    tensor = torch.zeros(num_blocks * bpb, dtype=torch.uint8, device=device)
+    alloc, _, _, pool = register_allocator(tensor, num_layers, page_size, num_heads, head_size, dtype)
     return SimpleNamespace(cache_tensor=tensor, cache_allocators={"full_attention": alloc}, pool=pool)
 
 
@@ -286,6 +276,7 @@ def fixture_cases() -> list[FixtureCase]:
             kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src524}::DynamicLayer.update (torch.cat on dim -2)",
+            writer=dynamic_writer(),
         ),
         FixtureCase(
             name="transformers-5.24-DynamicSlidingWindowLayer",
@@ -295,6 +286,7 @@ def fixture_cases() -> list[FixtureCase]:
             kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src524}::DynamicSlidingWindowLayer.update (keys = full[:, :, -sliding_window + 1:, :], a strided view)",
+            writer=sliding_writer(),
         ),
         FixtureCase(
             name="transformers-5.24-StaticCache",
@@ -304,6 +296,7 @@ def fixture_cases() -> list[FixtureCase]:
             kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src524}::StaticLayer.lazy_initialization (torch.zeros((batch, NH, max_cache_len, HS)))",
+            writer=static_writer(),
         ),
         FixtureCase(
             name="transformers-4.53-DynamicCache-prefill",
@@ -313,6 +306,7 @@ def fixture_cases() -> list[FixtureCase]:
             kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src453}::DynamicCache.update (key_cache list; the first update keeps the transposed key_states view)",
+            writer=LEGACY_NO_WRITER,
         ),
         FixtureCase(
             name="transformers-4.53-StaticCache",
@@ -322,6 +316,7 @@ def fixture_cases() -> list[FixtureCase]:
             kv_view=_view_pairs,
             sizes=dict(_DEFAULT),
             source=f"{src453}::StaticCache.__init__ (key_cache list of torch.zeros((max_batch_size, NH, max_cache_len, head_dim)))",
+            writer=LEGACY_NO_WRITER,
         ),
         FixtureCase(
             name="transformers-5.24-PagedAttentionCache-full_attention",
@@ -335,5 +330,6 @@ def fixture_cases() -> list[FixtureCase]:
                 "and cache_allocators/full_attention.py::FullAttentionCacheAllocator.register_cache_tensor"
             ),
             size_constraints={"num_blocks": "2 trash sectors plus whole sectors of lcm(bytes_per_block, 128) bytes"},
+            writer=paged_writer(),
         ),
     ]

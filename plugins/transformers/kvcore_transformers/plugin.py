@@ -89,9 +89,8 @@ def kvcore_detect(kv_caches, engine, hints):
 def hints() -> list:
     """The hints :func:`kvcore_transformers.detect.detect` reads (its ``HINTS``), declared
     for ``kvcore hints transformers``."""
-    from kvcore import Hint
+    from kvcore import Hint, tensor_order_hint
     from kvcore.dtypes import DTYPE_ALIASES, DTYPES
-    from kvcore.hints import tensor_order_hint
 
     from .versions import PAGED_RANGE, SUPPORTED_RANGE
 

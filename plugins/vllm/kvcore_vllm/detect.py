@@ -148,6 +148,23 @@ def _explain_misfit(tensors: list[torch.Tensor], h: VllmHints, raw_hints: dict, 
             f"vLLM: these tensors can be read only with more hints: {'; '.join(dict.fromkeys(needs))}.\ntensors:\n{describe_input(tensors)}"
         )
     free = _fitting(candidates(tensors, VllmHints(device_type=h.device_type)))
+    if raw_hints and free and h.block_size is not None:
+        for r in free:
+            c = r.candidate
+            try:
+                lay = build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
+                nb, bs = lay.num_blocks, lay.block_size
+            except GeometryError:
+                continue
+            if bs < h.block_size and h.block_size % bs == 0 and nb % (h.block_size // bs):
+                ratio = h.block_size // bs
+                raise DetectionError(
+                    f"vLLM: block_size={h.block_size}, but these tensors hold {nb} blocks of {bs} tokens: vLLM splits each "
+                    f"manager block into {ratio} kernel blocks and makes num_blocks x {ratio} of them (0.13+ "
+                    "gpu_model_runner._reshape_kv_cache_tensors, 0.33 create_kv_cache_views), so a count of kernel blocks "
+                    f"is a multiple of {ratio}; {nb} is not. Check block_size (the manager's), or pass the cache's own "
+                    f"tensors.\ntensors:\n{describe_input(tensors)}"
+                )
     if raw_hints and free:
         shows = sorted({f"{r.candidate.label} -> {r.candidate.format}" for r in free})
         raise DetectionError(
@@ -305,7 +322,103 @@ def _one_element_lists(items: list[Any], h: VllmHints, hints: Any) -> Detection 
     return det
 
 
+def _ascend_tuples(items: list[Any], h: VllmHints) -> Detection | None:
+    """vllm-ascend's tuple entries other than equal-dtype (K, V) pairs: the container is
+    the engine's statement that they are attention caches (vllm-ascend builds every
+    attention-family entry a tuple and a Mamba layer's state a list:
+    ``kv_caches[layer_name] = state_tensors``), so they are never read as Mamba state.
+
+    * ``(k, v, dsa_k)`` / ``(k, v, dsa_k, dsa_k_scale)``: a DeepSeek-V3.2 sparse-attention
+      layer (vllm-ascend 0.18, :data:`~kvcore_vllm.pairs.ASCEND_DSA_SOURCE`) -> ``KV``, ``KPE``,
+      ``IK`` (, ``IKS``) planes;
+    * ``(k_cache,)``: a sparse-C8 MLA layer or an SFA indexer layer without scales (0.23+,
+      :data:`~kvcore_vllm.pairs.ASCEND_SFA_SOURCE`) -> one ``KV`` plane;
+    * ``(indexer_k, indexer_scale)`` of two dtypes and widths: an SFA indexer layer with
+      scales (0.23+) -> ``IK``, ``IKS`` planes.
+
+    Every slot is ``(NB, BS, NH, width)`` in memory order with one ``(NB, BS, NH)`` per
+    layer and, for these latent-style caches, ``NH == 1``. Returns None for tuples of
+    another kind (the pair reading, or layers of different shapes: ``detect_per_layer``).
+
+    Raises:
+        DetectionError: a tuple of such arity whose slots are not ``[NB, BS, 1, *]`` tensors
+            of one leading shape, permuted strides, a layout or ``kv_cache_spec`` hint the
+            tuples contradict, or geometry hints that disagree.
+    """
+    from kvcore_vllm.pairs import ASCEND_DSA_SOURCE, ASCEND_SFA_SOURCE, DSA_C8_PLANES, DSA_PLANES, INDEXER_KEYS, INDEXER_PLANES, ONE_PLANE
+
+    n = len(items[0])
+    if any(len(x) != n for x in items) or not all(isinstance(t, torch.Tensor) for x in items for t in x):
+        return None
+    first = items[0]
+    two_dtypes = n == 2 and first[0].dtype != first[1].dtype
+    if n not in (1, 3, 4) and not two_dtypes:
+        return None
+    fmt, roles, src, what = {
+        1: (ONE_PLANE, ("KV",), ASCEND_SFA_SOURCE, "one-plane tuples (k_cache,)"),
+        2: (INDEXER_PLANES, ("K", "KS"), ASCEND_SFA_SOURCE, "SFA indexer tuples (indexer_k, indexer_scale)"),
+        3: (DSA_PLANES, ("KV", "KPE", "IK"), ASCEND_DSA_SOURCE, "DeepSeek-V3.2 sparse-attention tuples (k, v, dsa_k)"),
+        4: (DSA_C8_PLANES, ("KV", "KPE", "IK", "IKS"), ASCEND_DSA_SOURCE, "sparse C8 tuples (k, v, dsa_k, dsa_k_scale)"),
+    }[n]
+    if n == 1 and h.kv_cache_spec == "indexer":
+        fmt, roles, what = INDEXER_KEYS, ("K",), "SFA indexer key tuples (indexer_k,)"
+    if two_dtypes and h.kv_cache_spec != "indexer":
+        # a 2-tuple of two dtypes is an SFA indexer layer (keys, scales) or an fa-quant layer whose K cache alone is
+        # quantised (vllm-ascend quantization/modelslim_config.py::get_kv_quant_dtype: MLA models quantise only the nope
+        # cache): the bytes do not say which
+        if h.kv_cache_spec in ("mla", "attention"):
+            fmt, roles = (PAIRS_MLA_PLANES, ("KV", "KPE")) if h.kv_cache_spec == "mla" else (PAIRS_KV_PLANES, ("K", "V"))
+            what, src = f"fa-quant {'(nope, rope)' if roles[0] == 'KV' else '(K, V)'} tuples of two dtypes", _ASCEND
+        else:
+            raise AmbiguousLayoutError(
+                f"vLLM: per-layer tuples of two dtypes ({dtype_name(first[0].dtype)} {first[0].shape[-1]} wide, "
+                f"{dtype_name(first[1].dtype)} {first[1].shape[-1]} wide): vllm-ascend builds an SFA indexer layer's "
+                f"(indexer_k, indexer_scale) this way ({ASCEND_SFA_SOURCE}) and an fa-quant layer whose K (MLA: nope) cache "
+                "alone is quantised (quantization/modelslim_config.py::get_kv_quant_dtype).\n"
+                f"tensors:\n{describe_input(items)}\nPass kv_cache_spec ('indexer' for keys and scales, 'mla' for nope and "
+                "rope, 'attention' for K and V)",
+                candidates=[INDEXER_PLANES, PAIRS_MLA_PLANES, PAIRS_KV_PLANES],
+                hints=["kv_cache_spec"],
+            )
+    lead = tuple(first[0].shape[:3]) if first[0].dim() == 4 else None
+    shapes = {tuple(tuple(t.shape) for t in x) for x in items}
+    bad = lead is None or any(t.dim() != 4 or tuple(t.shape[:3]) != lead for x in items for t in x)
+    if bad or (lead[2] != 1 and roles[0] != "K"):
+        raise DetectionError(
+            f"vLLM: per-layer {what}: vllm-ascend builds every slot (num_blocks, block_size, 1, width) with one (num_blocks, "
+            f"block_size) per layer ({src}); these are not:\n{describe_input(items)}"
+        )
+    if len(shapes) != 1 or len({tuple(t.dtype for t in x) for x in items}) != 1:
+        return None  # layers that differ: detect_per_layer groups them
+    if h.kv_cache_spec == "mamba" or (n in (3, 4) and h.kv_cache_spec in ("attention", "indexer")):
+        raise DetectionError(
+            f"vLLM: kv_cache_spec={h.kv_cache_spec!r}, but the entries are {what}: vllm-ascend builds a Mamba layer's state a "
+            f"list and these tuples only for {'attention' if n in (1, 2) else 'sparse MLA'} layers ({src})"
+        )
+    _pairs_layout_hint(h)
+    if not all(memory_ordered(t) for x in items for t in x):
+        raise DetectionError(
+            f"vLLM: per-layer {what} are views in memory order ({src}); these strides are permuted:\n{describe_input(items)}"
+        )
+    nb, bs, nh = lead
+    if h.block_size not in (None, bs) or h.num_kv_heads not in (None, nh):
+        raise DetectionError(
+            f"vLLM: per-layer {what} [NB={nb}, BS={bs}, NH={nh}] but the hints say block_size={h.block_size}, num_kv_heads="
+            f"{h.num_kv_heads}; fix the hints"
+        )
+    distinct, aliases = split_aliases(items)
+    kv = {role: [x[i] for x in distinct] for i, role in enumerate(roles)}
+    widths = ", ".join(f"{r} {t.shape[-1]} x {dtype_name(t.dtype)}" for r, t in zip(roles, distinct[0]))
+    det = Detection(format=fmt, kv_caches=kv, note=f"vllm-ascend per-layer {what} ({widths}; {src})")
+    det.aliases = aliases or None
+    return det
+
+
 def _lists(items: list[Any], h: VllmHints, hints: Any = None) -> Detection | None:
+    if all(isinstance(x, tuple) for x in items):
+        det = _ascend_tuples(items, h)
+        if det is not None:
+            return det
     if h.kv_cache_spec == "mamba":
         return _mamba(items)
     if _bound(items):
@@ -427,6 +540,78 @@ def _given(h: VllmHints) -> dict[str, Any]:
     return d
 
 
+def _half_of_storage(items: list[torch.Tensor]) -> bool:
+    """Every tensor views a storage of its own, over exactly half of its bytes (the other
+    half addressed by no tensor given)."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in items:
+        if t.device.type == "meta":
+            return False
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for ts in by_storage.values():
+        nbytes = ts[0].untyped_storage().nbytes()
+        if len(ts) != 1 or nbytes == 0 or 2 * ts[0].numel() * ts[0].element_size() != nbytes:
+            return False  # several given views share it (a group of a shared buffer's layers), or it is not half used
+    return True
+
+
+def _check_half_of_storage(items: list[torch.Tensor], det: Detection) -> None:
+    """A user's mistake that reads like a layout: the K half of each layer (``kv[0]`` of
+    FlashAttention's ``(2, NB, BS, NH, HS)``, ``kv[:, 0]`` of FlashInfer's ``(NB, 2, ...)``)
+    is a 4-D tensor whose strides fit a 0.26 packed K|V cache with other heads and block
+    size. vLLM allocates each layer's memory whole (one raw buffer per KV cache tensor,
+    ``gpu_model_runner._allocate_kv_cache_tensors``; 0.33 one buffer every layer's view
+    covers), so tensors that address exactly half of every storage they view, the other
+    half by no tensor given, are no vLLM allocation on their own: K halves (or V halves),
+    or one layer of two of a shared buffer. Without ``vllm_version`` / ``attention_backend``
+    this is not answered.
+
+    Raises:
+        AmbiguousLayoutError: naming the reading, the halves, and the hints that state it.
+    """
+    if not _half_of_storage(items):
+        return
+    t0 = items[0]
+    raise AmbiguousLayoutError(
+        f"vllm: these tensors read as {det.format} ({det.note}), but each addresses exactly half of its storage "
+        f"({t0.numel() * t0.element_size()} of {t0.untyped_storage().nbytes()} bytes) and no tensor given addresses the other "
+        "half: vLLM allocates a layer's memory whole, so these look like the K (or V) half of each layer's (2, NB, ...) / "
+        "(NB, 2, ...) cache, or one layer of two of a shared buffer. Pass each layer's whole tensor (vLLM's kv_caches "
+        "entries); if these are the cache as vLLM allocated it, pass vllm_version or attention_backend.\n"
+        f"tensors:\n{describe_input(items)}",
+        candidates=[det.format, "the K or V half of a vLLM layer"],
+        hints=["vllm_version", "attention_backend"],
+    )
+
+
+def _check_record_width(items: list[torch.Tensor], h: VllmHints) -> None:
+    """An MLA-only cache dtype (``fp8_ds_mla``, ``nvfp4_ds_mla``) names records vLLM writes
+    at a few widths only (:data:`kvcore_vllm.specs.RECORDS`: ``fp8_ds_mla`` 656 B DeepSeek-V3.2,
+    584 B V4, 528 B V4.1; the DSA indexer's 132 / 68 B keys beside them under any MLA cache
+    dtype): byte tensors of another width contradict the hint.
+
+    Raises:
+        DetectionError: naming the width, the widths the cache dtype's writers produce and
+            those writers.
+    """
+    from kvcore_vllm.hints import MLA_CACHE_DTYPES
+    from kvcore_vllm.specs import RECORDS
+
+    t0 = items[0]
+    if h.cache_dtype not in MLA_CACHE_DTYPES or t0.dtype not in (torch.uint8, torch.int8) or t0.dim() < 3:
+        return
+    # the DSA indexer's records (cache_dtypes empty) sit beside the MLA cache under any MLA cache dtype
+    allowed = {w: r for w, r in RECORDS.items() if h.cache_dtype in r.cache_dtypes or not r.cache_dtypes}
+    w = int(t0.shape[-1])
+    if w not in allowed:
+        listed = "; ".join(f"{x} B: {r.writer}" for x, r in sorted(allowed.items(), reverse=True))
+        raise DetectionError(
+            f"vLLM: cache_dtype={h.cache_dtype!r}, but these byte tensors hold {w}-byte rows: no vLLM {h.cache_dtype} writer "
+            f"produces {w} bytes per token. Its records are {listed} (kvcore_vllm.specs). Fix cache_dtype, or pass the "
+            f"cache's own tensors.\ntensors:\n{describe_input(items)}"
+        )
+
+
 # -- the decision -------------------------------------------------------------------------
 
 
@@ -453,7 +638,15 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
     t0 = items[0]
     if any(t.dim() != t0.dim() or t.dtype != t0.dtype for t in items):
         return None  # the core groups by signature; a mixed list is not one layout
+    _check_record_width(items, h)
     items, aliases = split_aliases(items)
+    if t0.dim() == 6 and not bare:
+        from kvcore_vllm.rbln import detect_rbln
+
+        det = detect_rbln(items, h)
+        if det is not None:
+            det.aliases = aliases or None
+            return det
     source = _layout_source(h, hints)
     layout_given = h.kv_cache_layout is not None or h.env_kv_cache_layout is not None or h.device_type == "xpu"
     variants, extra = _fp8_variants(h, items)
@@ -500,6 +693,8 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
                 candidates=[det.format] + [n.split(":")[0] for n in dict.fromkeys(needs)],
                 hints=["attention_backend", *dict.fromkeys(missing)],
             )
+        if det is not None and not bare and h.vllm_version is None and h.attention_backend is None:
+            _check_half_of_storage(items, det)
         if det is not None:
             if aliases:
                 det.aliases = aliases

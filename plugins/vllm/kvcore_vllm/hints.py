@@ -140,7 +140,7 @@ FP8_KINDS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_inc": "e4m3", "fp8_e5m2": "
 #: ``kv_cache_spec`` hint values: what vLLM's ``KVCacheSpec`` says a layer is (``attention``:
 #: ``FullAttentionSpec`` / ``SlidingWindowSpec``...; ``mla``: ``MLAAttentionSpec``; ``mamba``:
 #: ``MambaSpec``).
-KV_CACHE_SPECS = ("attention", "mla", "mamba")
+KV_CACHE_SPECS = ("attention", "mla", "mamba", "indexer")
 
 DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
 #: vLLM CPU_ATTN's kernel paths (``cpu_attn.py::_get_attn_isa``, the layers' ``isa``; 0.24-0.32
@@ -373,6 +373,12 @@ class VllmHints(BaseModel):
             "sliding_window": "attention",
             "mlaattention": "mla",
             "mla_attention": "mla",
+            # a DSA lightning indexer's key cache: vLLM's DeepseekV32IndexerCache (allocated through the MLA
+            # rules), vllm-ascend's AscendSFAIndexerCacheSpec
+            "indexer_cache": "indexer",
+            "indexercache": "indexer",
+            "ascendsfaindexercache": "indexer",
+            "sfa_indexer_cache": "indexer",
         }.get(s, s)
         if s not in KV_CACHE_SPECS:
             raise _bad("kv_cache_spec", v, KV_CACHE_SPECS)
@@ -438,7 +444,7 @@ class VllmHints(BaseModel):
     @property
     def is_mla(self) -> bool | None:
         """True for MLA backends or MLA-only cache dtypes, False for other backends, else None."""
-        if self.cache_dtype in MLA_CACHE_DTYPES or self.kv_cache_spec == "mla":
+        if self.cache_dtype in MLA_CACHE_DTYPES or self.kv_cache_spec in ("mla", "indexer"):
             return True
         if self.family is None:
             return None
@@ -547,9 +553,8 @@ def parse_hints(hints: Any) -> VllmHints:
 def declared_hints() -> list[Any]:
     """The hints :func:`parse_hints` reads, declared for ``kvcore hints vllm``
     (``kvcore_register_hints``). Accepted values are this module's tables."""
-    from kvcore import Hint
+    from kvcore import Hint, tensor_order_hint
     from kvcore.dtypes import DTYPE_ALIASES, DTYPES
-    from kvcore.hints import tensor_order_hint
 
     src = "engine_layouts.md §1.2"
     return [
@@ -679,7 +684,8 @@ def declared_hints() -> list[Any]:
             engine="vllm",
             name="kv_cache_spec",
             meaning="what vLLM's KVCacheSpec says the layers are: attention ((K, V) pairs, vllm-ascend; [kv_cache] as 0.11/0.13 "
-            "bind_kv_cache keeps it), mla (MLA rules only; vllm-ascend (nope, rope) pairs) or mamba (state tensors, not KV)",
+            "bind_kv_cache keeps it), mla (MLA rules only; vllm-ascend (nope, rope) pairs), indexer (a DSA indexer's key "
+            "cache: MLA-style rules; vllm-ascend (indexer_k, indexer_scale) tuples) or mamba (state tensors, not KV)",
             values=list(KV_CACHE_SPECS),
             default="(K, V) pairs when two [NB, BS, NH, *] tensors of one shape; [t] of a rank no one-state Mamba layer has is "
             "the KV tensor t, of rank 3 or 4 an ambiguity naming this hint; any other list is Mamba state",

@@ -48,6 +48,9 @@ def kvcore_register_fixtures(register):
         register(case)
     for case in pairs_fixtures():
         register(case)
+    from kvcore_vllm.rbln import rbln_fixture
+
+    register(rbln_fixture())
 
 
 @hookimpl

@@ -1392,6 +1392,11 @@ def _sizes_ok(
         # kernel blocks are multiples of 16 tokens (get_supported_kernel_block_sizes: MultipleOf(16), 32, 64...)
         if not (kernel_split and sz["BS"] % 16 == 0 and h.block_size % sz["BS"] == 0):
             return False
+        # vLLM makes num_blocks x (block_size // kernel_block_size) kernel blocks (0.13+
+        # gpu_model_runner._reshape_kv_cache_tensors: kernel_num_blocks = num_blocks * num_blocks_per_kv_block;
+        # 0.33 create_kv_cache_views likewise): a kernel-block count the ratio does not divide is no such split
+        if "NB" in sz and sz["NB"] % (h.block_size // sz["BS"]):
+            return False
     if h.num_kv_heads is not None:
         if rule.mla and h.num_kv_heads != 1:
             return False
@@ -1422,6 +1427,8 @@ def _sizes_ok(
         # (the width identifies the record: kvcore_vllm.specs)
         if record is not None:
             return record.layout == "token" and _record_hints_ok(record, h)
+        if h.cache_dtype in MLA_CACHE_DTYPES and t.dtype in _BYTE_DTYPES:
+            return False  # no vLLM *_ds_mla writer makes a record of this width (kvcore_vllm.specs.RECORDS)
         if h.head_size is not None:
             return width == h.head_size
         return True

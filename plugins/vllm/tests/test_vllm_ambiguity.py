@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import SPLIT_K, allocate, kv_view
+from kvcore_vllm.fixtures import CPU_AMX, CPU_VEC, SPLIT_K, allocate, kv_view
 
 import kvcore
 
@@ -68,10 +68,15 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
     # on a GPU an HND hint alone contradicts the strides (they show vLLM's NHD allocation) ...
     with pytest.raises(kvcore.DetectionError, match="tensor_order='physical'"):
         kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND", "device_type": "cuda"})
-    # (where the platform may be CPU, vLLM 0.13 CPU_ATTN allocates exactly this (2, NB, NH, BS, HS) HND tensor)
-    assert kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND"}).format.name == "NL_X_TWO_NB_NH_BS_HS"
-    # ... unless the caller says the tensor was already permuted into memory order
-    lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND", "tensor_order": "physical"})
+    # where the platform may be CPU, vLLM 0.13 CPU_ATTN allocates exactly this (2, NB, NH, BS, HS) HND tensor and its
+    # kernel packs K column-major: another placement of the bytes, which the platform decides
+    _ambiguous(nhd, {"kv_cache_layout": "HND"}, "NL_X_TWO_NB_NH_BS_HS", CPU_VEC, deciding=("attention_backend", "device_type"))
+    cpu = allocate("0.13.0", "CPU_ATTN", "HND", **g)  # the same shape and strides, as vLLM 0.13 CPU allocates it
+    lay = kvcore.detect(cpu, "vllm", {"kv_cache_layout": "HND", "device_type": "cpu"})
+    assert lay.format.name == CPU_VEC
+    semantic(lay, cpu, kv_view)
+    # ... or the caller says the tensor was already permuted into memory order (a GPU reading)
+    lay = kvcore.detect(nhd, "vllm", {"kv_cache_layout": "HND", "tensor_order": "physical", "device_type": "cuda"})
     assert lay.format.name == "NL_X_TWO_NB_NH_BS_HS"
     assert lay.stride_table().planes[0].head == 16 * 8 * 2  # heads are now the outer axis
     # vLLM's own HND allocation: the strides decide, no hint needed
@@ -82,18 +87,26 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
 
 
 def test_cpu_rows_are_one_layout_from_024_to_033(semantic):
-    """vLLM 0.24-0.33 CPU_ATTN: (NB, NH, BS, 2*HS) read as view(NB, NH, 2*BS, HS).chunk(2, dim=2):
-    one layout (BS K rows, then BS V rows), never the GPU's packed [K | V] row."""
+    """vLLM 0.24-0.33 CPU_ATTN: (NB, NH, BS, 2*HS) is the container view(NB, NH, 2*BS, HS).chunk(2,
+    dim=2) hands the kernel, which stores K column-major, then V (cpu_attn_vec.hpp): one layout
+    per kernel path, never the GPU's packed [K | V] row. Block size 4 rules AMX out: no path hint."""
     g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
     for version in ("0.24.0", "0.26.0"):
         kv = allocate(version, "CPU_ATTN", "HND", **g)
         lay = kvcore.detect(kv, "vllm", {"device_type": "cpu"})
-        assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+        assert lay.format.name == CPU_VEC
         semantic(lay, kv, kv_view)
     v33 = allocate("0.33.0", "CPU_ATTN", "LBHNC", **g)
     lay = kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0"})
-    assert lay.format.name == "NL_X_NB_NH_TWO_BS_HS"
+    assert lay.format.name == CPU_VEC
     semantic(lay, v33, kv_view)
+    # a bfloat16 cache with blocks and heads of 32: vLLM's AMX path may have packed it (on a CPU with AMX tiles)
+    amx = allocate("0.33.0", "CPU_ATTN", "LBHNC", num_layers=2, num_blocks=3, block_size=32, num_kv_heads=2, head_size=32)
+    _ambiguous(amx, {"device_type": "cpu"}, CPU_VEC, CPU_AMX, deciding=("cpu_attn_isa",))
+    for isa, name in (("vec", CPU_VEC), ("amx", CPU_AMX)):
+        lay = kvcore.detect(amx, "vllm", {"device_type": "cpu", "cpu_attn_isa": isa})
+        assert lay.format.name == name
+        semantic(lay, amx, lambda k, layer, p, isa=isa: kv_view(k, layer, p, hints={"cpu_attn_isa": isa}))
 
 
 def test_nh2_packed_gpu_is_not_ambiguous_across_gpu_versions():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import _ERA_BACKENDS, MLA_BACKENDS, SPLIT_K, allocate, fixture_hints, kv_cache_stride_order, kv_view
+from kvcore_vllm.fixtures import _ERA_BACKENDS, CPU_AMX, CPU_VEC, MLA_BACKENDS, SPLIT_K, allocate, fixture_hints, kv_cache_stride_order, kv_view
 
 import kvcore
 
@@ -92,7 +92,7 @@ def test_every_allocation_beside_mamba_reads_as_the_engine(version, backend, lay
         del h["kv_cache_layout"]  # the backend's get_kv_cache_shape order is its only one
     h.update(block_size=G["block_size"], num_kv_heads=G["num_kv_heads"], head_size=G["head_size"])
     lay = kvcore.detect(kv, "vllm", h)
-    if restrided and lay.format.name != SPLIT_K:
+    if restrided and lay.format.name not in (SPLIT_K, CPU_VEC, CPU_AMX):  # the CPU kernel packs each side its own way
         assert lay.format.name.startswith("NL_X_NB_TWO_")  # a block's K side, then its V side
     assert (lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size) == (5, 16, 4, 32)
     _rows_match(lay, kv, [0, 15, 16, 79, 41])
@@ -109,12 +109,12 @@ def test_cpu_attn_013_beside_mamba_is_never_read_as_flash_attention():
     for hints in ({}, {"vllm_version": "0.13.0"}):
         with pytest.raises(kvcore.AmbiguousLayoutError) as ei:
             kvcore.detect(kv, "vllm", hints)
-        assert {"NL_X_NB_TWO_BS_NH_HS", "NL_X_NB_TWO_NH_BS_HS"} == set(ei.value.candidates)
+        assert {"NL_X_NB_TWO_BS_NH_HS", CPU_VEC} == set(ei.value.candidates)
         assert {"attention_backend", "device_type", "num_kv_heads", "block_size"} <= set(ei.value.hints)
     for hints in ({"device_type": "cpu"}, {"attention_backend": "CPU_ATTN"}, {"vllm_version": "0.13.0", "num_kv_heads": 4},
                   {"block_size": 16}):  # fmt: skip
         lay = kvcore.detect(kv, "vllm", hints)
-        assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_NB_TWO_NH_BS_HS", 16, 4), hints
+        assert (lay.format.name, lay.block_size, lay.num_heads) == (CPU_VEC, 16, 4), hints  # K column-major per side
         _rows_match(lay, kv, [0, 17, 33, 79, 64, 3])
     # the GPU's reading is a different cache: the platform says so, never the shape
     fa = kvcore.detect(kv, "vllm", {"device_type": "cuda"})

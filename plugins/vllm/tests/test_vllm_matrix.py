@@ -30,6 +30,7 @@ def test_matrix_has_one_case_per_row():
     assert {CASES[record_case_name(*r[:4])].format for r in RECORD_CASES} == {r[4] for r in RECORD_CASES}
     assert CASES["vllm-0.11-INDEXER"].format == "NL_X_NB_BSV_BSS"
     pairs = {"vllm-ascend-pairs", "vllm-ascend-pairs-head_size_v", "vllm-ascend-pairs-mla"}  # + kvcore_vllm.pairs
+    pairs |= {f"vllm-ascend-tuples-{k}" for k in ("dsa", "dsa_c8", "one", "indexer", "one-indexer")} | {"vllm-rbln"}
     assert {c.name for c in registered_fixtures("vllm")} == set(CASES) | pairs
 
 
@@ -82,6 +83,8 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
     hints = {k: full[k] for k in ("device_type", "use_ipex", "VLLM_V1_USE_PREFILL_DECODE_ATTENTION") if k in full}
     hints.setdefault("device_type", "cuda")  # the platform: CPU tensors may also be vLLM CPU's (platform_cpu)
     hints["tensor_order"] = "allocated"
+    if "CPU_ATTN" in name:
+        hints["cpu_attn_isa"] = full["cpu_attn_isa"]  # the kernel path packs the block; no tensor shows it
     if "TORCH_SDPA" in name:
         hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
     if "PALLAS" in name:

@@ -80,7 +80,8 @@ def test_issue_examples_of_contradicting_hints():
     with pytest.raises(kvcore.DetectionError, match="kv_cache_layout='NHD'.*NL_X_NB_NH_BS_CS.*BS=16, NH=4"):
         kvcore.detect([hnd], "vllm", {"kv_cache_layout": "NHD", "vllm_version": "0.26"})
     # the caller says the tensor was permuted into memory order: then the hint is the truth
-    lay = kvcore.detect([nhd, nhd.clone()], "vllm", {"kv_cache_layout": "HND", "tensor_order": "physical"})
+    # (on a GPU: a CPU tensor of this shape may also be vLLM 0.13 CPU_ATTN's, whose kernel packs K column-major)
+    lay = kvcore.detect([nhd, nhd.clone()], "vllm", {"kv_cache_layout": "HND", "tensor_order": "physical", "device_type": "cuda"})
     assert (lay.format.name, lay.block_size, lay.num_heads) == ("NL_X_TWO_NB_NH_BS_HS", 4, 16)
 
 

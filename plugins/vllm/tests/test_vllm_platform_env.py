@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import SPLIT_K, allocate, allocate_dsv32, blocked_views, kv_view
+from kvcore_vllm.fixtures import CPU_VEC, SPLIT_K, allocate, allocate_dsv32, blocked_views, kv_view
 from kvcore_vllm.hints import env_flag, parse_hints
 from kvcore_vllm.pairs import PAIRS_KV_PLANES, PAIRS_MLA_PLANES, allocate_pairs
 from kvcore_vllm.rules import MAX_BARE_LAYERS, bare_candidates
 
 import kvcore
 
-CPU_ROWS = "NL_X_NB_NH_TWO_BS_HS"  # CPU_ATTN 0.24-0.33: per (block, head) BS K rows, then BS V rows
+CPU_ROWS = CPU_VEC  # CPU_ATTN 0.24-0.33: per (block, head) K column-major, then V (cpu_attn_vec.hpp)
 PACKED_HND = "NL_X_NB_NH_BS_CS"  # 0.26 GPU packed K|V, HND
 
 

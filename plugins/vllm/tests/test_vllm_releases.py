@@ -200,6 +200,8 @@ def test_each_release_reads_as_its_era(version, row, semantic):
     mla = backend in MLA_BACKENDS
     g = dict(num_layers=2, num_blocks=3, num_kv_heads=1 if mla else 2, head_size=576 if mla else 64)
     bs = 64 if backend == "B12X" else 16
+    if extra.get("cpu_attn_isa") == "amx":
+        bs = 32  # _get_attn_isa: AMX for block sizes that are multiples of 32
     kw = dict(extra)
     block = kw.pop("block_size", bs)
     if kw.get("kernel_block_size"):

@@ -193,18 +193,17 @@ def make_llm(
             seed=0,
             **kw,
         )
-    _negative_decay(llm)
+    _stable_state_decay(llm)
     return llm
 
 
-def _negative_decay(llm: LLM) -> None:
-    """Mamba's decay ``A`` must be negative (vLLM loads ``A = -exp(A_log)`` from a checkpoint;
-    the dummy loader writes ``A`` itself, and a positive decay makes the state, and every
-    logit, overflow to NaN: GraniteMoeHybrid then answers token 0 whatever its cache holds)."""
+def _stable_state_decay(llm: LLM) -> None:
+    """Mamba's ``A`` is stored as ``-exp(A_log)`` by the weight loader; dummy weights skip that
+    step and leave it positive (a state that grows without bound: NaN logits). Make it a decay."""
     with torch.no_grad():
         for name, p in runner_of(llm).model.named_parameters():
-            if name.endswith(".A") and p.is_floating_point():
-                p.copy_(-p.abs())
+            if name.endswith(".A") and p.dim() == 1:
+                p.copy_(-(torch.rand(p.shape, generator=_GEN) * 0.5 + 0.5).to(p.dtype))
 
 
 def close(llm: LLM | None) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcore.errors import GeometryError, TransferError
+from kvcore.inputs import plain_integers
 
 __all__ = ["LayoutPlan", "plan", "synchronize"]
 
@@ -272,6 +273,7 @@ class LayoutPlan:
         return s.to(device=self.device, dtype=torch.int64).contiguous()
 
     def _skip_in(self, skip_prefix, s: torch.Tensor) -> int:
+        skip_prefix = plain_integers(skip_prefix, "skip_prefix", TransferError)
         if not isinstance(skip_prefix, bool) and hasattr(skip_prefix, "__index__"):
             try:
                 skip_prefix = operator.index(skip_prefix)

