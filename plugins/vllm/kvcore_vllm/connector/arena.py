@@ -1,5 +1,6 @@
 """The store's memory on one worker: one kvcore staging buffer per KV-cache group, long
-enough for every chunk, allocated once and reused by every save and load.
+enough for every chunk, allocated once (host memory; pinned for a CUDA cache) and reused by
+every save and load.
 
 A group's buffer is the staging kvcore's transfers fill (``layout.staging_buffers``:
 ``[kv_size, NL, T, NH*HS]``, MLA ``[1, NL, T, HS]``, or one ``[NL, T, row]`` per plane) with
@@ -34,10 +35,11 @@ class GroupArena:
         self.layout = layout
         self.classic = layout.classic_staging
         self.buffers: dict[str, torch.Tensor] = {}
+        pin = layout.device.type == "cuda"  # kvcore moves a CUDA cache's rows to and from pinned host memory
         for b in layout.staging_buffers:
             shape = layout.staging_shapes(num_tokens)[b.key]
             # torch.empty: pages are touched by the first save that lands in them, not here
-            self.buffers[b.key] = torch.empty(shape, dtype=b.dtype, device="cpu")
+            self.buffers[b.key] = torch.empty(shape, dtype=b.dtype, device="cpu", pin_memory=pin)
 
     @property
     def nbytes(self) -> int:
