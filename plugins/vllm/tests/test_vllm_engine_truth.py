@@ -17,7 +17,6 @@ from kvcore_vllm import fixtures
 from kvcore_vllm.fixtures import (
     MATRIX,
     MLA_BACKENDS,
-    MULTI_PLANE,
     SLOT_BACKEND_LIMITS,
     SPLIT_K,
     allocate,

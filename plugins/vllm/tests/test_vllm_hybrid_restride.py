@@ -14,7 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_vllm.fixtures import _ERA_BACKENDS, CPU_AMX, CPU_VEC, MLA_BACKENDS, SPLIT_K, allocate, fixture_hints, kv_cache_stride_order, kv_view
+from kvcore_vllm.fixtures import (
+    _ERA_BACKENDS,
+    CPU_AMX,
+    CPU_VEC,
+    MLA_BACKENDS,
+    SPLIT_K,
+    allocate,
+    fixture_hints,
+    kv_cache_stride_order,
+    kv_view,
+)
 
 import kvcore
 

@@ -71,6 +71,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh",
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=True,  # vLLM's Gemma2ForCausalLM asserts it (0.28)
     ),
     "granitehybrid": dict(
         architectures=["GraniteMoeHybridForCausalLM"],
@@ -156,13 +157,20 @@ def _dummy_weight(tensor: torch.Tensor, *args, **kwargs) -> None:
 def _informative_weights() -> Iterator[None]:
     from vllm.model_executor.model_loader import dummy_loader
 
-    orig = dummy_loader.initialize_single_dummy_weight
+    def whole_module(module, *args, **kwargs) -> None:  # 0.28's DummyModelLoader: initialize_dummy_weights(layer, config)
+        for t in list(module.parameters()) + list(module.buffers()):
+            _dummy_weight(t)
+
+    names = {"initialize_single_dummy_weight": _dummy_weight, "initialize_dummy_weights": whole_module}
+    orig = {n: getattr(dummy_loader, n) for n in names if hasattr(dummy_loader, n)}
     _GEN.manual_seed(1234)  # the same weights for every LLM of one config
-    dummy_loader.initialize_single_dummy_weight = _dummy_weight
+    for n in orig:
+        setattr(dummy_loader, n, names[n])
     try:
         yield
     finally:
-        dummy_loader.initialize_single_dummy_weight = orig
+        for n, f in orig.items():
+            setattr(dummy_loader, n, f)
 
 
 def make_llm(
@@ -193,17 +201,21 @@ def make_llm(
             seed=0,
             **kw,
         )
-    _stable_state_decay(llm)
+    _post_load(llm)
     return llm
 
 
-def _stable_state_decay(llm: LLM) -> None:
-    """Mamba's ``A`` is stored as ``-exp(A_log)`` by the weight loader; dummy weights skip that
-    step and leave it positive (a state that grows without bound: NaN logits). Make it a decay."""
+def _post_load(llm: LLM) -> None:
+    """What the dummy draw cannot know from a tensor alone, fixed by name: Mamba's ``A`` is stored
+    as ``-exp(A_log)`` by the weight loader (positive, the state grows without bound: NaN
+    logits), so it becomes a decay; biases around 1 (Qwen2's q/k/v) drown the attention scores
+    in a constant, so they become small."""
     with torch.no_grad():
         for name, p in runner_of(llm).model.named_parameters():
             if name.endswith(".A") and p.dim() == 1:
                 p.copy_(-(torch.rand(p.shape, generator=_GEN) * 0.5 + 0.5).to(p.dtype))
+            elif name.endswith(".bias") and p.numel():
+                p.copy_(((torch.rand(p.shape, generator=_GEN) * 2 - 1) * 0.1).to(p.dtype))
 
 
 def close(llm: LLM | None) -> None:

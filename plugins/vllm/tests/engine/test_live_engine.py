@@ -21,14 +21,16 @@ import itertools
 
 import pytest
 import torch
-
-import kvcore
 from kvcore_vllm import detect_engine
 
-from .harness import NO_PREFIX_CACHING, VERSION, SamplingParams, close, make_llm, prompt, record_writes, runner_of, scheduler_of, tiny_model
+import kvcore
+
+from .harness import VERSION, SamplingParams, close, make_llm, prompt, record_writes, runner_of, scheduler_of, tiny_model
 
 AMX = torch.cpu._is_amx_tile_supported()
-MLA_RUNS = VERSION >= (0, 28)  # vLLM CPU runs MLA from 0.28 (CPU_MLA; AMX_MLA from 0.29: platforms/cpu.py)
+# vLLM CPU selects CPU_MLA from 0.28 and AMX_MLA from 0.29 (platforms/cpu.py), but 0.28's CPU_MLA does not import
+# (mla/cpu_mla.py: fa_utils has no compile_flash_attn_varlen_func_from_specs); 0.32 runs both
+MLA_RUNS = VERSION >= (0, 32)
 
 
 @contextlib.contextmanager
@@ -125,7 +127,9 @@ def test_every_row_vllm_wrote_is_gathered_right(engine):
                 if fp8 is not None:
                     ok = _close_fp8(have, want, fp8)
                 else:
-                    ok = (have.view(torch.uint8).reshape(len(slots), -1) == want.to(have.dtype).view(torch.uint8).reshape(len(slots), -1)).all(-1)
+                    ok = (
+                        have.view(torch.uint8).reshape(len(slots), -1) == want.to(have.dtype).view(torch.uint8).reshape(len(slots), -1)
+                    ).all(-1)
                 assert ok.all(), f"{name} {'KV'[kv]}: {int((~ok).sum())} of {len(slots)} rows differ from what vLLM's writer received"
                 checked += len(slots)
     assert checked > 150
