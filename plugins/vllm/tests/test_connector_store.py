@@ -221,6 +221,17 @@ def test_a_prompt_is_stored_by_chunk_and_its_partial_tail_and_served_to_the_next
     assert all(e.pins == 0 for e in side.index._by_key.values() if e.ready)  # noqa: SLF001
 
 
+def test_a_request_that_asks_for_no_cached_prefix_gets_none():
+    side = _side()
+    p = list(range(8))
+    side.get_num_new_matched_tokens(_request("a", p), 0)
+    _confirm(side, side.build_plan(_output(new=[("a", ([1, 2],), 0, 8)])))
+    b = _request("b", p)
+    assert side.get_num_new_matched_tokens(b, 0) == (8, True)
+    b.skip_reading_prefix_cache = True  # SamplingParams(skip_reading_prefix_cache=True); vLLM 0.28 leaves it to the connector
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False)
+
+
 def test_a_load_vllm_did_not_plan_is_refused_not_guessed():
     side = _side()
     p = list(range(8))

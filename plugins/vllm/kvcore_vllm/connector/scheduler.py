@@ -109,7 +109,9 @@ class SchedulerSide:
         if self.plan.disabled:
             return 0, False
         st = self._state(request)
-        if st.bypass:
+        if st.bypass or getattr(request, "skip_reading_prefix_cache", False):
+            # the request asked for no cached prefix (SamplingParams.skip_reading_prefix_cache);
+            # vLLM 0.32's scheduler enforces it too, 0.28's does not for connectors
             return 0, False
         tokens = request.all_token_ids
         m = self.index.match(st.keys, tokens, request.num_tokens, partial=self.config.token_granular)
