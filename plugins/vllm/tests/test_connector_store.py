@@ -232,6 +232,24 @@ def test_a_request_that_asks_for_no_cached_prefix_gets_none():
     assert side.get_num_new_matched_tokens(b, 0) == (0, False)
 
 
+def test_a_failed_load_is_not_retried_from_the_store():
+    """A worker that found a slot no longer holding its chunk reports it: the chunk is
+    forgotten and the request, which vLLM retries, is not served again (no loop of loads)."""
+    side = _side()
+    p = list(range(8))
+    side.get_num_new_matched_tokens(_request("a", p), 0)
+    _confirm(side, side.build_plan(_output(new=[("a", ([1, 2],), 0, 8)])))
+    b = _request("b", p)
+    assert side.get_num_new_matched_tokens(b, 0) == (8, True)
+    side.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([3, 4],)), 8)
+    (load,) = side.build_plan(_output()).loads
+    bad = (load.ops[1].slot, load.ops[1].key)
+    side.on_report(WorkerReport(unusable={bad}, failed_loads={"b"}), {"b"})
+    assert bad[1] not in side.index and side.index.stats.unusable_chunks == 1
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(_request("c", p), 0) == (4, True)  # the chunk still held serves others
+
+
 def test_a_load_vllm_did_not_plan_is_refused_not_guessed():
     side = _side()
     p = list(range(8))
@@ -251,6 +269,24 @@ def test_sliding_window_tokens_vllm_released_are_not_stored():
     # group 1 (sliding window) already gave block 0 back: vLLM's null block
     step = side.build_plan(_output(new=[("a", ([1, 2, 3], [0, 5, 6]), 0, 12)]))
     assert step.saves.ops == [] and "no longer all held" in side._reqs["a"].stop  # noqa: SLF001
+
+
+def test_a_chunk_partly_outside_a_sliding_window_is_not_stored():
+    """Without vLLM's own block table (0.28 gives the scheduler output's only), a chunk whose
+    first token a sliding window may already have released is not read."""
+    plan = StorePlan((GroupPlan(0, "attention", C, 2, 512), GroupPlan(1, "attention", C, 2, 512, sliding_window=2)), C, 64, 1024)
+    side = SchedulerSide(ConnectorConfig.parse({}), plan)
+    p = list(range(8))
+    side.get_num_new_matched_tokens(_request("a", p, prompt=3), 0)
+    step = side.build_plan(_output(new=[("a", ([1, 2], [3, 4]), 0, 3)]))  # prefill of 3: its partial chunk, all held
+    assert [op.count for op in step.saves.ops] == [3]
+    step = side.build_plan(_output(cached=[("a", None, 3, 1)]))  # token 3 completes chunk [0, 4); token 0 left the window
+    assert step.saves.ops == [] and "window" in side._reqs["a"].stop  # noqa: SLF001
+    wide = StorePlan((GroupPlan(0, "attention", C, 2, 512, sliding_window=4),), C, 64, 512)
+    side = SchedulerSide(ConnectorConfig.parse({}), wide)
+    side.get_num_new_matched_tokens(_request("a", p, prompt=3), 0)
+    side.build_plan(_output(new=[("a", ([1, 2],), 0, 3)]))
+    assert [op.count for op in side.build_plan(_output(cached=[("a", None, 3, 1)])).saves.ops] == [4]
 
 
 def test_engine_slots():

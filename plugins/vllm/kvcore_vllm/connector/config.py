@@ -98,6 +98,8 @@ class GroupPlan:
         num_layers: layers in the group.
         bytes_per_token: bytes one token of the group takes over all its layers (K and V),
             from the spec (``real_page_size_bytes / block_size``); 0 for state groups.
+        sliding_window: the spec's ``sliding_window`` (tokens; None for full attention).
+        attention_chunk_size: the spec's ``attention_chunk_size`` (chunked local attention).
     """
 
     index: int
@@ -105,6 +107,21 @@ class GroupPlan:
     block_size: int
     num_layers: int
     bytes_per_token: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    def first_held(self, num_computed_tokens: int) -> int:
+        """The first token whose block vLLM still holds for a request with
+        ``num_computed_tokens`` computed: a sliding window frees the blocks wholly before
+        ``num_computed - window + 1``, chunked local attention those before the current chunk
+        (``SlidingWindowManager`` / ``ChunkedLocalAttentionManager.remove_skipped_blocks``,
+        vLLM 0.28-0.32 ``v1/core/single_type_kv_cache_manager.py``); full attention holds all."""
+        first = 0
+        if self.sliding_window:
+            first = max(first, num_computed_tokens - self.sliding_window + 1)
+        if self.attention_chunk_size:
+            first = max(first, num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size)
+        return first
 
     @property
     def holds_kv(self) -> bool:
@@ -163,7 +180,19 @@ def plan_store(config: ConnectorConfig, kv_cache_config: Any, block_size: int) -
         if kind in ("attention", "mla"):
             page = getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes
             per_layer = int(page) // bs
-        groups.append(GroupPlan(i, kind, bs, nl, per_layer * nl))
+        window = getattr(spec, "sliding_window", None)
+        local = getattr(spec, "attention_chunk_size", None)
+        groups.append(
+            GroupPlan(
+                i,
+                kind,
+                bs,
+                nl,
+                per_layer * nl,
+                int(window) if isinstance(window, int) else None,
+                int(local) if isinstance(local, int) else None,
+            )
+        )
     chunk = config.chunk_size or int(block_size)
     state = [g for g in groups if not g.holds_kv]
     disabled = ""

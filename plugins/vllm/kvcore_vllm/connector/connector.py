@@ -42,6 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvcore import TransferError
+
 from ..engine import detect_engine
 from .config import ConnectorConfig, StorePlan, plan_store
 from .plan import StepPlan, WorkerReport
@@ -151,6 +153,7 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side = WorkerSide(self.store_plan)
         self._loaded: set[str] = set()
         self._failed: set[str] = set()
+        self._invalid: set[int] = set()
         self._report = WorkerReport()
 
     @property
@@ -173,8 +176,20 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         for t in meta.plan.loads:
-            why = self.worker_side.load(t)
-            (self._failed if why else self._loaded).add(t.req_id)
+            why = self.worker_side.load(t, self._report)
+            if not why:
+                self._loaded.add(t.req_id)
+            elif KVConnectorTransferResults is not None:
+                self._failed.add(t.req_id)  # 0.32: a failed receive, by request
+            elif len(self._kv_cache_config.kv_cache_groups) == 1:
+                self._loaded.add(t.req_id)  # 0.28: done, and its blocks named invalid: vLLM recomputes them
+                self._invalid.update(t.block_ids)
+            else:
+                raise TransferError(
+                    f"KvcoreConnector: the load for request {t.req_id} failed ({why}) and vLLM 0.28 cannot be told so "
+                    f"for a model with {len(self._kv_cache_config.kv_cache_groups)} KV-cache groups (its invalid-block path "
+                    "reads one group); stopping rather than letting the request run on blocks the load did not write"
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish in start_load_kv, before the request is scheduled again
@@ -203,6 +218,10 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):
         # KV-cache groups); vLLM recomputes it or fails it (kv_load_failure_policy)
         done, failed = self._take_finished()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report, self._report = self._report, WorkerReport()

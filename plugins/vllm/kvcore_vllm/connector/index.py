@@ -72,6 +72,7 @@ class IndexStats:
     shared_chunks: int = 0
     evicted_chunks: int = 0
     failed_saves: int = 0
+    unusable_chunks: int = 0
     store_full: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -191,13 +192,17 @@ class StoreIndex:
             e.ready = True
             e.pins = max(0, e.pins - 1)
 
-    def drop(self, key: bytes, slot: int | None = None) -> None:
-        """Forget a chunk (a failed save); its slot is free again."""
+    def drop(self, key: bytes, slot: int | None = None, *, unusable: bool = False) -> None:
+        """Forget a chunk: a failed save, or (``unusable``) one a worker's load found its slot
+        no longer holding; its slot is free again."""
         e = self._by_key.get(key)
         if e is None or (slot is not None and e.slot != slot):
             return
         self._remove(e)
-        self.stats.failed_saves += 1
+        if unusable:
+            self.stats.unusable_chunks += 1
+        else:
+            self.stats.failed_saves += 1
 
     def _evict_one(self) -> bool:
         for e in self._lru.values():

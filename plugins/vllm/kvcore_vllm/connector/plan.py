@@ -38,12 +38,15 @@ class Transfer:
         req_id: the request a load is for ("" for saves).
         refused: why a load cannot be done ("" when it can): the worker reports it failed
             and writes nothing.
+        block_ids: a load's blocks in KV-cache group 0, to name if it fails where vLLM takes
+            failures as block ids (0.28: ``get_block_ids_with_load_errors``).
     """
 
     ops: list[ChunkOp]
     engine_slots: list[torch.Tensor]
     req_id: str = ""
     refused: str = ""
+    block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,23 +66,38 @@ class StepPlan:
 
 @dataclass
 class WorkerReport:
-    """A worker's answer for one step: which saves landed (``(slot, key)``) and which
-    failed; several workers' reports combine so a save counts only if every worker made it."""
+    """A worker's answer for one step: which saves landed (``(slot, key)``) and which failed,
+    the chunks a load found its slot no longer holding (``unusable``) and the requests whose
+    load failed. Several workers' reports combine so a save counts only if every worker made
+    it, and a chunk or a load any worker could not use is not used again."""
 
     saved: set[tuple[int, bytes]] = field(default_factory=set)
     failed: set[tuple[int, bytes]] = field(default_factory=set)
+    unusable: set[tuple[int, bytes]] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
 
     def combine(self, other: WorkerReport) -> WorkerReport:
+        """Two workers' reports of one step."""
         failed = self.failed | other.failed
-        return WorkerReport(saved=(self.saved & other.saved) - failed, failed=failed)
+        return WorkerReport(
+            saved=(self.saved & other.saved) - failed,
+            failed=failed,
+            unusable=self.unusable | other.unusable,
+            failed_loads=self.failed_loads | other.failed_loads,
+        )
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        """Two reports of one worker (several save batches)."""
+        """Two reports of one worker (loads and saves of a step)."""
         failed = self.failed | other.failed
-        return WorkerReport(saved=(self.saved | other.saved) - failed, failed=failed)
+        return WorkerReport(
+            saved=(self.saved | other.saved) - failed,
+            failed=failed,
+            unusable=self.unusable | other.unusable,
+            failed_loads=self.failed_loads | other.failed_loads,
+        )
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.failed)
+        return bool(self.saved or self.failed or self.unusable or self.failed_loads)
 
 
 def engine_slots(block_ids: list[int], block_size: int, start: int, end: int, null_block: int = 0) -> torch.Tensor:

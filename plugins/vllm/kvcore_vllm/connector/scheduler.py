@@ -132,14 +132,22 @@ class SchedulerSide:
         block_ids = [list(b) for b in blocks.get_block_ids()]
         st.block_ids = block_ids
         rid = request.request_id
-        if st.lookup is None:
-            self._loads[rid] = (Transfer([], [], rid, refused="no lookup preceded the allocation"), [])
-            return
-        start, m = st.lookup
-        st.lookup = None
+        start = st.lookup[0] if st.lookup is not None else 0
         end = start + num_external_tokens
+        bs0 = self.plan.groups[0].block_size if self.plan.groups else 1
+        # the blocks vLLM marks to recompute if the load fails (its single-group invalid-blocks path)
+        first_group = block_ids[0][start // bs0 : (end - 1) // bs0 + 1] if block_ids else []
+
+        def refuse(why: str) -> None:
+            self._loads[rid] = (Transfer([], [], rid, refused=why, block_ids=first_group), [])
+
+        if st.lookup is None:
+            refuse("no lookup preceded the allocation")
+            return
+        m = st.lookup[1]
+        st.lookup = None
         if end > m.num_tokens:
-            self._loads[rid] = (Transfer([], [], rid, refused=f"vLLM asked for {end} tokens, the store matched {m.num_tokens}"), [])
+            refuse(f"vLLM asked for {end} tokens, the store matched {m.num_tokens}")
             return
         c = self.plan.chunk_size
         ops: list[ChunkOp] = []
@@ -152,12 +160,12 @@ class SchedulerSide:
         try:
             slots = [engine_slots(block_ids[g.index], g.block_size, start, end, self.null_block) for g in self.plan.kv_groups]
         except IndexError as exc:
-            self._loads[rid] = (Transfer([], [], rid, refused=f"block table: {exc}"), [])
+            refuse(f"block table: {exc}")
             return
         self.index.pin(used)
         self.index.touch(m.entries)
         self.index.stats.hit_tokens += end - start
-        self._loads[rid] = (Transfer(ops, slots, rid), used)
+        self._loads[rid] = (Transfer(ops, slots, rid, block_ids=first_group), used)
 
     # -- the step's plan ----------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
@@ -271,6 +279,12 @@ class SchedulerSide:
     ) -> Entry | None:
         c = self.plan.chunk_size
         a, b = k * c, k * c + len(tokens)
+        for g in self.plan.kv_groups:
+            if a < g.first_held(st.computed):
+                # a sliding-window (or local) group may have released the block of token a before
+                # this step: its bytes may be another request's by now
+                st.stop = f"token {a} is outside KV-cache group {g.index}'s window"
+                return None
         try:
             sl = [engine_slots(blocks[g.index], g.block_size, a, b, self.null_block) for g in self.plan.kv_groups]
         except IndexError as exc:
@@ -292,13 +306,20 @@ class SchedulerSide:
 
     # -- reports ----------------------------------------------------------------------
     def on_report(self, report: WorkerReport | None, finished_recving: set[str] | None) -> None:
-        """Workers' reports: saved chunks become ready, failed ones are forgotten, and the
+        """Workers' reports: saved chunks become ready; failed and unusable ones are
+        forgotten; a request whose load failed is not served again (vLLM recomputes it); the
         chunks of finished loads are unpinned."""
         if report is not None:
             for slot, key in report.saved:
                 self.index.confirm(key, slot)
             for slot, key in report.failed:
                 self.index.drop(key, slot)
+            for slot, key in report.unusable:
+                self.index.drop(key, slot, unusable=True)
+            for rid in report.failed_loads:
+                st = self._reqs.get(rid)
+                if st is not None:  # vLLM recomputes it (or fails it): it is not served again
+                    st.bypass = "its load failed"
         for rid in finished_recving or ():
             used = self._inflight.pop(rid, None)
             if used:

@@ -123,11 +123,13 @@ class WorkerSide:
             return f"engine slots {[s.numel() for s in t.engine_slots]} do not match {n} tokens in {len(self.arena.groups)} groups"
         return ""
 
-    def load(self, t: Transfer) -> str:
+    def load(self, t: Transfer, report: WorkerReport | None = None) -> str:
         """Scatter a request's stored chunks into its blocks. Returns "" or why it failed
-        (then the request must not run on its blocks: the caller reports it)."""
+        (then the request must not run on its blocks: the caller reports it); a failed load
+        and the chunks it found unusable are added to ``report``."""
         arena = self.arena
         why = t.refused or self._check(t)
+        stale: list[ChunkOp] = []
         if not why and arena is not None:
             stale = [op for op in t.ops if not arena.holds(op.slot, op.key, op.first + op.count)]
             if stale:
@@ -145,6 +147,9 @@ class WorkerSide:
                 self._count(loaded_tokens=n, loaded_bytes=n * self.plan.bytes_per_token, load_seconds=time.perf_counter() - t0)
                 return ""
         self._count(failed_loads=1)
+        if report is not None:
+            report.failed_loads.add(t.req_id)
+            report.unusable.update((op.slot, op.key) for op in stale)
         log.warning("kvcore connector: load for request %s failed, it will not use stored KV: %s", t.req_id, why)
         return why
 

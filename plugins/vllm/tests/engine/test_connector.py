@@ -16,7 +16,10 @@ off, and:
    9 chunks of ``P``;
 4. a negative control: one stored token row of ``P`` changed, ``P`` served from the store
    differs from the undisturbed run (the comparison can see one wrong row); for CPU_ATTN, a
-   load through the reading of the Python view the kernel does not use differs too.
+   load through the reading of the Python view the kernel does not use differs too;
+5. a store slot made to forget the chunk it holds: the worker refuses the load (writing
+   nothing), vLLM is told, and ``P`` recomputes, with the same output; the scheduler forgets
+   the chunk, so the retry is not served from it again.
 
 Bit-exact logprobs need the same arithmetic on both sides: the token budget is ``len(P) - 1``
 so the undisturbed run computes ``P``'s last token alone, as vLLM does after a full hit (it
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import pytest
 
-from .connector_harness import connector_llm, corrupt_row, external_hits, garble, generate, sides, store_stats, wrong_layout
+from .connector_harness import BLOCK, connector_llm, corrupt_row, external_hits, garble, generate, sides, store_stats, wrong_layout
 from .harness import VERSION, close, prompt
 
 MLA_RUNS = VERSION >= (0, 32)
@@ -117,3 +120,16 @@ def test_every_request_restored_exactly(engine):
     corrupt_row(llm, p, P_LEN - 5)
     garble(llm, 5)
     assert generate(llm, p) != want_p, "one changed stored row did not change the output: the test could not see a bad load"
+
+    # last: a store slot that no longer holds the chunk the scheduler planned: the worker refuses the
+    # load (nothing written), vLLM is told (0.32: a failed receive; 0.28: the request's blocks),
+    # and with kv_load_failure_policy "recompute" the request recomputes, with the same output
+    if VERSION >= (0, 32) or len(sched.store_plan.groups) == 1:
+        arena = worker.worker_side.arena
+        slot = next(e.slot for e in sched.scheduler_side.index._by_key.values() if e.tokens == tuple(p[:BLOCK]))  # noqa: SLF001
+        arena.forget(slot)
+        failed = worker.worker_side.totals.failed_loads
+        garble(llm, 6)
+        assert generate(llm, p) == want_p, "a refused load did not fall back to recomputing the request"
+        assert worker.worker_side.totals.failed_loads == failed + 1
+        assert store_stats(llm)["unusable_chunks"] == 1  # the scheduler forgot the chunk: no second failed load
