@@ -20,6 +20,7 @@ Usage::
 
     python scripts/bench_connector.py                      # Llama-3-8B geometry, both ISAs
     python scripts/bench_connector.py --tokens 256,4096 --isa vec --repeats 7 --json out.json
+    python scripts/bench_connector.py --threads 2 --clock cpu   # both cores; CPU seconds on a loaded host
 """
 
 from __future__ import annotations
@@ -130,11 +131,12 @@ def _case(isa: str, tokens: int, a: argparse.Namespace) -> list[dict]:
     for _, _, fn in fns:
         fn()  # warm: pages touched, plans cached
     times: dict[int, list[float]] = {i: [] for i in range(len(fns))}
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     for _ in range(a.repeats):  # interleaved, so a shared machine's drift hits every path alike
         for i, (_, _, fn) in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[i].append(time.perf_counter() - t0)
+            times[i].append(clock() - t0)
     rows = []
     for i, (name, path, _) in enumerate(fns):
         s = statistics.median(times[i])
@@ -156,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch's (and kvcore's) CPU threads (default 1: a shared host's fair measure)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall clock, or this process's CPU seconds (a loaded host)")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
     rows = []
     print(
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads; {a.layers} layers x {a.heads} KV heads x {a.head_size}, {a.dtype}, block {a.block_size}"
