@@ -7,6 +7,10 @@ The connector in a real vLLM: ``tests/engine/test_connector.py`` (run inside the
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +26,7 @@ from kvcore_vllm.fixtures import allocate
 import kvcore
 
 C = 4  # chunk size of the planning tests
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _spec(kind: str, **kw):
@@ -335,3 +340,18 @@ def test_worker_moves_rows_between_caches_exactly(isa):
     assert "do not match" in w.load(Transfer([ChunkOp(2, k0, 0, 4)], [dslots[:3]], req_id="r"))
     assert all(torch.equal(t, s) for t, s in zip(dst.values(), snapshot))
     assert w.totals.failed_loads == 4 and w.totals.loaded_tokens == 36
+
+
+def test_the_benchmark_runs_and_checks_its_own_loads(tmp_path):
+    """scripts/bench_connector.py at a tiny size: it first checks that a load gives back the
+    saved rows, then times both paths (docs/benchmarks.md has the full-size numbers)."""
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_connector.py"), "--layers", "2", "--heads", "2", "--head-size", "32"]
+    cmd += ["--block-size", "32", "--tokens", "40,64", "--repeats", "1", "--json", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["isa"], r["tokens"], r["direction"], r["path"]) for r in rows} >= {
+        ("vec", 40, "load", "connector"),
+        ("amx", 64, "save", "torch blocks"),
+    }
+    assert all(r["gbps"] > 0 and (r["path"] != "connector" or r["vs_torch"] > 0) for r in rows)
