@@ -1026,13 +1026,15 @@ def test_singleton_head_pages_are_read_as_lmcache_reads_them_one_row_per_token()
 
 def test_the_platform_lmcache_states_decides_cpu_tensors(monkeypatch):
     pytest.importorskip("kvcore_vllm")
-    kv = [torch.zeros(6, 4, 16, 128, dtype=torch.bfloat16) for _ in range(3)]  # vLLM 0.26 HND packed K|V [NB, NH, BS, 2*HS]
+    # vLLM 0.26 HND packed K|V [NB, NH, BS, 2*HS] (float16: no tiled CPU path, AMX or NEON BFMMLA, can have packed it)
+    kv = [torch.zeros(6, 4, 16, 128, dtype=torch.float16) for _ in range(3)]
     f, _ = L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})  # unstated: LMCache's GPU layouts
     assert f == L.EngineKVFormat.NL_X_NB_NH_BS_CS and L.get_num_heads(kv, f) == 4
     f, norm = L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND", "torch_device_type": "cpu"})
-    assert f == "NL_X_NB_NH_TWO_BS_HS"  # vLLM CPU_ATTN: BS K rows then BS V rows per block and head (LMCache: CS, wrong)
+    # vLLM CPU_ATTN: per block and head K column-major, then V (the kernel's packing; LMCache: CS, wrong); block 16: no AMX
+    assert f == "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
     monkeypatch.setattr(L, "torch_device_type", "cpu")  # the module global LMCache's detector reads
-    assert L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})[0] == "NL_X_NB_NH_TWO_BS_HS"
+    assert L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})[0] == "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
     monkeypatch.setattr(L, "torch_device_type", "cuda")
     assert L.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})[0] == "NL_X_NB_NH_BS_CS"
 

@@ -95,7 +95,7 @@ def _already_done(cmd: str) -> bool:
 
 
 def _bash(code: str, cwd: Path, env: dict, *, fresh: bool = False) -> None:
-    for line in code.split("\n"):
+    for line in code.replace("\\\n", " ").split("\n"):  # a trailing backslash continues the command
         cmd = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
         if not cmd or (not fresh and _already_done(cmd)):
             continue

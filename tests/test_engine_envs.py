@@ -30,7 +30,7 @@ def test_creation_is_idempotent_and_a_changed_entry_rebuilds(tmp_path, capsys):
     changed = engine_envs.EngineEnv(name="toy", requirements=(), post_install=('echo again > "$ROOT/made"',))
     assert engine_envs.main(["--dry-run"], envs=(changed,), root=tmp_path) == 0
     out = capsys.readouterr().out
-    assert "-m venv --clear" in out and "echo again" in out and not (tmp_path / "made").exists()
+    assert "venv -q --clear" in out and "echo again" in out and not (tmp_path / "made").exists()
     assert engine_envs.main(["--list"], envs=(changed,), root=tmp_path) == 0
     assert "toy: missing or stale" in capsys.readouterr().out
     assert engine_envs.main(["--only", "nope"], envs=(changed,), root=tmp_path) == 2

@@ -64,7 +64,7 @@ from kvcore.dtypes import dtype_name, fp8_dtype, is_fp8, rocm_build
 from kvcore_vllm.hints import LAYOUT_FAMILY, VllmHints, parse_hints
 from kvcore_vllm.pairs import ASCEND_SOURCE as _ASCEND
 from kvcore_vllm.pairs import PAIRS_FORMAT, PAIRS_KV_PLANES, PAIRS_MLA_PLANES
-from kvcore_vllm.rules import ROCM_ONLY_BACKENDS, Reading, bare_candidates, candidates
+from kvcore_vllm.rules import CPU_VEC, NEON_BF16, ROCM_ONLY_BACKENDS, Reading, bare_candidates, candidates
 
 __all__ = ["detect_vllm"]
 
@@ -674,9 +674,12 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         if all(r.rule.blocked for r in readings):
             del geometry["head_size"]  # a record's width is its bytes whatever the hint: head_size decides nothing there
         det = resolve([r.candidate for r in readings], engine="vllm", deciding_hints=deciding, hints=_given(h), geometry_hints=geometry)
+        # the NEON BFMMLA possibility stands beside the CPU column-major reading only (the answer's own kernel path)
+        unclaimed = [u for u in unclaimed if u != NEON_BF16 or (det is not None and det.format == CPU_VEC)]
         if det is not None and unclaimed:
             # the tensors may also be a layout kvcore does not read, and only the platform (or the backend) tells: not a decision
-            deciding_unclaimed = [k for k in ("device_type", "attention_backend") if k not in _given(h)]
+            platform = ("cpu_attn_isa",) if all(u.startswith("vLLM CPU_ATTN") for u in unclaimed) else ("device_type", "attention_backend")
+            deciding_unclaimed = [k for k in platform if k not in _given(h)]
             raise AmbiguousLayoutError(
                 f"vllm: these tensors read as {det.format} ({det.note}), and may also be {'; '.join(unclaimed)}.\n"
                 f"tensors:\n{describe_input(items)}\nPass {' or '.join(deciding_unclaimed)} (the engine's platform) to decide",
@@ -708,6 +711,7 @@ def detect_vllm(kv_caches: Any, hints: Any) -> Detection | None:
         )
     if t0.dim() < 3:
         return Detection(format=None, excluded=f"tensor of shape {tuple(t0.shape)}: rank < 3 is not a paged vLLM KV cache")
+    unclaimed = [u for u in unclaimed if u != NEON_BF16]  # a possibility beside the CPU reading only, never an answer
     if unclaimed:
         raise DetectionError(
             f"vLLM: these tensors are {'; '.join(unclaimed)}.\ntensors:\n{describe_input(items)}\n"

@@ -146,7 +146,14 @@ DEVICE_TYPES = ("cuda", "rocm", "cpu", "xpu", "tpu", "hpu", "npu")
 #: vLLM CPU_ATTN's kernel paths (``cpu_attn.py::_get_attn_isa``, the layers' ``isa``; 0.24-0.32
 #: ``csrc/cpu/cpu_attn_*.hpp``): ``amx`` (x86 AMX, bfloat16, block_size % 32 == 0), ``vec`` /
 #: ``vec16`` (x86 AVX-512 / AVX2), ``neon`` (Arm), ``vsx`` (POWER), ``vxe`` (s390x), ``rvv`` (RISC-V).
-CPU_ATTN_ISAS = ("amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv")
+CPU_ATTN_ISAS = ("amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv", "amx_fp8")
+#: kernel paths whose packing kvcore does not read (``csrc/cpu/cpu_attn_amx_fp8.hpp``: K tile packings
+#: that differ between stored versions; ``cpu_attn_neon_bfmmla.hpp``: NEON bfloat16 BFMMLA tiles whose
+#: constants were not checked against a running engine), and why
+CPU_ISAS_NOT_CLAIMED = {
+    "amx_fp8": "the native AMX-FP8 kernel (csrc/cpu/cpu_attn_amx_fp8.hpp) packs K per 64-byte slice in an order that "
+    "differs between vLLM's stored versions of the file; kvcore does not read it",
+}
 
 
 def env_flag(value: Any) -> bool:
@@ -244,6 +251,8 @@ class VllmHints(BaseModel):
         s = str(v).strip().lower()
         if s not in CPU_ATTN_ISAS:
             raise _bad("cpu_attn_isa", v, CPU_ATTN_ISAS)
+        if s in CPU_ISAS_NOT_CLAIMED:
+            raise DetectionError(f"vLLM CPU_ATTN kernel path {s!r} is not claimed by kvcore-vllm: {CPU_ISAS_NOT_CLAIMED[s]}")
         return s
 
     @field_validator("use_ipex", mode="before")

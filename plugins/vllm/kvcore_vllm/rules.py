@@ -42,7 +42,7 @@ from kvcore import Candidate, DetectionError, GeometryError, Source, build_layou
 from kvcore.dtypes import is_fp8, rocm_build
 from kvcore.grammar import parse
 from kvcore_vllm.hints import BACKEND_FAMILY, KV_CACHE_LAYOUTS, LAYOUT_ALIASES, LAYOUT_FAMILY, MLA_CACHE_DTYPES, VllmHints
-from kvcore_vllm.releases import ERAS, KV_CACHE_LAYOUT_ORDERS, LAYOUT_ERA, layout_physical_order
+from kvcore_vllm.releases import ERAS, KV_CACHE_LAYOUT_ORDERS, LAYOUT_ERA, layout_physical_order, version_tuple
 from kvcore_vllm.specs import BLOCKED_SCALE_RECORDS, RECORDS, ROCM_TILE_BYTES, ROCM_TILE_TOKENS
 
 __all__ = [
@@ -1042,6 +1042,12 @@ def _p_cpu_vec(v: torch.Tensor, tokens: Sequence[str], h: VllmHints) -> dict[str
     if r is None:
         return None
     k, val = r
+    if h.cpu_attn_isa == "neon" and (k.dtype == torch.bfloat16 or h.dtype == torch.bfloat16):
+        raise DetectionError(
+            "vLLM CPU_ATTN on Arm with a bfloat16 model runs the NEON BFMMLA kernel (csrc/cpu/cpu_attn_neon_bfmmla.hpp), "
+            "which packs K and V in BFMMLA tiles kvcore-vllm does not read (not claimed); float16 and float32 caches on "
+            "Arm (neon) are read"
+        )
     nb, nh, bs, hs = k.shape
     key = torch.as_strided(k, (nb, nh, hs, bs), (k.stride(0), k.stride(1), bs, 1), k.storage_offset())
     return {"K": key, "V": val}
@@ -1443,6 +1449,29 @@ def _sizes_ok(
     return True
 
 
+#: the layout a bfloat16 CPU_ATTN cache may be when its kernel path is not given
+NEON_BF16 = (
+    "vLLM CPU_ATTN's NEON BFMMLA tiles (an Arm host with a bfloat16 model: csrc/cpu/cpu_attn_neon_bfmmla.hpp; not claimed by kvcore)"
+)
+
+
+def _neon_bf16(rule: Rule, v: torch.Tensor, h: VllmHints) -> str | None:
+    """A bfloat16 CPU_ATTN cache whose kernel path is not given may have been written on an Arm
+    host by the NEON BFMMLA kernel (``cpu_attn.py::_get_attn_isa`` picks ``neon`` on Arm; its
+    bfloat16 path packs tiles), which kvcore does not read: only ``cpu_attn_isa`` tells."""
+    if rule.planes != "cpu_vec" or h.cpu_attn_isa is not None or v.dtype != torch.bfloat16:
+        return None
+    if v.shape[-2] % AMX_MULTIPLE and not _neon_any_block(h):
+        return None  # up to 0.30 Arm takes neon only for blocks of multiples of 32 (else vec16, read here)
+    return NEON_BF16
+
+
+def _neon_any_block(h: VllmHints) -> bool:
+    """vLLM 0.31+ ``_get_attn_isa`` sends Arm to ``neon`` whatever the block size (0.24-0.30:
+    only ``block_size % 32 == 0``); True where the release may be 0.31 or later."""
+    return h.vllm_version is None or version_tuple(h.vllm_version)[:2] >= (0, 31)
+
+
 def _aiter_pages(rule: Rule, v: torch.Tensor, h: VllmHints, rocm: bool | None) -> str | None:
     """A description of the layout this tensor may be and kvcore does not read: vLLM 0.33 on
     ROCm gfx950 stores the DSA indexer's MXFP4 keys (68 B records) in aiter's preshuffled
@@ -1715,7 +1744,7 @@ def _candidates(
                 continue
         else:
             views = src
-        other = _aiter_pages(rule, views[0], h, rocm)
+        other = _aiter_pages(rule, views[0], h, rocm) or _neon_bf16(rule, views[0], h)
         if other is not None and unclaimed is not None and other not in unclaimed:
             unclaimed.append(other)
         for key, (fams, against) in keys.items():

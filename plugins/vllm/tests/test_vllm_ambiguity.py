@@ -72,7 +72,8 @@ def test_bs_equals_nh_without_stride_evidence(semantic):
     # kernel packs K column-major: another placement of the bytes, which the platform decides
     _ambiguous(nhd, {"kv_cache_layout": "HND"}, "NL_X_TWO_NB_NH_BS_HS", CPU_VEC, deciding=("attention_backend", "device_type"))
     cpu = allocate("0.13.0", "CPU_ATTN", "HND", **g)  # the same shape and strides, as vLLM 0.13 CPU allocates it
-    lay = kvcore.detect(cpu, "vllm", {"kv_cache_layout": "HND", "device_type": "cpu"})
+    # (bfloat16 on Arm may be NEON BFMMLA tiles: the kernel path decides; block 16 is vec16 on x86)
+    lay = kvcore.detect(cpu, "vllm", {"kv_cache_layout": "HND", "device_type": "cpu", "cpu_attn_isa": "vec16"})
     assert lay.format.name == CPU_VEC
     semantic(lay, cpu, kv_view)
     # ... or the caller says the tensor was already permuted into memory order (a GPU reading)
@@ -93,11 +94,13 @@ def test_cpu_rows_are_one_layout_from_024_to_033(semantic):
     g = dict(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_size=8)
     for version in ("0.24.0", "0.26.0"):
         kv = allocate(version, "CPU_ATTN", "HND", **g)
-        lay = kvcore.detect(kv, "vllm", {"device_type": "cpu"})
+        lay = kvcore.detect(kv, "vllm", {"device_type": "cpu", "cpu_attn_isa": "vec16"})
         assert lay.format.name == CPU_VEC
         semantic(lay, kv, kv_view)
     v33 = allocate("0.33.0", "CPU_ATTN", "LBHNC", **g)
-    lay = kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0"})
+    with pytest.raises(kvcore.AmbiguousLayoutError, match="BFMMLA"):  # bfloat16: Arm's tiles are a possibility
+        kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0"})
+    lay = kvcore.detect(v33, "vllm", {"attention_backend": "CPU_ATTN", "vllm_version": "0.33.0", "cpu_attn_isa": "vec16"})
     assert lay.format.name == CPU_VEC
     semantic(lay, v33, kv_view)
     # a bfloat16 cache with blocks and heads of 32: vLLM's AMX path may have packed it (on a CPU with AMX tiles)

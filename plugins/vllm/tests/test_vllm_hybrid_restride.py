@@ -112,7 +112,11 @@ def test_cpu_attn_013_beside_mamba_is_never_read_as_flash_attention():
     """The review's case: 0.13 CPU_ATTN (2, NB, NH, BS, HS) restrided has FlashAttention-beside-Mamba's
     strides with heads and tokens swapped. A CPU tensor may be either: without a hint that decides,
     an AmbiguousLayoutError naming them; each one decides, and the answer is the engine's bytes."""
-    kv = allocate("0.13.0", "CPU_ATTN", "HND", num_layers=3, num_blocks=5, block_size=16, num_kv_heads=4, head_size=32, mamba_hybrid=True)
+    # float16: no tiled CPU path (AMX, NEON BFMMLA) can have packed it, so the platform alone decides
+    kv = allocate(
+        "0.13.0", "CPU_ATTN", "HND", num_layers=3, num_blocks=5, block_size=16, num_kv_heads=4, head_size=32, mamba_hybrid=True,
+        dtype=torch.float16,
+    )  # fmt: skip
     t = next(iter(kv.values()))
     assert tuple(t.shape) == (2, 5, 4, 16, 32) and t.stride() == (2048, 4096, 512, 32, 1)
     _random_fill(kv)

@@ -57,6 +57,10 @@ CASES = [
     ("gemma2", "bfloat16", "auto", 32, True),
     ("granitehybrid", "bfloat16", "auto", 32, True),
 ]
+if VERSION < (0, 29):
+    # the older release's run proves its era's packing with one case per kernel path, dtype class and model kind
+    # (the current release runs every case)
+    CASES = [c for c in CASES if c[0] in ("llama", "gemma2", "granitehybrid") and c[3] != 128]
 if MLA_RUNS:
     CASES += [("deepseek_v2", "bfloat16", "auto", 32, True), ("deepseek_v2", "bfloat16", "auto", 32, "CPU_MLA")]
 

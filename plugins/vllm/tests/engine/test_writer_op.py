@@ -138,11 +138,23 @@ def test_bfloat16_cache_without_the_kernel_path_is_ambiguous_naming_it():
     assert "cpu_attn_isa" in str(e.value)
 
 
-@pytest.mark.parametrize("dtype, hs", [(torch.float32, 64), (torch.float16, 64), (torch.bfloat16, 80)])
-def test_caches_amx_cannot_have_written_need_no_kernel_path(dtype, hs):
-    # vLLM chooses AMX only for bfloat16 with block_size and head_size multiples of 32
+@pytest.mark.parametrize("dtype, hs", [(torch.float32, 64), (torch.float16, 64), (torch.float16, 80)])
+def test_caches_no_tiled_path_can_have_written_need_no_kernel_path(dtype, hs):
+    # vLLM chooses AMX (x86) or NEON BFMMLA tiles (Arm) only for a bfloat16 model: any other dtype is column-major K
     caches = _allocate(2, 4, 2, 32, hs, dtype, "auto")
     hints = _hints("vec", dtype, "auto")
     del hints["cpu_attn_isa"]
     layout = kvcore.detect(caches, engine="vllm", hints=hints)
+    assert layout.format.name == "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
+
+
+def test_bfloat16_cache_amx_cannot_have_written_still_names_the_kernel_path():
+    # head size 80: not AMX, but on an Arm host vLLM 0.31+ packs bfloat16 in NEON BFMMLA tiles kvcore does not read
+    caches = _allocate(2, 4, 2, 32, 80, torch.bfloat16, "auto")
+    hints = _hints("vec16", torch.bfloat16, "auto")
+    del hints["cpu_attn_isa"]
+    with pytest.raises(kvcore.AmbiguousLayoutError, match="cpu_attn_isa") as e:
+        kvcore.detect(caches, engine="vllm", hints=hints)
+    assert "BFMMLA" in str(e.value)
+    layout = kvcore.detect(caches, engine="vllm", hints={**hints, "cpu_attn_isa": "vec16"})
     assert layout.format.name == "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
