@@ -36,14 +36,26 @@ def connector_llm(tmp_path_factory, fam: str, dt: str, kvd: str, *, capacity: in
     )
 
 
-def generate(llm, tokens: list[int], *, skip_store: bool = False) -> tuple[list[int], list[float]]:
+def generate(llm, tokens: list[int], *, skip_store: bool = False, salt: str | None = None) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs; ``skip_store``: vLLM's per-request switch that keeps
-    the connector (and the prefix cache) from serving the request."""
+    the connector (and the prefix cache) from serving the request; ``salt``: the prompt's
+    ``cache_salt`` (one of vLLM's extra keys of a block)."""
+    return generate_batch(llm, [tokens], skip_store=skip_store, salt=salt)[0]
+
+
+def generate_batch(
+    llm, prompts: list[list[int]], *, skip_store: bool = False, salt: str | None = None
+) -> list[tuple[list[int], list[float]]]:
+    """:func:`generate` for several prompts submitted together (vLLM batches them, in order)."""
     params = SamplingParams(
         max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=0, skip_reading_prefix_cache=skip_store
     )
-    out = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)[0].outputs[0]
-    return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
+    inputs = [{"prompt_token_ids": t} | ({"cache_salt": salt} if salt is not None else {}) for t in prompts]
+    got = []
+    for r in llm.generate(inputs, params, use_tqdm=False):
+        out = r.outputs[0]
+        got.append((list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]))
+    return got
 
 
 def garble(llm, seed: int) -> None:

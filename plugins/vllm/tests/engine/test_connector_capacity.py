@@ -11,13 +11,15 @@ so one engine lives at a time, and a module's engines are closed when it ends.
 
 from __future__ import annotations
 
+import logging
+
 from .connector_harness import BLOCK, connector_llm, external_hits, garble, generate, sides, store_stats
 from .harness import close, prompt
 
 P_LEN = 300
 
 
-def test_small_store_evicts_and_recomputes(tmp_path_factory):
+def test_small_store_evicts_and_recomputes(tmp_path_factory, caplog):
     """Capacity of 4 chunks: P keeps its first 4 (store full, logged), a later P loads them and
     recomputes the rest; another prompt evicts them and P recomputes everything; the output
     never changes."""
@@ -27,9 +29,11 @@ def test_small_store_evicts_and_recomputes(tmp_path_factory):
         sched, worker = sides(llm)
         assert sched.store_plan.num_slots == 4
         p, x = prompt(P_LEN, seed=1), prompt(P_LEN, seed=9)
+        caplog.set_level(logging.INFO, logger="kvcore_vllm.connector")
         want = generate(llm, p)
         s = store_stats(llm)
         assert s["chunks"] == 4 and s["store_full"] >= 1
+        assert any("store full" in r.getMessage() for r in caplog.records), "a full store was not logged"
         hits = external_hits(llm)
         garble(llm, 1)
         assert generate(llm, p) == want  # 128 tokens loaded, 172 computed, in the same steps as the first run
