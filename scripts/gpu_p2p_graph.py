@@ -11,6 +11,10 @@ everything else is the GPU engine as it runs on two GPUs). A Llama-3-8B chunk (3
   not waited for: enqueueing only), eager and ``KVCORE_P2P_GRAPH=1``;
 - ``pair_us_device``: device time per transfer (both calls; the wire is two extra
   device-to-device copies here, not NVLink), and every landed byte verified;
+- the same run's NCCL-free ceilings for those bytes (``ceiling``): one device-to-device
+  ``copy_`` of the payload, the four payload copies a loopback transfer makes at the least
+  (pack, the wire's two copies, unpack), and ``kvcore.copy`` of the same rows (the layout
+  change in one pass, no wire); the loopback's payload GB/s over each;
 - the host cost of the pieces a call is made of (an event record, a stream wait, a stream
   switch, a native kernel launch, a small allocation, a graph replay), and of a NCCL
   point-to-point group through ProcessGroupNCCL (a one-rank group sending to itself: two
@@ -72,15 +76,65 @@ def _per_call(fn, n: int) -> float:
     return (time.perf_counter_ns() - t0) / n / 1e3
 
 
-def transfer_rows(dev, tokens: list[int], LoopbackWire, distributed) -> list[dict]:
+def transfer_rows(dev, tokens: list[int], LoopbackWire, distributed, modes=("eager", "graph")) -> list[dict]:
     rows = []
     for t in tokens:
-        rows += _transfer(dev, t, LoopbackWire, distributed)
+        rows += _transfer(dev, t, LoopbackWire, distributed, modes)
     os.environ.pop("KVCORE_P2P_GRAPH", None)
     return rows
 
 
-def _transfer(dev, t: int, LoopbackWire, distributed) -> list[dict]:
+def _dev_us(fn, n: int, reps: int = 5) -> float:
+    """Device µs per ``fn()`` (median over ``reps`` of ``n`` back-to-back calls, CUDA events)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            fn()
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1) * 1e3 / n)
+    return statistics.median(out)
+
+
+def ceilings(dev, src, ss, dst, ds, half: int, nbytes: int, n: int) -> dict:
+    """The same run's NCCL-free ceilings for ``nbytes`` of payload (µs and payload GB/s): one
+    ``copy_`` of it, the four copies a loopback transfer makes at the least, and
+    ``kvcore.copy`` of the same rows (NHD block 16 -> HND block 32, heads 0..half-1)."""
+    import torch
+
+    import kvcore
+
+    a = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    b, c = torch.empty_like(a), torch.empty_like(a)
+    out: dict = {}
+    out["copy_us"] = _dev_us(lambda: b.copy_(a), n)
+
+    def four():
+        b.copy_(a)
+        c.copy_(b)
+        b.copy_(c)
+        a.copy_(b)
+
+    out["four_copies_us"] = _dev_us(four, n)
+    try:
+        kvcore.copy(src, ss, dst, ds, heads=(0, half))
+        out["kvcore_copy_us"] = _dev_us(lambda: kvcore.copy(src, ss, dst, ds, heads=(0, half)), n)
+    except Exception as e:  # noqa: BLE001 - reported, the other ceilings stand
+        out["kvcore_copy_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for k in [k for k in out if k.endswith("_us")]:
+        out[k.replace("_us", "_GBps")] = round(nbytes / out[k] / 1e3, 1)
+        out[k] = round(out[k], 1)
+    torch.cuda.synchronize(dev)
+    return out
+
+
+def _transfer(dev, t: int, LoopbackWire, distributed, modes=("eager", "graph")) -> list[dict]:
     """Eager and graph rows of one token count."""
     import torch
 
@@ -107,7 +161,13 @@ def _transfer(dev, t: int, LoopbackWire, distributed) -> list[dict]:
 
     rows = []
     n = 60 if t <= 1024 else 16
-    for mode in ("eager", "graph"):
+    nbytes = t * NL * 2 * half * HS * 2
+    try:
+        ceil = ceilings(dev, src, ss, dst, ds, half, nbytes, n)
+    except Exception as e:  # noqa: BLE001 - reported, the transfer rows stand
+        ceil = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"[gpu_p2p_graph] T={t} ceilings: {json.dumps(ceil)}", flush=True)
+    for mode in modes:
         os.environ["KVCORE_P2P_GRAPH"] = "1" if mode == "graph" else "0"
         for _ in range(20):  # warm: in graph mode every (staging buffer, control slot) group is captured by now
             send()
@@ -149,6 +209,11 @@ def _transfer(dev, t: int, LoopbackWire, distributed) -> list[dict]:
             "send_us_p10": round(sorted(hs)[len(hs) // 10] / 1e3, 1),
             "recv_us_p10": round(sorted(hr)[len(hr) // 10] / 1e3, 1),
             "pair_us_device": round(dev_us, 1),
+            "pair_GBps": round(nbytes / dev_us / 1e3, 1),
+            "ceiling": ceil,
+            "vs_copy": round(ceil["copy_us"] / dev_us, 3) if "copy_us" in ceil else None,
+            "vs_four_copies": round(ceil["four_copies_us"] / dev_us, 3) if "four_copies_us" in ceil else None,
+            "vs_kvcore_copy": round(ceil["kvcore_copy_us"] / dev_us, 3) if "kvcore_copy_us" in ceil else None,
             "loopback_groups": wire.groups,
             "graph_captures": sum(w.captures for w in wgs),
             "graph_replays": sum(w.replays for w in wgs),
@@ -281,6 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kvcore-root", default=None, help="import kvcore from this checkout (default: this one)")
     ap.add_argument("--tag", default="", help="suffix of the output file")
     ap.add_argument("--skip-nccl", action="store_true")
+    ap.add_argument("--modes", default="eager,graph", help="eager and/or graph (KVCORE_P2P_GRAPH=1)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(args.kvcore_root).resolve() if args.kvcore_root else ROOT))
     import datetime
@@ -310,7 +376,10 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
     LoopbackWire = _loopback().LoopbackWire
     for name, fn in (
-        ("transfers", lambda: transfer_rows(dev, [int(x) for x in args.tokens.split(",")], LoopbackWire, distributed)),
+        (
+            "transfers",
+            lambda: transfer_rows(dev, [int(x) for x in args.tokens.split(",")], LoopbackWire, distributed, args.modes.split(",")),
+        ),
         ("components_us", lambda: component_costs(dev)),
         ("nccl_self_group_us", lambda: {} if args.skip_nccl else nccl_group_costs(dev)),
     ):
@@ -328,11 +397,15 @@ def main(argv=None) -> int:
     path = out / f"p2p_graph{'_' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nkvcore from {report['kvcore']}")
-    print(f"{'T':>5} {'mode':6} {'chunks':>6} {'send us':>8} {'recv us':>8} {'send cpu':>8} {'recv cpu':>8} {'device us':>10} verified")
+    print(
+        f"{'T':>5} {'mode':6} {'chunks':>6} {'send us':>8} {'recv us':>8} {'send cpu':>8} {'recv cpu':>8} {'device us':>10} "
+        f"{'GB/s':>7} {'/copy':>6} {'/4copy':>6} {'/kvcopy':>7} verified"
+    )
     for r in rows:
         print(
             f"{r['tokens']:5d} {r['mode']:6} {r['chunks']:6d} {r['send_us']:8.1f} {r['recv_us']:8.1f} {r['send_cpu_us']:8.1f} "
-            f"{r['recv_cpu_us']:8.1f} {r['pair_us_device']:10.1f} {r['verified']}"
+            f"{r['recv_cpu_us']:8.1f} {r['pair_us_device']:10.1f} {r['pair_GBps']:7.1f} {r['vs_copy'] or 0:6.3f} "
+            f"{r['vs_four_copies'] or 0:6.3f} {r['vs_kvcore_copy'] or 0:7.3f} {r['verified']}"
         )
     print("components (host us per call):", json.dumps(report.get("components_us")))
     print("NCCL one-rank group (host us per call):", json.dumps(report.get("nccl_self_group_us")))
