@@ -102,6 +102,35 @@ def _dev_us(fn, n: int, reps: int = 5) -> float:
     return statistics.median(out)
 
 
+def _profile(send, recv, n: int) -> dict:
+    """cProfile of ``n`` back-to-back transfers: per transfer (send + recv), the functions with
+    the most own time and the time inside the wire's group posting (the loopback's copies or a
+    graph replay), in µs."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        send()
+        recv()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows, total, wire = [], 0.0, {}
+    for (file, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        total += tt
+        label = f"{Path(file).name}:{line}({name})" if file != "~" else name
+        rows.append((tt, nc, label))
+        if Path(file).name in ("loopback.py", "p2p_graph.py") or (Path(file).name == "distributed.py" and name in ("post", "_post")):
+            wire[label] = round(ct / n * 1e6, 1)
+    rows.sort(reverse=True)
+    return {
+        "profiled_us_per_transfer": round(total / n * 1e6, 1),
+        "wire_cum_us_per_transfer": wire,
+        "top_own_us_per_transfer": [[round(tt / n * 1e6, 2), round(nc / n, 2), label] for tt, nc, label in rows[:15]],
+    }
+
+
 def ceilings(dev, src, ss, dst, ds, half: int, nbytes: int, n: int) -> dict:
     """The same run's NCCL-free ceilings for ``nbytes`` of payload (µs and payload GB/s): one
     ``copy_`` of it, the four copies a loopback transfer makes at the least, and
@@ -185,6 +214,21 @@ def _transfer(dev, t: int, LoopbackWire, distributed, modes=("eager", "graph")) 
             cs.append(c1 - c0)
             cr.append(c2 - c1)
         kvcore.synchronize(dev)
+        # one call from an idle GPU: the host's own cost, no launch queue to wait on
+        ids, idr = [], []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            send()
+            t1 = time.perf_counter_ns()
+            kvcore.synchronize(dev)
+            t2 = time.perf_counter_ns()
+            recv()
+            t3 = time.perf_counter_ns()
+            kvcore.synchronize(dev)
+            ids.append(t1 - t0)
+            idr.append(t3 - t2)
+        prof = _profile(send, recv, n) if t <= 1024 else None
+        kvcore.synchronize(dev)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(n):
@@ -206,6 +250,8 @@ def _transfer(dev, t: int, LoopbackWire, distributed, modes=("eager", "graph")) 
             "recv_us": round(statistics.median(hr) / 1e3, 1),
             "send_cpu_us": round(statistics.median(cs) / 1e3, 1),
             "recv_cpu_us": round(statistics.median(cr) / 1e3, 1),
+            "send_us_idle_gpu": round(statistics.median(ids) / 1e3, 1),
+            "recv_us_idle_gpu": round(statistics.median(idr) / 1e3, 1),
             "send_us_p10": round(sorted(hs)[len(hs) // 10] / 1e3, 1),
             "recv_us_p10": round(sorted(hr)[len(hr) // 10] / 1e3, 1),
             "pair_us_device": round(dev_us, 1),
@@ -219,6 +265,7 @@ def _transfer(dev, t: int, LoopbackWire, distributed, modes=("eager", "graph")) 
             "graph_replays": sum(w.replays for w in wgs),
             "graph_failed": [w.failed for w in wgs if w.failed],
             "verified": ok,
+            "profile": prof,
         }
         rows.append(row)
         print(
@@ -399,13 +446,13 @@ def main(argv=None) -> int:
     print(f"\nkvcore from {report['kvcore']}")
     print(
         f"{'T':>5} {'mode':6} {'chunks':>6} {'send us':>8} {'recv us':>8} {'send cpu':>8} {'recv cpu':>8} {'device us':>10} "
-        f"{'GB/s':>7} {'/copy':>6} {'/4copy':>6} {'/kvcopy':>7} verified"
+        f"{'GB/s':>7} {'/copy':>6} {'/4copy':>6} {'/kvcopy':>7} {'idle s/r us':>12} verified"
     )
     for r in rows:
         print(
             f"{r['tokens']:5d} {r['mode']:6} {r['chunks']:6d} {r['send_us']:8.1f} {r['recv_us']:8.1f} {r['send_cpu_us']:8.1f} "
             f"{r['recv_cpu_us']:8.1f} {r['pair_us_device']:10.1f} {r['pair_GBps']:7.1f} {r['vs_copy'] or 0:6.3f} "
-            f"{r['vs_four_copies'] or 0:6.3f} {r['vs_kvcore_copy'] or 0:7.3f} {r['verified']}"
+            f"{r['vs_four_copies'] or 0:6.3f} {r['vs_kvcore_copy'] or 0:7.3f} {r['send_us_idle_gpu']:>5.1f}/{r['recv_us_idle_gpu']:<6.1f} {r['verified']}"
         )
     print("components (host us per call):", json.dumps(report.get("components_us")))
     print("NCCL one-rank group (host us per call):", json.dumps(report.get("nccl_self_group_us")))

@@ -8,7 +8,8 @@
 # before issue 26, two groups per one-chunk call), then the GPU engine's emulated checks and
 # the CUDA copy tests while time is left. Each step has its own time limit and writes into
 # $OUT as it goes (at most 7 files).
-#   bash scripts/gpu_pd_fast_run.sh            (repository root; BEFORE=dir-with-kvcore-and-csrc optional)
+#   bash scripts/gpu_pd_fast_run.sh            (repository root; BEFORE=dir-with-kvcore-and-csrc optional,
+#                                               MORE=0 leaves out the emulated engine and CUDA copy tests)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/pd_fast_out}
@@ -35,17 +36,17 @@ left "gpu tests" && stamp "gpu tests" &&
 timeout -k 5 150 python3 -m pytest -q -rA -p no:cacheprovider tests/test_distributed_gpu.py > "$O/tests_gpu.txt" 2>&1
 stamp "gpu tests rc=$? $(tail -1 "$O/tests_gpu.txt")"
 left "bench after" && stamp "bench after" &&
-timeout -k 5 150 python3 scripts/gpu_p2p_graph.py --out "$O" --tag after >> "$O/bench.txt" 2>&1
+timeout -k 5 150 python3 scripts/gpu_p2p_graph.py --out "$O" --tag after --modes eager,graph,eager >> "$O/bench.txt" 2>&1
 stamp "bench after rc=$?"
 if [ -n "$BEFORE" ]; then
   left "bench before" && stamp "bench before ($BEFORE)" &&
   timeout -k 5 90 python3 scripts/gpu_p2p_graph.py --out "$O" --tag before --kvcore-root "$BEFORE" --skip-nccl --modes eager >> "$O/bench.txt" 2>&1
   stamp "bench before rc=$?"
 fi
-left "more tests" && stamp "emulated engine + cuda copy tests" &&
+[ "${MORE:-1}" = 1 ] && left "more tests" && stamp "emulated engine + cuda copy tests" &&
 timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider tests/test_distributed_fast.py > "$O/tests_more.txt" 2>&1
 stamp "emulated engine tests rc=$? $(tail -1 "$O/tests_more.txt")"
-left "cuda copy tests" && timeout -k 5 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_copy.py -k cuda >> "$O/tests_more.txt" 2>&1
+[ "${MORE:-1}" = 1 ] && left "cuda copy tests" && timeout -k 5 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_copy.py -k cuda >> "$O/tests_more.txt" 2>&1
 stamp "cuda copy tests rc=$? $(tail -1 "$O/tests_more.txt")"
 grep -E "passed|failed|error" "$O/tests_gpu.txt" | tail -3
 grep -E "^ *[0-9]+ (eager|graph)|ceilings|components|NCCL one-rank|kvcore from|verified|FAILED|Error" "$O/bench.txt" | tail -24

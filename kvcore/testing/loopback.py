@@ -10,7 +10,10 @@ side streams and events, one group per chunk, and (``KVCORE_P2P_GRAPH=1``) the g
 replayed from CUDA graphs — the copies are what gets captured.
 
 The wire is one-sided: a send lands in its mailbox when posted, a receive reads its mailbox
-when posted. So the ranks' calls must alternate sender first (``send`` then ``recv``, per
+when posted. Which mailbox a message uses (its place in a call) is counted on the device, in
+stream order, not on the host: a group replayed from a CUDA graph never calls the wire, so a
+host count would drift when one group of a call is replayed and the next one captured (a
+middle chunk's group is the same for every control slot, the first and last are not). So the ranks' calls must alternate sender first (``send`` then ``recv``, per
 transfer), and the receiver's answers (R0, V) that the sender reads are the previous call's
 (prefilled for the first one): every fast call of one agreement sends the same answers
 when nothing is refused. A handshake cannot run over it: :meth:`LoopbackWire.agree_tokens`
@@ -67,16 +70,34 @@ class LoopbackGroup:
         stream = torch.cuda.current_stream(device)
         for send, t, peer, tag in ops:
             key = (self.rank, peer, tag) if send else (peer, self.rank, tag)
-            box = self.wire._box(key, send, t.nbytes)
-            flat = t.view(-1).view(torch.uint8)
-            if send:
-                box[: t.nbytes].copy_(flat)
-            else:
-                flat.copy_(box[: t.nbytes])
+            self.wire._mailboxes(key, t.nbytes).move(send, t.view(-1).view(torch.uint8))
         self.wire.groups += 1
         ev = torch.cuda.Event()
         ev.record(stream)
         return _Work(ev)
+
+
+class _Mailboxes:
+    """The mailboxes of one direction (one message of a call each, rows of ``buf``), and the
+    device counters of the next message each end posts (sender, receiver): a message lands in
+    row ``pos[True]`` and is read from row ``pos[False]``, each counter then advances modulo
+    the number of messages, all on the posting stream (so a CUDA graph replays it too)."""
+
+    def __init__(self, sizes: list[int], device: torch.device):
+        self.sizes = sizes
+        self.buf = torch.zeros(len(sizes), max(sizes), dtype=torch.uint8, device=device)
+        self.pos = {True: torch.zeros(1, dtype=torch.int64, device=device), False: torch.zeros(1, dtype=torch.int64, device=device)}
+
+    def move(self, send: bool, flat: torch.Tensor) -> None:
+        n = flat.numel()
+        if n > self.buf.shape[1]:
+            raise RuntimeError(f"loopback: a message of {n} bytes, the largest mailbox {self.buf.shape[1]}: {self.sizes}")
+        rows, pos = self.buf[:, :n], self.pos[send]
+        if send:
+            rows.index_copy_(0, pos, flat.view(1, n))
+        else:
+            torch.index_select(rows, 0, pos, out=flat.view(1, n))
+        pos.add_(1).remainder_(len(self.sizes))
 
 
 class LoopbackWire:
@@ -91,8 +112,7 @@ class LoopbackWire:
             raise RuntimeError("LoopbackWire needs torch.distributed initialised (a world of one process will do)")
         self.device = torch.device(device)
         self.ends = (LoopbackGroup(self, 0), LoopbackGroup(self, 1))
-        self.boxes: dict = {}  # (src, dst, tag) -> [mailbox per message of a call]
-        self.pos: dict = {}  # (src, dst, tag, sending?) -> next message index
+        self.boxes: dict = {}  # (src, dst, tag) -> _Mailboxes
         self.groups = 0
         for rank, pg in enumerate(self.ends):
             g = distributed._Group.__new__(distributed._Group)
@@ -103,17 +123,11 @@ class LoopbackWire:
                 pass
             distributed._GROUPS[id(pg)] = g
 
-    def _box(self, key, send: bool, nbytes: int) -> torch.Tensor:
+    def _mailboxes(self, key, nbytes: int) -> _Mailboxes:
         boxes = self.boxes.get(key)
-        if not boxes:
+        if boxes is None:
             raise RuntimeError(f"loopback: no agreement installed for messages {key} (LoopbackWire.agree_tokens)")
-        pk = (*key, send)
-        i = self.pos.get(pk, 0)
-        self.pos[pk] = (i + 1) % len(boxes)
-        box = boxes[i]
-        if box.numel() < nbytes:
-            raise RuntimeError(f"loopback: message {i} of {key} is {nbytes} bytes, its mailbox {box.numel()}")
-        return box
+        return boxes
 
     def agree_tokens(
         self, send_layout, recv_layout, num_tokens: int, *, heads=None, recv_heads=None, tag: int = 0, chunk_bytes: int | None = None
@@ -142,11 +156,10 @@ class LoopbackWire:
         rag.r0fast = d._ctl_record(d.MAGIC, d.FAST, epoch, t).to(dev)
         bounds = sag.bounds()
         fwd = [d.HEADER_BYTES] + [(sag.prefix_bytes if i == 0 else 0) + (b - a) * tb for i, (a, b) in enumerate(bounds)]
-        self.boxes[(0, 1, tag)] = [torch.zeros(n, dtype=torch.uint8, device=dev) for n in fwd]
-        back = [rag.r0fast.clone(), d._ctl_record(d.MAGIC, d.FAST, epoch, t, 0).to(dev)]  # R0 and a clean V
-        self.boxes[(1, 0, tag)] = back
-        for k in [k for k in self.pos if k[:3] in ((0, 1, tag), (1, 0, tag))]:
-            del self.pos[k]
+        self.boxes[(0, 1, tag)] = _Mailboxes(fwd, dev)
+        back = self.boxes[(1, 0, tag)] = _Mailboxes([d.CTL_BYTES, d.CTL_BYTES], dev)
+        back.buf[0].copy_(rag.r0fast.view(-1).view(torch.uint8))  # R0 and a clean V
+        back.buf[1].copy_(d._ctl_record(d.MAGIC, d.FAST, epoch, t, 0).to(dev).view(-1).view(torch.uint8))
         torch.cuda.synchronize(dev)
         sch.agreement, rch.agreement = sag, rag
         return len(bounds)
