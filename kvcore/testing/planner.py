@@ -215,6 +215,7 @@ def fixture_tasks(case: FixtureCase, plugin: str = "", opts: Options | None = No
     for probe in PROBES:
         amb = pc.check_ambiguity if multi else check_ambiguity
         tasks.append(T(f"ambiguity[{probe}]", lambda probe=probe, amb=amb: amb(case, probe, cpu)))
+        tasks.append(T(f"semantic_gather[{probe}]", lambda probe=probe, amb=amb: amb(case, probe, cpu, gather_too=True)))
     if not multi:
         tasks.append(T("ambiguity[memory order]", lambda: check_memory_order(case, cpu)))
     for shape in [x for x in SHAPES if (x == "planes") == multi]:

@@ -5,9 +5,10 @@
   order (a name is the physical order: a logical NHD name over HND memory fails).
 * ``render``: the concrete rendering is the normalised tensors' real shape.
 * ``geometry``: every accessor equals the declared sizes.
-* ``ambiguity[PROBE]``: look-alike geometries (:data:`PROBES`) answer right (the gather moves
-  the bytes the engine's view says) or raise AmbiguousLayoutError naming every candidate and
-  the hints that decide -- never a hint the fixture's hints already give.
+* ``ambiguity[PROBE]``: look-alike geometries (:data:`PROBES`) answer or raise
+  AmbiguousLayoutError naming every candidate and the hints that decide -- never a hint the
+  fixture's hints already give; ``semantic_gather[PROBE]``: an answer's gather moves the bytes
+  the engine's view says (a wrong value is reported with where it belongs and where it came from).
 * ``ambiguity[memory order]``: the allocation handed over already permuted into memory order
   (as some connectors do), detected with the fixture's hints and once more with
   ``tensor_order="physical"``: each answer is right, or a refusal (DetectionError), or an
@@ -155,7 +156,10 @@ PROBES: dict[str, Callable[[dict], dict | None]] = {
 }
 
 
-def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str | None:
+def check_ambiguity(case: FixtureCase, probe: str, device: torch.device, gather_too: bool = False) -> str | None:
+    """``ambiguity[PROBE]`` (detection answers or names the deciding hints) and, with
+    ``gather_too``, ``semantic_gather[PROBE]`` (an answer's gather moves the engine's bytes; a
+    probe detection declines is skipped there, its record is the ambiguity check's)."""
     fmt = registry.get_format(case.format)
     if probe.startswith("NH") or probe == "BS=NH":
         if not fmt.syntax.has("NH"):
@@ -171,12 +175,18 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str 
     try:
         layout = detect(kv, case.engine, hints)
     except AmbiguousLayoutError as e:
+        if gather_too:
+            raise CheckSkip(f"probe {_sizes_str(sizes)} is ambiguous: no answer to gather (see ambiguity[{probe}])") from None
         return _ambiguity_ok(e, hints)
     except KVCoreError as e:
+        if gather_too:
+            raise CheckSkip(f"probe {_sizes_str(sizes)}: detect declined (see ambiguity[{probe}])") from None
         raise CheckFailure(f"probe {_sizes_str(sizes)}: detect raised {type(e).__name__}: {e}") from None
-    _answers_right(case, kv, layout, hints, f"probe {_sizes_str(sizes)}", _seed(case.name, probe))
     same = "" if layout.format.name == case.format else f" as {layout.format.name} (same bytes)"
-    return f"answered {layout.describe()}{same}"
+    if not gather_too:
+        return f"answered {layout.describe()}{same}"
+    _answers_right(case, kv, layout, hints, f"probe {_sizes_str(sizes)}", _seed(case.name, probe))
+    return f"gathered right at {layout.describe()}{same}"
 
 
 def _ambiguity_ok(e: AmbiguousLayoutError, given: dict) -> str:

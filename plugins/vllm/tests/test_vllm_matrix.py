@@ -89,7 +89,7 @@ def _few_hints(name: str, full: dict, sizes: dict) -> dict:
         hints.update(block_size=full["block_size"], num_kv_heads=sizes["num_heads"])
     if "PALLAS" in name:
         hints["head_size"] = full["head_size"]
-    if "0.29-FLASHMLA" in name:
+    if any(f"0.29-{b}-" in name for b in ("FLASHMLA", "CPU_MLA", "AMX_MLA")):
         hints["head_size"] = 576  # [NB, 1, BS, 576]: one MHA head of 288 or an MLA latent of 576
     if "ROCM" in name or "B12X" in name:
         # 0.33 head slots [NB, 2, BS, NH*HS]: two packed K|V heads too (the backend decides), and the slot's
