@@ -26,6 +26,7 @@ import torch
 
 from kvcore.errors import TransferError
 from kvcore.spec import StrideTable, caller_problem
+from kvcore.strides import plane_span
 
 __all__ = [
     "TransferKernel",
@@ -191,16 +192,6 @@ def kernel_report() -> list[dict]:
 
 
 # -- safety checks every kernel runs before it writes --------------------------------------
-
-
-def plane_span(table: StrideTable, p) -> int:
-    """Bytes from a plane's base (per layer) to the end of the last byte it addresses."""
-    s = p.strides
-    nblocks = -(-table.num_slots // table.block_size)
-    last_tok = min(table.block_size, table.num_slots) - 1
-    if nblocks <= 0 or last_tok < 0:
-        return 0
-    return (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + s.head_span
 
 
 def check_storages(table: StrideTable) -> None:
