@@ -52,6 +52,8 @@ import torch
 from kvcore import registry
 from kvcore.containers import _LAYER_RE, _ROLE_RE, Layers, Planes, _is_planes, _layer_key, describe_input, normalize_container, tensors_in  # noqa: F401
 from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError
+from kvcore.format_decl import KVFormat
+from kvcore.grammar import parse
 from kvcore.inputs import check_container, tensor_paths  # noqa: F401 (check_container: re-exported)
 from kvcore.layout import Detection, KVLayout, _build_layout
 from kvcore.spec import record_callers
@@ -182,8 +184,6 @@ def _check_registered(fmt: Any) -> None:
         FormatError: a malformed name (naming the token).
         DetectionError: not a format name, or a name no loaded plugin registers.
     """
-    from kvcore.format_decl import KVFormat
-    from kvcore.grammar import parse
 
     name = fmt.name if isinstance(fmt, KVFormat) else fmt
     if not isinstance(name, str):
@@ -351,7 +351,6 @@ def page_split(layout: KVLayout, det: Detection, hints: Mapping[str, Any], engin
         DetectionError: the hint is not a positive int, two hints disagree, or the hint does
             not divide the fused axis.
     """
-    from kvcore.format_decl import KVFormat
 
     fmt = layout.format
     page = _page_hint(hints)

@@ -24,7 +24,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvcore import registry
 from kvcore.errors import TransferError
+from kvcore.kernels import _build
+from kvcore.registry import BoundKernel, _GuardedKernel
 from kvcore.spec import StrideTable, caller_problem
 from kvcore.strides import plane_span
 
@@ -89,8 +92,6 @@ class TransferKernel(Protocol):
 
 
 def _candidates(device_type: str, format_name: str):
-    from kvcore import registry
-
     out = []
     for k in registry.kernels():
         if device_type not in tuple(k.device_types):
@@ -134,7 +135,6 @@ def select_kernel(device_type: str, format_name: str, staging_device_type: str |
 def _bound(k, reselect):
     """A plugin's kernel with the selection that chose it, so a transfer it fails is redone
     by the next kernel (:class:`kvcore.registry.BoundKernel`); the core's kernels as they are."""
-    from kvcore.registry import BoundKernel, _GuardedKernel
 
     return BoundKernel(k, reselect) if isinstance(k, _GuardedKernel) else k
 
@@ -144,7 +144,6 @@ def forced_kernel_problem(forced: str, device_type: str, format_name: str, cands
     kernel of that name is registered (listing those that are, and the plugins disabled or
     failed to load, one of which may provide it), or the kernel does not claim the device
     type or the format."""
-    from kvcore import registry
 
     every = registry.kernels()
     named = [k for k in every if k.name == forced]
@@ -174,7 +173,6 @@ def forced_kernel_problem(forced: str, device_type: str, format_name: str, cands
 
 def kernel_report() -> list[dict]:
     """For ``kvcore doctor``: every registered kernel, whether it is available and why."""
-    from kvcore import registry
 
     rows = []
     for k in sorted(registry.kernels(), key=lambda k: (tuple(k.device_types), -int(k.priority))):
@@ -377,7 +375,6 @@ def staging_conflict(table: StrideTable, buffers: Mapping[str, torch.Tensor], wh
 def cpu_grain() -> int:
     """Bytes per CPU thread of a transfer: below twice this, CPU work stays on the calling
     thread (the native op library's setting, ``KVCORE_CPU_GRAIN_BYTES``; 8 MiB without it)."""
-    from kvcore.kernels import _build
 
     mod = _build.MODULE
     if mod is not None and hasattr(mod, "cpu_grain"):
