@@ -84,7 +84,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcore.errors import TransferError
-from kvcore.kernels import TransferPlan, select_kernel
+from kvcore.kernels import TransferPlan, _build, select_kernel
+from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, prepare, take_device_error
 from kvcore.layout import KVLayout
 from kvcore.layout_copy import _check_slots, _select, head_range
 from kvcore.layout_plan import _dense
@@ -560,9 +561,6 @@ class _Side:
         """The prepared native plan of the wire table (the GPU engine; ``emulate``: its CPU
         emulation), or None when the native op library does not serve this table."""
         if self.prep is None:
-            from kvcore.kernels import _build
-            from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, prepare
-
             want = CPU_KERNEL if emulate else CUDA_KERNEL
             dev_type = "cpu" if emulate else "cuda"
             if self.kernel(dev_type) is want and _build.MODULE is not None and hasattr(_build.MODULE, "p2p_gate"):
@@ -803,7 +801,6 @@ def _surface(device: torch.device, block: bool = False) -> None:
 
 def _take_device_error() -> str:
     global _take_device_error
-    from kvcore.kernels.native import take_device_error
 
     _take_device_error = take_device_error
     return take_device_error()
@@ -1281,7 +1278,6 @@ class _EmuEngine:
 
 def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
     """The sender's fast transfer on the GPU engine (or its CPU emulation)."""
-    from kvcore.kernels import _build
 
     mod = _build.MODULE
     ring = eng.ring(True)
@@ -1692,7 +1688,6 @@ def _recv_fast_any(ch, ag, g, pg, src, wdev, side, s, tmo, tag) -> None:
 
 def _recv_fast_dev(eng, ch, ag, src, side, s) -> None:
     """The receiver's fast transfer on the GPU engine (or its CPU emulation)."""
-    from kvcore.kernels import _build
 
     mod = _build.MODULE
     ring = eng.ring(False)
