@@ -48,6 +48,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pluggy  # noqa: F401 - kept importable from here
+
+from kvcore import hookspecs  # noqa: F401 - kept importable from here
 from kvcore.containers import describe_input
 from kvcore.detection_decl import Detection
 from kvcore.errors import DetectionError, FormatError, KVCoreError, PluginError

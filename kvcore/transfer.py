@@ -26,7 +26,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvcore.errors import TransferError
+from kvcore.errors import (
+    GeometryError,  # noqa: F401 - names this module had before the generic path moved out
+    TransferError,
+)
+from kvcore.inputs import plain_integers  # noqa: F401
+from kvcore.kernels import TransferPlan, check_storages, select_kernel, staging_conflict  # noqa: F401
 from kvcore.layout import KVLayout
 from kvcore.layout_plan import _plan_for
 from kvcore.transfer_path import (  # noqa: F401 - the generic path's names stay importable from here
