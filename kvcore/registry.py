@@ -1,5 +1,13 @@
-"""The plugin host: pluggy manager, entry-point discovery, the registries the ``register``
-callbacks fill, and the isolation that keeps one bad plugin from breaking the others.
+"""The plugin registry: the process-wide plugin host and the questions kvcore asks plugins
+(formats, kernels, hints, fixtures, ``kvcore_spec``, ``kvcore_detect``).
+
+The host's parts live apart, one job each, and their names stay importable from here:
+the pluggy manager, entry-point loading and the registries the ``register`` callbacks fill
+(:mod:`kvcore.plugin_host`); the containment of a plugin's exceptions
+(:mod:`kvcore.plugin_isolation`); a plugin kernel guarded and bound to its selection
+(:mod:`kvcore.plugin_kernels`); the checks on a detection's tensors
+(:mod:`kvcore.plugin_answers`). The core's own plugin (:mod:`kvcore.builtin`) is loaded
+like the others, through its entry point, so the host imports no kernel.
 
 Loading is lazy and happens once, on the first question that needs plugins
 (``kvcore.formats()``, ``kvcore.detect(...)``, ...), under a lock: threads that ask at the

@@ -1,4 +1,4 @@
-"""Geometry and the stride table, computed from a format's grammar for any layout.
+"""The spec: a format's geometry read from the tensors, and the stride table it builds.
 
 The one idea: in almost every layout the ``HS`` elements of one (layer, K/V, token,
 head) are one contiguous run, so a token row is addressed by a base per (layer, K/V)
@@ -11,6 +11,10 @@ need no special case. Padding and permuted views are only other strides.
 :class:`Spec` is the generic spec: it reads axis roles from the format name and strides
 from the tensors themselves. A plugin overrides it (``kvcore_spec`` hook) only for
 layouts whose tokens have no single address pattern.
+
+The parts live apart, one job each: the stride table in :mod:`kvcore.strides`, the
+aliasing proofs in :mod:`kvcore.aliasing`, the reading of one plane template in
+:mod:`kvcore.plane_reader`; their names stay importable from here.
 """
 
 from __future__ import annotations
