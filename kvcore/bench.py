@@ -45,7 +45,13 @@ from typing import Any
 
 import torch
 
+import kvcore
 from kvcore.cli_args import OneLineParser, float_range, int_list, int_range
+from kvcore.errors import GeometryError
+from kvcore.grammar import parse
+from kvcore.kernels import TransferPlan, _build, select_kernel
+from kvcore.kernels.reference import REFERENCE
+from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable
 from kvcore.tensor_description import UsageError
 
 __all__ = ["add_arguments", "run", "CASES", "make_cache", "random_fill", "block_slots", "Case", "quantised_table"]
@@ -139,8 +145,6 @@ def make_cache(
         kvcore.FormatError: a malformed name. kvcore.GeometryError: the logical cache
             does not fit the name (a K/V or head axis the format has no place for).
     """
-    from kvcore.errors import GeometryError
-    from kvcore.grammar import parse
 
     syn = parse(name)
     nl, kv, nb, bs, nh, hs = logical.shape
@@ -221,7 +225,6 @@ def quantised_table(
     Returns:
         ``(table, {role: [tensor per layer]})``.
     """
-    from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable
 
     dev = torch.device(device)
     planes, buffers, tensors = [], [], {}
@@ -284,8 +287,6 @@ def shared_planes(
         kvcore.GeometryError: a name that is not two planes ``NL_X_NB_NH_...``, or a block
             or head size its tiles do not divide.
     """
-    from kvcore.errors import GeometryError
-    from kvcore.grammar import parse
 
     syn = parse(name)
     if len(syn.planes) != 2:
@@ -468,9 +469,6 @@ class Row:
 
 
 def _kernels(device: torch.device):
-    from kvcore.kernels import select_kernel
-    from kvcore.kernels.reference import REFERENCE
-
     return REFERENCE, select_kernel
 
 
@@ -496,8 +494,6 @@ def bench_case(
     consecutive slots) or ``"random"`` (a random permutation of the pool's slots).
     ``clock``: ``"wall"``, or ``"cpu"`` (CPU device: the process's CPU seconds, see
     :func:`_timer`)."""
-    import kvcore
-    from kvcore.kernels import TransferPlan
 
     reference, select_kernel = _kernels(device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -654,7 +650,6 @@ def _setup(case: Case, block_size: int, num_blocks: int, device: torch.device):
     allocated in the format's own tensors (random bytes). The quantised case is built from
     its multi-plane name when the core's grammar has multi-plane names, else as a hand-built
     table (then there is no layout, and no public-API column)."""
-    import kvcore
 
     torch.manual_seed(1234)  # the same bytes for the same case (checks compare two caches)
     if case.kind == "quant":
@@ -695,7 +690,6 @@ def _setup(case: Case, block_size: int, num_blocks: int, device: torch.device):
             return _fill_staging(torch.empty(layout.staging_shape(t), dtype=case.dtype, device=dev))
 
         return layout, layout.stride_table(), new_staging_shared
-    from kvcore.grammar import parse
 
     syn = parse(case.format)
     per_layer = [int({"TWO": 2, "NB": num_blocks, "BS": block_size, "NH": case.num_heads, "HS": case.head_size}[t]) for t in syn.axes]
@@ -889,8 +883,6 @@ def bench_small(
     on), through the kernel entry, and through a per-layer ``index_select`` /
     ``index_copy_`` of the same rows (one torch call per layer over its ``[2, slots, NH*HS]``
     view), in one run, the functions taking turns."""
-    import kvcore
-    from kvcore.kernels import TransferPlan, select_kernel
 
     case = CASES["NHD"]
     bs = 16
@@ -1108,8 +1100,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _meta(device: torch.device) -> dict:
-    from kvcore.kernels import _build
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     st = _build.status()
     return {

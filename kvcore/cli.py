@@ -35,7 +35,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import kvcore
+from kvcore import kernels, registry
 from kvcore.cli_args import OneLineParser
+from kvcore.detection import known_engines
+from kvcore.dtypes import described_tensors
+from kvcore.errors import FormatError, KVCoreError, TransferError
+from kvcore.grammar import TOKENS, parse, plane_sizes
+from kvcore.kernels import select_kernel
 from kvcore.tensor_description import UsageError, load_tensor_description
 from kvcore.tensor_description import parse_dtype as _parse_dtype
 
@@ -99,8 +106,6 @@ def _format_facts(fmt: Any) -> list[str]:
 
 
 def _format_dict(fmt: Any) -> dict[str, Any]:
-    from kvcore import registry
-
     try:
         owner = registry.format_owner(fmt.name)
     except KeyError:
@@ -130,7 +135,6 @@ def _format_dict(fmt: Any) -> dict[str, Any]:
 def _load_plugins_capturing(report: bool = True) -> list[str]:
     """Load plugins; the warnings loading produced (a plugin that failed to import) are
     returned, and printed to stderr as one line each when ``report``."""
-    from kvcore import registry
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -143,8 +147,6 @@ def _load_plugins_capturing(report: bool = True) -> list[str]:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    import kvcore
-
     _load_plugins_capturing(report=False)
     infos = kvcore.plugins()
     if args.json:
@@ -179,9 +181,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    import kvcore
-    from kvcore import registry
-
     _load_plugins_capturing()
     fmts = kvcore.formats()
     if args.engine:
@@ -218,8 +217,6 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_hints(args: argparse.Namespace) -> int:
-    from kvcore import registry
-
     _load_plugins_capturing()
     declared = registry.hints()
     engines = sorted({h.engine for _, h in declared})
@@ -360,8 +357,6 @@ def _missing_note(token: str, sizes: dict[str, int]) -> str:
 
 
 def _axis_value(tok: str, sizes: dict[str, int]) -> int | None:
-    from kvcore.grammar import TOKENS
-
     t = TOKENS[tok]
     if t.literal is not None:
         return t.literal
@@ -376,10 +371,6 @@ def _axis_value(tok: str, sizes: dict[str, int]) -> int | None:
 
 def cmd_describe(args: argparse.Namespace) -> int:
     import torch
-
-    from kvcore import registry
-    from kvcore.errors import FormatError
-    from kvcore.grammar import TOKENS, parse
 
     try:
         syn = parse(args.name)
@@ -412,8 +403,6 @@ def cmd_describe(args: argparse.Namespace) -> int:
     }
     all_sizes = [d["size"] for d in levels + axes]
     if syn.multi_plane:  # each plane its own tensors: axes per plane, elements summed over planes
-        from kvcore.grammar import plane_sizes
-
         out["planes"], all_sizes, counts, shown = [], [], [], []
         for ps in syn.planes:
             psz = _complete_sizes(ps.syntax, plane_sizes(sizes, ps.role), dtype, f"{ps.role}.")
@@ -557,8 +546,6 @@ def _parse_hints(text: str | None) -> dict:
 
 
 def _layout_dict(layout: Any) -> dict[str, Any]:
-    from kvcore import registry
-
     d = layout.summary()
     d["engine"] = layout.engine
     d["layer_names"] = list(layout.layer_names) if layout.layer_names else None
@@ -653,7 +640,6 @@ def cmd_detect(args: argparse.Namespace) -> int:
 def _check_engine(engine: str) -> None:
     """Raise a one-line UsageError when no installed plugin declares ``engine`` (like
     ``kvcore formats --engine``); the Python API raises DetectionError for the same."""
-    from kvcore.detection import known_engines
 
     _load_plugins_capturing()
     known = known_engines()
@@ -664,9 +650,6 @@ def _check_engine(engine: str) -> None:
 
 
 def _detect_and_print(args: argparse.Namespace, kv_caches: Any, engine: str, hints: dict) -> int:
-    import kvcore
-    from kvcore.dtypes import described_tensors
-
     try:
         with described_tensors():  # tensors built from a description: this process is no evidence of the engine's platform
             result = _detect_result(kv_caches, engine, hints, args.per_layer)
@@ -702,7 +685,6 @@ def _detect_and_print(args: argparse.Namespace, kv_caches: Any, engine: str, hin
 
 def _detect_result(kv_caches: Any, engine: str, hints: dict, per_layer: bool) -> Any:
     """What ``kvcore detect`` prints: one layout, or (``--per-layer``) its groups."""
-    import kvcore
 
     if not per_layer:
         return _layout_dict(kvcore.detect(kv_caches, engine, hints))
@@ -753,8 +735,6 @@ def _devices() -> list[dict[str, Any]]:
 def _serving_kernel(rows: list[dict], device_type: str) -> dict[str, Any] | None:
     """The row of the kernel a transfer on ``device_type`` gets for a format no kernel claims
     specifically (``kvcore.kernels.select_kernel``, so ``KVCORE_KERNEL`` is honoured)."""
-    from kvcore.errors import TransferError
-    from kvcore.kernels import select_kernel
 
     try:
         k = select_kernel(device_type, "", device_type)
@@ -766,12 +746,8 @@ def _serving_kernel(rows: list[dict], device_type: str) -> dict[str, Any] | None
 def cmd_doctor(args: argparse.Namespace) -> int:
     import torch
 
-    import kvcore
-    from kvcore import registry
-    from kvcore.kernels import kernel_report
-
     plugin_warnings = _load_plugins_capturing(report=False)
-    rows = kernel_report()
+    rows = kernels.kernel_report()
     devices = _devices()
     serving = {}
     for d in devices:
@@ -876,7 +852,6 @@ def _demo_listing(demos: dict) -> str:
 def run_demo(argv: list[str]) -> int:
     """``kvcore demo [--engine NAME] [--list] [DEMO ARGS...]``: everything except
     ``--engine``/``--list`` goes to the demo's own ``run(argv)``."""
-    from kvcore import registry
 
     p = OneLineParser(prog="kvcore demo", add_help=False)
     p.add_argument("--engine", default=None)
@@ -1133,12 +1108,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    try:
-        import kvcore
-
-        return kvcore.__version__
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    return getattr(kvcore, "__version__", "unknown")
 
 
 def _run(argv: list[str]) -> int:
@@ -1167,7 +1137,6 @@ def _run(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvcore`` console script. Returns the exit code."""
-    from kvcore.errors import KVCoreError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

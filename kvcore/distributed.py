@@ -86,6 +86,7 @@ import torch
 from kvcore import p2p_graph
 from kvcore.errors import TransferError
 from kvcore.kernels import TransferPlan, _build, select_kernel
+from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, prepare, take_device_error
 from kvcore.layout import KVLayout
 from kvcore.layout_copy import _check_slots, _select, head_range
 from kvcore.layout_plan import _dense
@@ -569,8 +570,6 @@ class _Side:
         """The prepared native plan of the wire table (the GPU engine; ``emulate``: its CPU
         emulation), or None when the native op library does not serve this table."""
         if self.prep is None:
-            from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, prepare
-
             want = CPU_KERNEL if emulate else CUDA_KERNEL
             dev_type = "cpu" if emulate else "cuda"
             if self.kernel(dev_type) is want and _build.MODULE is not None and hasattr(_build.MODULE, "p2p_gate"):
@@ -821,8 +820,6 @@ def _surface(device: torch.device, block: bool = False) -> None:
 
 def _take_device_error() -> str:
     global _take_device_error
-    from kvcore.kernels.native import take_device_error
-
     _take_device_error = take_device_error
     return take_device_error()
 

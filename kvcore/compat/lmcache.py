@@ -160,6 +160,7 @@ from typing import Any, ClassVar, Literal, TypedDict, Union
 
 import torch
 
+from kvcore import registry
 from kvcore.detection import detect, detect_per_layer, normalize_container, tensors_in
 from kvcore.errors import AmbiguousLayoutError, DetectionError, FormatError, GeometryError, KVCoreError, TransferError
 from kvcore.format_decl import KVFormat
@@ -607,7 +608,6 @@ def _attention_backends(fmt: Any) -> tuple[str, ...]:
     LMCache's label, then every other declaration's; so the first entry is the same
     whatever else is installed (a third party declaring vLLM's name, another engine's
     plugin sharing it). For another name: the registry's merged labels (its owner's first)."""
-    from kvcore import registry
 
     name = str(fmt)
     try:
@@ -1703,7 +1703,6 @@ _VLLM_MLA = ("NL_X_NB_BS_HS", "NL_X_NB_BSV_BSS")
 
 def _vllm_per_layer(f: EngineKVFormat, mla: bool) -> bool:
     """A per-layer format kvcore's vLLM plugin registers (detection can return it)."""
-    from kvcore import registry
 
     try:
         engines = registry.get_format(str(f)).engines
