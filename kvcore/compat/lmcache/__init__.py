@@ -267,6 +267,7 @@ from kvcore.compat.lmcache.transfer import (  # noqa: F401 - importable here bef
     make_page_buffer_shape_desc,
     resolve_block_stride_and_log_layout,
 )
+from kvcore.errors import AmbiguousLayoutError, DetectionError, FormatError, GeometryError, KVCoreError, TransferError  # noqa: F401
 
 __all__ = [
     # values and types
