@@ -55,7 +55,7 @@ from kvcore.cli.detect import (  # noqa: F401
 from kvcore.cli.doctor import _devices, _serving_kernel  # noqa: F401
 from kvcore.cli.formats import _format_dict, _format_facts, cmd_formats  # noqa: F401
 from kvcore.cli.hints import cmd_hints  # noqa: F401
-from kvcore.cli.output import EXIT_FAIL, EXIT_OK, EXIT_USAGE, add_command, err, fill  # noqa: F401
+from kvcore.cli.output import EXIT_FAIL, EXIT_OK, EXIT_USAGE, Formatter, add_command, err, examples_epilog, fill  # noqa: F401
 from kvcore.cli.output import Formatter as _Formatter  # noqa: F401
 from kvcore.cli.output import clip as _clip  # noqa: F401
 from kvcore.cli.output import dtype_name as _dtype_name  # noqa: F401
@@ -115,7 +115,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     optional modules (bench, check) imported to add their arguments."""
     top = OneLineParser(
         prog="kvcore",
-        formatter_class=_Formatter,
+        formatter_class=Formatter,
         description=(
             "kvcore: know how every LLM serving engine lays out its KV cache, and move it fast.\n"
             "A layout's name is its shape template (NL_X_TWO_NB_BS_NH_HS = NL x [2, NB, BS, NH, HS]);\n"
@@ -134,24 +134,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
 
     # the cmd_* functions are this module's names, looked up when the parser is built
-    for module, func in (
-        (plugins, cmd_plugins),
-        (formats, cmd_formats),
-        (hints, cmd_hints),
-        (describe, cmd_describe),
-        (detect, cmd_detect),
-        (doctor, cmd_doctor),
+    for name, cmd_module, func in (
+        ("plugins", plugins, cmd_plugins),
+        ("formats", formats, cmd_formats),
+        ("hints", hints, cmd_hints),
+        ("describe", describe, cmd_describe),
+        ("detect", detect, cmd_detect),
+        ("doctor", doctor, cmd_doctor),
     ):
-        module.add_parser(sub).set_defaults(func=func)
+        add_command(sub, name, cmd_module).set_defaults(func=func)
     demo.add_parser(sub)
 
     for name, (module, what) in _DISPATCH.items():
-        p = add_command(
-            sub,
+        p = sub.add_parser(
             name,
             help=f"{what} ({module})",
+            formatter_class=Formatter,
             description=f"Dispatches to {module}; `kvcore {name} --help` lists its options when it is installed.",
-            examples=_DISPATCH_EXAMPLES[name],
+            epilog=examples_epilog(_DISPATCH_EXAMPLES[name]),
         )
         p.set_defaults(func=None, module=module)
         if command == name:

@@ -12,11 +12,32 @@ import torch
 
 from kvcore import grammar, registry
 from kvcore.cli.formats import _format_dict
-from kvcore.cli.output import EXIT_OK, EXIT_USAGE, add_command, add_json_flag, dtype_name, err, human_bytes, print_json
+from kvcore.cli.output import EXIT_OK, EXIT_USAGE, add_json_flag, dtype_name, err, examples_epilog, human_bytes, print_json
 from kvcore.cli.plugins import _load_plugins_capturing
 from kvcore.errors import FormatError
 from kvcore.tensor_description import UsageError
 from kvcore.tensor_description import parse_dtype as _parse_dtype
+
+#: ``kvcore --help``'s line for the command, and its own help's text above and below the options
+HELP = "parse any layout name; render symbolic and concrete shapes"
+DESCRIPTION = (
+    "Parse a format name (registered or not) in kvcore's layout grammar and print its symbolic shape, its "
+    "concrete shape for --sizes, its axes and derived facts, and, if a plugin registers it, its sources. Tokens: NL "
+    "layers, NB blocks, BS block size, NBBS fused blocks*tokens (PBS), NH KV heads, HS head size, HSC/HSE a head's "
+    "elements split in chunks, BSC/BSE a block's tokens split in groups, CS packed K|V (2*HS), TWO / ONE literal axes, "
+    "NP planes, BSV/BSS blocked-scale records; '_' separates axes, '_X_' a list level, ROLE=TEMPLATE+... planes."
+)
+EPILOG = examples_epilog(
+    examples=(
+        "kvcore describe NL_X_TWO_NB_BS_NH_HS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16",
+        "# split K (ROCm paged attention): HSE = 16 bytes / 2 = 8 elements from --dtype, HSC = 128 / 8 = 16",
+        "kvcore describe K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16",
+        "kvcore describe NL_X_NB_NH_BSC_HS_BSE --sizes NL=32,NB=2048,BS=16,NH=8,HS=128,BSE=4",
+        "kvcore describe TWO_X_NL_X_NBBS_NH_HS --sizes NL=32,PBS=65536,NH=8,HS=128",
+        "kvcore describe NL_X_NB_BS_HS --json",
+    ),
+    note="a malformed name prints the grammar error and exits 2",
+)
 
 _SIZE_KEYS = ("NL", "NB", "BS", "BSC", "BSE", "NBBS", "PBS", "NH", "HS", "HSC", "HSE", "CS", "NP", "VALS", "SCALES")
 
@@ -244,26 +265,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = add_command(
-        sub,
-        "describe",
-        help="parse any layout name; render symbolic and concrete shapes",
-        description="Parse a format name (registered or not) in kvcore's layout grammar and print its symbolic shape, its "
-        "concrete shape for --sizes, its axes and derived facts, and, if a plugin registers it, its sources. Tokens: NL "
-        "layers, NB blocks, BS block size, NBBS fused blocks*tokens (PBS), NH KV heads, HS head size, HSC/HSE a head's "
-        "elements split in chunks, BSC/BSE a block's tokens split in groups, CS packed K|V (2*HS), TWO / ONE literal axes, "
-        "NP planes, BSV/BSS blocked-scale records; '_' separates axes, '_X_' a list level, ROLE=TEMPLATE+... planes.",
-        examples=(
-            "kvcore describe NL_X_TWO_NB_BS_NH_HS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16",
-            "# split K (ROCm paged attention): HSE = 16 bytes / 2 = 8 elements from --dtype, HSC = 128 / 8 = 16",
-            "kvcore describe K=NL_X_NB_NH_HSC_BS_HSE+V=NL_X_NB_NH_HS_BS --sizes NL=32,NB=2048,BS=16,NH=8,HS=128 --dtype bfloat16",
-            "kvcore describe NL_X_NB_NH_BSC_HS_BSE --sizes NL=32,NB=2048,BS=16,NH=8,HS=128,BSE=4",
-            "kvcore describe TWO_X_NL_X_NBBS_NH_HS --sizes NL=32,PBS=65536,NH=8,HS=128",
-            "kvcore describe NL_X_NB_BS_HS --json",
-        ),
-        note="a malformed name prints the grammar error and exits 2",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="a format name, e.g. NL_X_TWO_NB_BS_NH_HS")
     p.add_argument(
         "--sizes",
@@ -273,4 +275,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", help="element dtype to compute bytes (bfloat16, float16, float8_e4m3fn, uint8, ...)")
     add_json_flag(p)
-    return p

@@ -13,9 +13,33 @@ import torch
 
 import kvcore
 from kvcore import detection, dtypes, registry
-from kvcore.cli.output import EXIT_FAIL, EXIT_OK, add_command, add_json_flag, err, human_bytes, print_json
+from kvcore.cli.output import EXIT_FAIL, EXIT_OK, add_json_flag, err, human_bytes, print_json
 from kvcore.cli.plugins import _load_plugins_capturing
 from kvcore.tensor_description import UsageError, load_tensor_description
+
+#: ``kvcore --help``'s line for the command, and its own help's text above and below the options
+HELP = "detect the layout of a cache described in JSON (shapes, strides, dtypes)"
+DESCRIPTION = (
+    "Detect a KV cache you only know from a log: describe its tensors in JSON and kvcore builds them without\n"
+    "writing any memory (see --device), asks the engine's plugin, and prints the layout or why it cannot decide.\n\n"
+    'JSON: {"engine": "vllm", "hints": {...}, "dtype": "bfloat16", "kv_caches": NODE}, or a bare NODE.\n'
+    'NODE: a tensor {"shape": [...], "stride": [...], "dtype": ..., "storage_offset": 0}, a list of NODEs,\n'
+    'or a mapping layer-name -> NODE. "repeat": N on a tensor means N identical layers (in a mapping, the\n'
+    'name must contain {i}); {"repeat": N, "of": NODE} repeats any node. Tensors that name the same\n'
+    '"storage" are views of one buffer ("storage_offset_step" advances the offset per repeat). stride defaults\n'
+    "to contiguous; strides and offsets count elements of the tensor's dtype."
+)
+EPILOG = (
+    "example (vLLM FlashAttention, Llama-3-8B, HND allocated and exposed as NHD):\n"
+    "  cat > cache.json <<'EOF'\n"
+    '  {"engine": "vllm", "dtype": "bfloat16",\n'
+    '   "kv_caches": {"model.layers.{i}.self_attn.attn":\n'
+    '     {"shape": [2, 2048, 16, 8, 128], "stride": [33554432, 16384, 128, 2048, 1], "repeat": 32}}}\n'
+    "  EOF\n"
+    "  kvcore detect cache.json\n"
+    '  kvcore detect - --engine vllm --hints \'{"attention_backend": "FLASH_ATTN"}\' --json < cache.json\n\n'
+    "exit 1 when no plugin recognises the cache or two layouts fit (the message names the deciding hint)"
+)
 
 
 def _read_json(path: str) -> Any:
@@ -226,33 +250,7 @@ def _detect_result(kv_caches: Any, engine: str, hints: dict, per_layer: bool) ->
     return result
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = add_command(
-        sub,
-        "detect",
-        help="detect the layout of a cache described in JSON (shapes, strides, dtypes)",
-        description=(
-            "Detect a KV cache you only know from a log: describe its tensors in JSON and kvcore builds them without\n"
-            "writing any memory (see --device), asks the engine's plugin, and prints the layout or why it cannot decide.\n\n"
-            'JSON: {"engine": "vllm", "hints": {...}, "dtype": "bfloat16", "kv_caches": NODE}, or a bare NODE.\n'
-            'NODE: a tensor {"shape": [...], "stride": [...], "dtype": ..., "storage_offset": 0}, a list of NODEs,\n'
-            'or a mapping layer-name -> NODE. "repeat": N on a tensor means N identical layers (in a mapping, the\n'
-            'name must contain {i}); {"repeat": N, "of": NODE} repeats any node. Tensors that name the same\n'
-            '"storage" are views of one buffer ("storage_offset_step" advances the offset per repeat). stride defaults\n'
-            "to contiguous; strides and offsets count elements of the tensor's dtype."
-        ),
-        epilog=(
-            "example (vLLM FlashAttention, Llama-3-8B, HND allocated and exposed as NHD):\n"
-            "  cat > cache.json <<'EOF'\n"
-            '  {"engine": "vllm", "dtype": "bfloat16",\n'
-            '   "kv_caches": {"model.layers.{i}.self_attn.attn":\n'
-            '     {"shape": [2, 2048, 16, 8, 128], "stride": [33554432, 16384, 128, 2048, 1], "repeat": 32}}}\n'
-            "  EOF\n"
-            "  kvcore detect cache.json\n"
-            '  kvcore detect - --engine vllm --hints \'{"attention_backend": "FLASH_ATTN"}\' --json < cache.json\n\n'
-            "exit 1 when no plugin recognises the cache or two layouts fit (the message names the deciding hint)"
-        ),
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="JSON file, or - for stdin")
     p.add_argument("--engine", help='engine name (overrides the file\'s "engine")')
     p.add_argument("--hints", help='JSON object of hints, or @file (merged over the file\'s "hints")')
@@ -266,4 +264,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--per-layer", action="store_true", help="hybrid models: detect each group of like layers (detect_per_layer)")
     add_json_flag(p)
-    return p

@@ -16,9 +16,18 @@ import torch
 
 import kvcore
 from kvcore import kernels, registry
-from kvcore.cli.output import EXIT_OK, add_command, add_json_flag, fill, print_json, table
+from kvcore.cli.output import EXIT_OK, add_json_flag, examples_epilog, fill, print_json, table
 from kvcore.cli.plugins import _load_plugins_capturing
 from kvcore.errors import TransferError
+
+#: ``kvcore --help``'s line for the command, and its own help's text above and below the options
+HELP = "versions, devices, plugins, which kernel serves each device and why, compilers"
+DESCRIPTION = (
+    "Report the environment kvcore runs in: Python and torch versions, devices present, plugins (and "
+    "failures), every transfer kernel with whether it is available and why, which kernel serves each device type, "
+    "and the compilers found for native kernels."
+)
+EPILOG = examples_epilog(examples=("kvcore doctor", "kvcore doctor --json"))
 
 
 def _devices() -> list[dict[str, Any]]:
@@ -147,15 +156,5 @@ def cmd_doctor(args: argparse.Namespace, probe: Callable[[], list[dict[str, Any]
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = add_command(
-        sub,
-        "doctor",
-        help="versions, devices, plugins, which kernel serves each device and why, compilers",
-        description="Report the environment kvcore runs in: Python and torch versions, devices present, plugins (and "
-        "failures), every transfer kernel with whether it is available and why, which kernel serves each device type, "
-        "and the compilers found for native kernels.",
-        examples=("kvcore doctor", "kvcore doctor --json"),
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json_flag(p)
-    return p

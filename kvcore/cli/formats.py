@@ -8,9 +8,18 @@ from typing import Any
 
 import kvcore
 from kvcore import registry
-from kvcore.cli.output import EXIT_OK, add_command, add_json_flag, clip, print_json, table
+from kvcore.cli.output import EXIT_OK, add_json_flag, clip, examples_epilog, print_json, table
 from kvcore.cli.plugins import _load_plugins_capturing
 from kvcore.tensor_description import UsageError
+
+#: ``kvcore --help``'s line for the command, and its own help's text above and below the options
+HELP = "every registered layout: shape, facts, engines, source, plugin"
+DESCRIPTION = (
+    "Table of the registered formats: name, symbolic shape, kv_size, derived facts (container, MLA, "
+    "HND/NHD, fused K/V, fused NBBS, K/V-major), the engines and attention backends that allocate it, where that "
+    "fact comes from (engine version file), and the plugin that registers it."
+)
+EPILOG = examples_epilog(examples=("kvcore formats", "kvcore formats --engine vllm", "kvcore formats --json"))
 
 
 def _format_facts(fmt: Any) -> list[str]:
@@ -87,17 +96,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = add_command(
-        sub,
-        "formats",
-        help="every registered layout: shape, facts, engines, source, plugin",
-        description="Table of the registered formats: name, symbolic shape, kv_size, derived facts (container, MLA, "
-        "HND/NHD, fused K/V, fused NBBS, K/V-major), the engines and attention backends that allocate it, where that "
-        "fact comes from (engine version file), and the plugin that registers it.",
-        examples=("kvcore formats", "kvcore formats --engine vllm", "kvcore formats --json"),
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", help="only the formats this engine's detector can return (declared for it, or by its fixtures)")
     p.add_argument("--wide", action="store_true", help="do not clip the engines and source columns")
     add_json_flag(p)
-    return p

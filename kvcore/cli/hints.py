@@ -4,12 +4,22 @@ default and source."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from kvcore import registry
-from kvcore.cli.output import EXIT_OK, add_command, add_json_flag, fill, print_json, table
+from kvcore.cli.output import EXIT_OK, add_json_flag, examples_epilog, fill, print_json, table
 from kvcore.cli.plugins import _load_plugins_capturing
 from kvcore.tensor_description import UsageError
+
+#: ``kvcore --help``'s line for the command, and its own help's text above and below the options
+HELP = "the hints an engine's plugins read: meaning, accepted values, default"
+DESCRIPTION = (
+    "List the hints kvcore.detect(..., engine=ENGINE, hints={...}) understands, as the engine's plugins "
+    "declare them (kvcore_register_hints): each hint's meaning, accepted values or type, aliases, default and the engine "
+    "source that defines it. Without ENGINE: the engines that declare hints."
+)
+EPILOG = examples_epilog(
+    examples=("kvcore hints", "kvcore hints vllm", "kvcore hints sglang --json"), note="an engine no plugin declares hints for exits 2"
+)
 
 
 def cmd_hints(args: argparse.Namespace) -> int:
@@ -53,17 +63,6 @@ def cmd_hints(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = add_command(
-        sub,
-        "hints",
-        help="the hints an engine's plugins read: meaning, accepted values, default",
-        description="List the hints kvcore.detect(..., engine=ENGINE, hints={...}) understands, as the engine's plugins "
-        "declare them (kvcore_register_hints): each hint's meaning, accepted values or type, aliases, default and the engine "
-        "source that defines it. Without ENGINE: the engines that declare hints.",
-        examples=("kvcore hints", "kvcore hints vllm", "kvcore hints sglang --json"),
-        note="an engine no plugin declares hints for exits 2",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine", nargs="?", help="engine name (vllm, sglang, transformers, ...)")
     add_json_flag(p)
-    return p

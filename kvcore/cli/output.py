@@ -59,21 +59,17 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
     pass
 
 
-def add_command(
-    sub: Any,
-    name: str,
-    *,
-    help: str,
-    description: str,
-    examples: Sequence[str] = (),
-    note: str = "",
-    epilog: str | None = None,
-) -> argparse.ArgumentParser:
-    """A subcommand's parser under ``sub``: its one-line ``help``, its ``description``, and an
-    epilog of ``examples`` (one command a line, then ``note``) unless ``epilog`` is given."""
-    if epilog is None:
-        epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples) + (f"\n\n{note}" if note else "")
-    return sub.add_parser(name, help=help, formatter_class=Formatter, description=description, epilog=epilog)
+def examples_epilog(examples: Sequence[str], note: str = "") -> str:
+    """A subcommand help's epilog: ``examples`` one command a line, then ``note``."""
+    return "examples:\n" + "\n".join(f"  {e}" for e in examples) + (f"\n\n{note}" if note else "")
+
+
+def add_command(sub: Any, name: str, command: Any) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` under ``sub``, from its module ``command``: its
+    ``HELP`` line, ``DESCRIPTION`` and ``EPILOG``, and its ``add_arguments``."""
+    p = sub.add_parser(name, help=command.HELP, formatter_class=Formatter, description=command.DESCRIPTION, epilog=command.EPILOG)
+    command.add_arguments(p)
+    return p
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:

@@ -6,11 +6,20 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import Any
 
 import kvcore
 from kvcore import registry
-from kvcore.cli.output import EXIT_OK, add_command, add_json_flag, err, print_json, table
+from kvcore.cli.output import EXIT_OK, add_json_flag, err, examples_epilog, print_json, table
+
+#: ``kvcore --help``'s line for the command, and its own help's text above and below the options
+HELP = "what loaded, from which distribution, and what each registered"
+DESCRIPTION = (
+    "List kvcore plugins: the distribution and version each came from, the formats, kernels and hooks it "
+    "registered, and plugins that failed to load with their error."
+)
+EPILOG = examples_epilog(
+    examples=("kvcore plugins", "kvcore plugins --json | jq '.[] | select(.error)'", "KVCORE_DISABLE_PLUGINS=sglang kvcore plugins")
+)
 
 
 def _load_plugins_capturing(report: bool = True) -> list[str]:
@@ -58,15 +67,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = add_command(
-        sub,
-        "plugins",
-        help="what loaded, from which distribution, and what each registered",
-        description="List kvcore plugins: the distribution and version each came from, the formats, kernels and hooks it "
-        "registered, and plugins that failed to load with their error.",
-        examples=("kvcore plugins", "kvcore plugins --json | jq '.[] | select(.error)'", "KVCORE_DISABLE_PLUGINS=sglang kvcore plugins"),
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_json_flag(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also list each plugin's formats")
-    return p
