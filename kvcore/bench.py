@@ -13,6 +13,13 @@ With ``--device cuda`` it adds the host rows: gather straight into pinned host m
 scatter straight from it (no GPU staging buffer), against one large pinned ``copy_`` of
 the same bytes in the same direction (GB/s there count the bytes crossing the link once).
 
+Spread and noise: each figure is the median of ``--repeats`` samples, shown with the lowest
+and highest (``median (low–high)``; JSON: ``*_range``). The same-run baseline's own spread,
+its interquartile range over its median (``baseline_spread``), says whether the ratios to it
+can be trusted: above :data:`NOISE_LIMIT` the row is ``noisy``, its ratios are marked ``*``,
+and the run says so under the table, on stderr and in the JSON (``baseline_noisy``,
+``meta.noise``).
+
 Timing: medians of repeated runs (``--repeats``), after a warm-up; CUDA runs are timed
 with CUDA events around a batch of back-to-back calls, so host work per call (argument
 preparation, the op dispatch) is included whenever it is slower than the GPU. Small
@@ -39,7 +46,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -392,6 +399,38 @@ def _graph_times(fns: dict[str, Callable[[int], None]], device: torch.device, re
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+# -- spread and noise -------------------------------------------------------------------
+
+#: A same-run baseline is too noisy to trust when the middle half of its samples spans more
+#: than this fraction of their median (interquartile range / median, :func:`baseline_spread`):
+#: the ratios divided by it could then be off by more than about half that (+-5 %), so they
+#: are flagged rather than quoted. An idle machine's copies spread by 0-3 %.
+NOISE_LIMIT = 0.10
+
+
+def span(samples: Sequence[float]) -> tuple[float, float]:
+    """The lowest and highest of ``samples``."""
+    return (min(samples), max(samples))
+
+
+def baseline_spread(samples: Sequence[float]) -> float | None:
+    """How much a baseline's samples (seconds per call, one per repeat) disagree: their
+    interquartile range over their median (quartiles by linear interpolation,
+    ``statistics.quantiles(method="inclusive")``: with 2 or 3 samples half their range, with 5
+    the second to the fourth, so one disturbed repeat of five does not count). None for fewer
+    than two samples (no spread to see)."""
+    if len(samples) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(samples)
+
+
+def too_noisy(spread: float | None) -> bool | None:
+    """Whether a baseline whose :func:`baseline_spread` is ``spread`` is too noisy to trust
+    (above :data:`NOISE_LIMIT`); None when the spread is unknown (one repeat)."""
+    return None if spread is None else spread > NOISE_LIMIT
+
+
 _PINNED: dict[str, torch.Tensor] = {}
 
 
@@ -440,6 +479,12 @@ class Row:
     vs_copy_range: tuple[float, float] | None = None  # per repeat: copy time / kernel time of that repeat (they ran back to back)
     public_vs_copy: float | None = None  # the public call against the same-run copy (median copy time / median public time)
     public_vs_copy_range: tuple[float, float] | None = None  # per repeat, as vs_copy_range
+    baseline_gbps_range: tuple[float, float] | None = None  # the baseline's GB/s, lowest and highest over the repeats
+    baseline_spread: float | None = None  # the baseline's interquartile range / median over the repeats (baseline_spread)
+    baseline_noisy: bool | None = None  # baseline_spread above NOISE_LIMIT: the ratios to the baseline are not to be trusted
+    reference_gbps_range: tuple[float, float] | None = None  # the reference kernel's GB/s, lowest and highest
+    public_seconds_range: tuple[float, float] | None = None  # the public call's seconds, lowest and highest
+    repeats: int | None = None  # samples behind each median and range
 
 
 def _kernels(device: torch.device):
@@ -510,10 +555,7 @@ def bench_case(
     copy_s = tm["copy"]
 
     def ratio_range(key: str) -> tuple[float, float] | None:
-        if key not in samples:
-            return None
-        r = [c / x for c, x in zip(samples["copy"], samples[key])]
-        return (min(r), max(r))
+        return _ratio_span(samples, "copy", key)
 
     gt: dict[str, float] = {}
     if device.type == "cuda" and kernel is not reference:
@@ -552,10 +594,11 @@ def bench_case(
                 public_graph_seconds=gt.get("pub-" + direction),
                 slots=slots,
                 clock=clock if device.type == "cpu" else "wall",
-                gbps_range=(2 * payload / max(samples[direction]) / 1e9, 2 * payload / min(samples[direction]) / 1e9),
+                gbps_range=_gbps_span(2 * payload, samples[direction]),
                 vs_copy_range=ratio_range(direction),
                 public_vs_copy=copy_s / tm["pub-" + direction] if "pub-" + direction in tm else None,
                 public_vs_copy_range=ratio_range("pub-" + direction),
+                **_spreads(samples, "copy", direction, 2 * payload, reference=kernel is reference),
             )
         )
     if host and device.type == "cuda":
@@ -574,12 +617,13 @@ def bench_case(
         if layout is not None:
             hfns["pub-gather"] = lambda i: kvcore.gather(layout, slot_sets[0], hstage)
             hfns["pub-scatter"] = lambda i: kvcore.scatter(layout, slot_sets[0], hstage)
-        tm = _median_times(hfns, device, repeats, hcalls)
+        hsamples = _sample_times(hfns, device, repeats, hcalls)
+        tm = {k: statistics.median(v) for k, v in hsamples.items()}
         d2h, h2d = tm["d2h"], tm["h2d"]
         tref = {}
         if with_reference and host_reference:
             tref = _median_times({d: (lambda i, d=d: getattr(reference, d)(hplan)) for d in ("gather", "scatter")}, device, 1, 1)
-        for direction, base_s in (("gather", d2h), ("scatter", h2d)):
+        for direction, base, base_s in (("gather", "d2h", d2h), ("scatter", "h2d", h2d)):
             sec = tm[direction]
             ref_s = tref.get(direction)
             rows.append(
@@ -604,9 +648,42 @@ def bench_case(
                     public_seconds=tm.get("pub-" + direction),
                     public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
                     slots=slots,
+                    gbps_range=_gbps_span(payload, hsamples[direction]),
+                    vs_copy_range=_ratio_span(hsamples, base, direction),
+                    **_spreads(hsamples, base, direction, payload),
                 )
             )
     return rows
+
+
+def _gbps_span(nbytes: float, seconds: Sequence[float]) -> tuple[float, float]:
+    """GB/s of ``nbytes`` per call at the slowest and the fastest of ``seconds``."""
+    return (nbytes / max(seconds) / 1e9, nbytes / min(seconds) / 1e9)
+
+
+def _ratio_span(samples: dict[str, list[float]], base: str, key: str) -> tuple[float, float] | None:
+    """Lowest and highest ``base`` time / ``key`` time over the repeats (sample ``i`` of the
+    two ran back to back); None when ``key`` was not timed."""
+    if key not in samples:
+        return None
+    return span([b / x for b, x in zip(samples[base], samples[key])])
+
+
+def _spreads(samples: dict[str, list[float]], base: str, direction: str, nbytes: float, reference: bool = False) -> dict[str, Any]:
+    """A row's spreads beyond the kernel's own: the baseline's GB/s range, its spread and
+    noise verdict (:func:`baseline_spread`, :func:`too_noisy`), the reference kernel's GB/s
+    range (the kernel's own when it is the reference) and the public call's seconds."""
+    ref = samples.get("ref-" + direction, samples[direction] if reference else None)
+    pub = samples.get("pub-" + direction)
+    spread = baseline_spread(samples[base])
+    return {
+        "baseline_gbps_range": _gbps_span(nbytes, samples[base]),
+        "baseline_spread": spread,
+        "baseline_noisy": too_noisy(spread),
+        "reference_gbps_range": None if ref is None else _gbps_span(nbytes, ref),
+        "public_seconds_range": None if pub is None else span(pub),
+        "repeats": len(samples[base]),
+    }
 
 
 def _payload_per_token(case: Case) -> int:
@@ -800,40 +877,64 @@ def _available_bytes(device: torch.device) -> int | None:
         return None
 
 
+def _cell(v: float | None, fmt: str = "{:.1f}", rng: Sequence[float] | None = None, scale: float = 1.0, unit: str = "") -> str:
+    """``median<unit> (lowest–highest)`` of a figure, or the median alone, or ``-``."""
+    if v is None:
+        return "-"
+    out = fmt.format(v * scale) + unit
+    return out if rng is None else f"{out} ({fmt.format(rng[0] * scale)}–{fmt.format(rng[1] * scale)})"
+
+
+def _spread_cell(spread: float | None, noisy: bool | None) -> str:
+    return "-" if spread is None else f"{100 * spread:.1f}%" + (" noisy" if noisy else "")
+
+
 def format_table(rows: list[Row]) -> str:
-    """A markdown table of ``rows``."""
+    """A markdown table of ``rows``: each figure its median over the repeats and, in
+    parentheses, its lowest and highest; ``baseline spread`` the baseline's interquartile range
+    over its median, ``noisy`` above :data:`NOISE_LIMIT` (its ratios are then marked ``*``)."""
     head = (
         "| layout | dtype | BS | T | direction | staging | kernel | MB | µs | GB/s | baseline GB/s | vs baseline | reference GB/s "
-        "| vs reference | public API µs | public / kernel | graph µs | graph vs copy | public graph µs | slots | GB/s spread "
-        "| vs baseline spread | public vs baseline (spread) |\n"
+        "| vs reference | public API µs | public / kernel | graph µs | graph vs copy | public graph µs | public vs baseline "
+        "| slots | baseline spread |\n"
         "| --- | --- | ---: | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| --- | ---: | ---: | ---: |"
+        "| ---: | --- | ---: |"
     )
     lines = [head]
-
-    def num(v, fmt="{:.1f}", scale=1.0):
-        return "-" if v is None else fmt.format(v * scale)
-
-    def span(v, fmt, scale=1.0):  # lowest–highest over the repeats
-        return "-" if v is None else f"{fmt.format(v[0] * scale)}–{fmt.format(v[1] * scale)}"
-
-    def pct(v):
-        return "-" if v is None else f"{100 * v:.1f}%"
-
     for r in rows:
-        ref = "-" if r.reference_gbps is None else f"{r.reference_gbps:.1f}"
+        mark = " *" if r.baseline_noisy else ""
         vr = "-" if r.vs_reference is None else f"{r.vs_reference:.2f}x"
         lines.append(
             f"| {r.layout} | {r.dtype} | {r.block_size} | {r.tokens} | {r.direction} | {r.staging} | {r.kernel} | {r.mbytes:.1f} | "
-            f"{r.seconds * 1e6:.1f} | {r.gbps:.1f} | {r.baseline_gbps:.1f} | {100 * r.vs_copy:.1f}% | {ref} | {vr} | "
-            f"{num(r.public_seconds, scale=1e6)} | {num(r.public_vs_kernel, '{:.3f}x')} | "
+            f"{r.seconds * 1e6:.1f} | {_cell(r.gbps, rng=r.gbps_range)} | {_cell(r.baseline_gbps, rng=r.baseline_gbps_range)} | "
+            f"{_cell(r.vs_copy, '{:.1f}', r.vs_copy_range, 100, '%')}{mark} | {_cell(r.reference_gbps, rng=r.reference_gbps_range)} | {vr} | "
+            f"{_cell(r.public_seconds, rng=r.public_seconds_range, scale=1e6)} | {_cell(r.public_vs_kernel, '{:.3f}x')} | "
             + ("- | - |" if r.graph_seconds is None else f"{r.graph_seconds * 1e6:.1f} | {100 * r.graph_vs_copy:.1f}% |")
-            + f" {num(r.public_graph_seconds, scale=1e6)} | {r.slots}{'' if r.clock == 'wall' else ', cpu clock'} | {span(r.gbps_range, '{:.1f}')} | "
-            f"{span(r.vs_copy_range, '{:.1f}%', 100)} | {pct(r.public_vs_copy)}"
-            + ("" if r.public_vs_copy_range is None else f" ({span(r.public_vs_copy_range, '{:.1f}', 100)})")
-            + " |"
+            + f" {_cell(r.public_graph_seconds, scale=1e6)} | "
+            + ("-" if r.public_vs_copy is None else _cell(r.public_vs_copy, "{:.1f}", r.public_vs_copy_range, 100, "%") + mark)
+            + f" | {r.slots}{'' if r.clock == 'wall' else ', cpu clock'} | {_spread_cell(r.baseline_spread, r.baseline_noisy)} |"
         )
     return "\n".join(lines)
+
+
+def noise_notes(rows: Sequence[Row | SmallRow]) -> list[str]:
+    """What the figures' spreads say, one line each: the rows whose same-run baseline was
+    too noisy to trust (:func:`too_noisy`), and rows measured once (no spread to see)."""
+    notes = []
+    noisy = [r for r in rows if r.baseline_noisy]
+    if noisy:
+        lo, hi = (f"{100 * x:.0f}%" for x in span([r.baseline_spread for r in noisy]))
+        notes.append(
+            f"* {len(noisy)} of {len(rows)} rows: the same-run baseline was too noisy to trust (its samples' interquartile "
+            f"range was {lo if lo == hi else f'{lo}–{hi}'} of their median; the limit is {100 * NOISE_LIMIT:.0f}%), so "
+            "the ratios to it (marked *) are not measurements: rerun on an idle machine, with more --repeats, or with --clock cpu"
+        )
+    once = sum(1 for r in rows if r.repeats == 1)
+    if once:
+        notes.append(
+            f"{once} of {len(rows)} rows were measured once: no spread, and no telling a noisy baseline (give --repeats 3 or more)"
+        )
+    return notes
 
 
 @dataclass
@@ -853,6 +954,12 @@ class SmallRow:
     baseline_us: float
     public_vs_baseline: float  # public time / baseline time (target on CPU: <= 1.5)
     threads: int
+    public_us_range: tuple[float, float] | None = None  # lowest and highest over the repeats
+    kernel_us_range: tuple[float, float] | None = None
+    baseline_us_range: tuple[float, float] | None = None
+    baseline_spread: float | None = None  # the baseline's interquartile range / median (baseline_spread)
+    baseline_noisy: bool | None = None  # baseline_spread above NOISE_LIMIT: public / baseline is not to be trusted
+    repeats: int | None = None  # samples behind each median and range
 
 
 def bench_small(
@@ -895,7 +1002,8 @@ def bench_small(
         "index_copy_": cpy,
     }
     n = calls or (200 if device.type == "cuda" else 50)
-    tm = _median_times(fns, device, repeats, n)
+    samples = _sample_times(fns, device, repeats, n)
+    tm = {k: statistics.median(v) for k, v in samples.items()}
     mb = _payload_per_token(case) * tokens / 1e6
     rows = []
     for d, base in (("gather", "index_select"), ("scatter", "index_copy_")):
@@ -913,20 +1021,35 @@ def bench_small(
                 baseline_us=tm[base] * 1e6,
                 public_vs_baseline=tm["pub-" + d] / tm[base],
                 threads=torch.get_num_threads(),
+                public_us_range=_us_span(samples["pub-" + d]),
+                kernel_us_range=_us_span(samples[d]),
+                baseline_us_range=_us_span(samples[base]),
+                baseline_spread=baseline_spread(samples[base]),
+                baseline_noisy=too_noisy(baseline_spread(samples[base])),
+                repeats=repeats,
             )
         )
     return rows
 
 
+def _us_span(seconds: Sequence[float]) -> tuple[float, float]:
+    lo, hi = span(seconds)
+    return (lo * 1e6, hi * 1e6)
+
+
 def format_small(rows: list[SmallRow]) -> str:
+    """A markdown table of the small-transfer ``rows``, each time its median (lowest–highest)."""
     lines = [
-        "| layout | T | NB | direction | MB | public API µs | kernel µs | baseline | baseline µs | public / baseline | threads |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| layout | T | NB | direction | MB | public API µs | kernel µs | baseline | baseline µs | public / baseline | threads "
+        "| baseline spread |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
+        mark = " *" if r.baseline_noisy else ""
         lines.append(
-            f"| {r.layout} | {r.tokens} | {r.num_blocks} | {r.direction} | {r.mbytes:.2f} | {r.public_us:.1f} | {r.kernel_us:.1f} | "
-            f"{r.baseline} | {r.baseline_us:.1f} | {r.public_vs_baseline:.2f}x | {r.threads} |"
+            f"| {r.layout} | {r.tokens} | {r.num_blocks} | {r.direction} | {r.mbytes:.2f} | {_cell(r.public_us, rng=r.public_us_range)} | "
+            f"{_cell(r.kernel_us, rng=r.kernel_us_range)} | {r.baseline} | {_cell(r.baseline_us, rng=r.baseline_us_range)} | "
+            f"{r.public_vs_baseline:.2f}x{mark} | {r.threads} | {_spread_cell(r.baseline_spread, r.baseline_noisy)} |"
         )
     return "\n".join(lines)
 
@@ -1059,8 +1182,12 @@ def run(args: argparse.Namespace) -> int:
         got = bench_small(device, tokens=t, repeats=repeats, calls=QUICK["small_calls"] if args.quick else None)
         small += got
         progress.note(f"small transfers T={t}: {len(got)} rows in {time.monotonic() - t_case:.1f} s")
+    notes = noise_notes([*rows, *small])
+    for note in notes:
+        progress.note(note)
     progress.close()
     meta["loadavg_end"] = _loadavg()
+    meta["noise"] = _noise_meta([*rows, *small], notes)
     meta["clock"] = getattr(args, "clock", "wall") if device.type == "cpu" else "wall"
     data = [asdict(r) for r in rows]
     sdata = [asdict(r) for r in small]
@@ -1078,7 +1205,25 @@ def run(args: argparse.Namespace) -> int:
         if small:
             print()
             print(format_small(small))
+        for note in notes:
+            print(f"# {note}")
     return 0
+
+
+def _noise_meta(rows: Sequence[Row | SmallRow], notes: list[str]) -> dict[str, Any]:
+    """The JSON meta's ``noise``: how noise is judged, how many rows' baselines were too
+    noisy to trust, and the notes the text output prints."""
+    judged = [r for r in rows if r.baseline_noisy is not None]
+    noisy = sum(1 for r in judged if r.baseline_noisy)
+    return {
+        "measure": "the same-run baseline's interquartile range / median over the repeats (row: baseline_spread)",
+        "limit": NOISE_LIMIT,
+        "rows": len(rows),
+        "judged_rows": len(judged),
+        "noisy_rows": noisy,
+        "baseline_trusted": None if not judged else noisy == 0,
+        "notes": notes,
+    }
 
 
 def _meta(device: torch.device) -> dict:
