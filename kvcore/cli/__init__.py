@@ -20,8 +20,9 @@ optional module). ``--json`` output goes to stdout alone; diagnostics go to stde
 
 The package: this module parses the command line and dispatches (``bench`` and ``check``
 to their optional modules); each subcommand is its own module (``plugins``, ``formats``,
-``hints``, ``describe``, ``detect``, ``doctor``, ``demo``) with its parser
-(``add_parser``) and its ``cmd_*`` function, over ``output`` (printing, exit codes).
+``hints``, ``describe``, ``detect``, ``doctor``, ``demo``): its ``cmd_*`` function and its
+parser (``HELP``, ``DESCRIPTION``, ``EPILOG``, ``add_arguments``: the protocol of ``bench``
+and ``check``), over ``output`` (printing, exit codes, the parser's formatter).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from kvcore.cli.detect import (  # noqa: F401
     cmd_detect,
 )
 from kvcore.cli.doctor import _devices, _serving_kernel  # noqa: F401
-from kvcore.cli.formats import _format_dict, _format_facts, cmd_formats  # noqa: F401
+from kvcore.cli.formats import cmd_formats
+from kvcore.cli.formats import format_dict as _format_dict  # noqa: F401
+from kvcore.cli.formats import format_facts as _format_facts  # noqa: F401
 from kvcore.cli.hints import cmd_hints  # noqa: F401
 from kvcore.cli.output import EXIT_FAIL, EXIT_OK, EXIT_USAGE, Formatter, add_command, err, examples_epilog, fill  # noqa: F401
 from kvcore.cli.output import Formatter as _Formatter  # noqa: F401
@@ -64,7 +67,8 @@ from kvcore.cli.output import fill as _fill  # noqa: F401
 from kvcore.cli.output import human_bytes as _human_bytes  # noqa: F401
 from kvcore.cli.output import print_json as _print_json  # noqa: F401
 from kvcore.cli.output import table as _table  # noqa: F401
-from kvcore.cli.plugins import _load_plugins_capturing, cmd_plugins  # noqa: F401
+from kvcore.cli.plugins import cmd_plugins
+from kvcore.cli.plugins import load_plugins_capturing as _load_plugins_capturing  # noqa: F401
 from kvcore.cli_args import OneLineParser
 from kvcore.errors import KVCoreError
 from kvcore.tensor_description import UsageError, load_tensor_description

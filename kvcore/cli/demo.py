@@ -8,7 +8,7 @@ from typing import Any
 
 from kvcore import registry
 from kvcore.cli.output import EXIT_OK, EXIT_USAGE, Formatter, err
-from kvcore.cli.plugins import _load_plugins_capturing
+from kvcore.cli.plugins import load_plugins_capturing
 from kvcore.cli_args import OneLineParser
 
 DEMO_HELP = """\
@@ -51,7 +51,7 @@ def run_demo(argv: list[str]) -> int:
         ns, rest = p.parse_known_args(argv)
     except SystemExit as e:  # "--engine" without a value
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    _load_plugins_capturing()
+    load_plugins_capturing()
     demos = registry.demos()
     if ns.list or (ns.engine is None and any(a in ("-h", "--help") for a in rest)):
         print(DEMO_HELP)

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from kvcore import grammar, registry
-from kvcore.cli.formats import _format_dict
+from kvcore.cli.formats import format_dict
 from kvcore.cli.output import EXIT_OK, EXIT_USAGE, add_json_flag, dtype_name, err, examples_epilog, human_bytes, print_json
-from kvcore.cli.plugins import _load_plugins_capturing
+from kvcore.cli.plugins import load_plugins_capturing
 from kvcore.errors import FormatError
 from kvcore.tensor_description import UsageError
 from kvcore.tensor_description import parse_dtype as _parse_dtype
@@ -160,7 +160,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     dtype = _parse_dtype(args.dtype) if args.dtype else None
     sizes = _complete_sizes(syn, parse_sizes(args.sizes), dtype)
-    _load_plugins_capturing()
+    load_plugins_capturing()
     fmt = registry.host().formats.get(syn.name)
     axes = [_axis_entry(t, sizes) for t in syn.axes]
     levels = [_axis_entry(t, sizes) for t in syn.list_levels]
@@ -216,7 +216,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
             missing = sorted({t for t in syn.list_levels + syn.axes if _axis_value(t, sizes) is None})
         out["missing_sizes"] = missing
     if fmt is not None:
-        d = _format_dict(fmt)
+        d = format_dict(fmt)
         out.update({k: d[k] for k in ("engines", "attention_backends", "description", "sources", "plugin")})
     else:
         out["similar"] = difflib.get_close_matches(syn.name, list(registry.host().formats), n=3, cutoff=0.75)

@@ -14,7 +14,7 @@ import torch
 import kvcore
 from kvcore import detection, dtypes, registry
 from kvcore.cli.output import EXIT_FAIL, EXIT_OK, add_json_flag, err, human_bytes, print_json
-from kvcore.cli.plugins import _load_plugins_capturing
+from kvcore.cli.plugins import load_plugins_capturing
 from kvcore.tensor_description import UsageError, load_tensor_description
 
 #: ``kvcore --help``'s line for the command, and its own help's text above and below the options
@@ -170,7 +170,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if not engine:
         raise UsageError('no engine: pass --engine (vllm, sglang, ...) or put "engine" in the JSON')
     hints = {**hints, **_parse_hints(args.hints)}
-    _load_plugins_capturing()
+    load_plugins_capturing()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -184,7 +184,7 @@ def _check_engine(engine: str) -> None:
     """Raise a one-line UsageError when no installed plugin declares ``engine`` (like
     ``kvcore formats --engine``); the Python API raises DetectionError for the same."""
 
-    _load_plugins_capturing()
+    load_plugins_capturing()
     known = detection.known_engines()
     if engine not in known:
         raise UsageError(

@@ -17,7 +17,7 @@ import torch
 import kvcore
 from kvcore import kernels, registry
 from kvcore.cli.output import EXIT_OK, add_json_flag, examples_epilog, fill, print_json, table
-from kvcore.cli.plugins import _load_plugins_capturing
+from kvcore.cli.plugins import load_plugins_capturing
 from kvcore.errors import TransferError
 
 #: ``kvcore --help``'s line for the command, and its own help's text above and below the options
@@ -64,7 +64,7 @@ def _serving_kernel(rows: list[dict], device_type: str) -> dict[str, Any] | None
 def cmd_doctor(args: argparse.Namespace, probe: Callable[[], list[dict[str, Any]]] = _devices) -> int:
     """``kvcore doctor``; ``probe`` lists the devices present (:func:`_devices`; a test stands
     in one this host lacks)."""
-    plugin_warnings = _load_plugins_capturing(report=False)
+    plugin_warnings = load_plugins_capturing(report=False)
     rows = kernels.kernel_report()
     devices = probe()
     serving = {}

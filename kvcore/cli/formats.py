@@ -9,7 +9,7 @@ from typing import Any
 import kvcore
 from kvcore import registry
 from kvcore.cli.output import EXIT_OK, add_json_flag, clip, examples_epilog, print_json, table
-from kvcore.cli.plugins import _load_plugins_capturing
+from kvcore.cli.plugins import load_plugins_capturing
 from kvcore.tensor_description import UsageError
 
 #: ``kvcore --help``'s line for the command, and its own help's text above and below the options
@@ -22,7 +22,7 @@ DESCRIPTION = (
 EPILOG = examples_epilog(examples=("kvcore formats", "kvcore formats --engine vllm", "kvcore formats --json"))
 
 
-def _format_facts(fmt: Any) -> list[str]:
+def format_facts(fmt: Any) -> list[str]:
     syn = fmt.syntax
     facts = [syn.container]
     if syn.is_mla:
@@ -39,7 +39,7 @@ def _format_facts(fmt: Any) -> list[str]:
     return facts
 
 
-def _format_dict(fmt: Any) -> dict[str, Any]:
+def format_dict(fmt: Any) -> dict[str, Any]:
     try:
         owner = registry.format_owner(fmt.name)
     except KeyError:
@@ -64,7 +64,7 @@ def _format_dict(fmt: Any) -> dict[str, Any]:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    _load_plugins_capturing()
+    load_plugins_capturing()
     fmts = kvcore.formats()
     if args.engine:
         known = sorted({e for f in fmts for e in f.engines})
@@ -72,7 +72,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
         if not fmts:
             raise UsageError(f"no registered format names engine {args.engine!r}; engines with formats: {', '.join(known) or 'none'}")
     if args.json:
-        print_json([_format_dict(f) for f in fmts])
+        print_json([format_dict(f) for f in fmts])
         return EXIT_OK
     if not fmts:
         if not args.engine:
@@ -80,7 +80,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = []
     for f in fmts:
-        d = _format_dict(f)
+        d = format_dict(f)
         src = str(f.sources[0]) if f.sources else "-"
         if len(f.sources) > 1:
             src += f" (+{len(f.sources) - 1} more)"
@@ -89,7 +89,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
             eng += " / " + ",".join(f.attention_backends)
         if not args.wide:
             eng, src = clip(eng, 44), clip(src, 72)
-        rows.append([f.name, f.symbolic, f.kv_size, " ".join(_format_facts(f)), eng, src, ", ".join(d["plugins"]) or d["plugin"]])
+        rows.append([f.name, f.symbolic, f.kv_size, " ".join(format_facts(f)), eng, src, ", ".join(d["plugins"]) or d["plugin"]])
     print(table(rows, ["name", "shape", "kv", "facts", "engines / backends", "source", "plugins"]))
     if not args.wide:
         print("\n(engines and sources clipped: --wide shows them whole, --json gives every source)")

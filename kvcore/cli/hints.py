@@ -7,7 +7,7 @@ import argparse
 
 from kvcore import registry
 from kvcore.cli.output import EXIT_OK, add_json_flag, examples_epilog, fill, print_json, table
-from kvcore.cli.plugins import _load_plugins_capturing
+from kvcore.cli.plugins import load_plugins_capturing
 from kvcore.tensor_description import UsageError
 
 #: ``kvcore --help``'s line for the command, and its own help's text above and below the options
@@ -23,7 +23,7 @@ EPILOG = examples_epilog(
 
 
 def cmd_hints(args: argparse.Namespace) -> int:
-    _load_plugins_capturing()
+    load_plugins_capturing()
     declared = registry.hints()
     engines = sorted({h.engine for _, h in declared})
     if not args.engine:

@@ -22,7 +22,7 @@ EPILOG = examples_epilog(
 )
 
 
-def _load_plugins_capturing(report: bool = True) -> list[str]:
+def load_plugins_capturing(report: bool = True) -> list[str]:
     """Load plugins; the warnings loading produced (a plugin that failed to import) are
     returned, and printed to stderr as one line each when ``report``."""
 
@@ -37,7 +37,7 @@ def _load_plugins_capturing(report: bool = True) -> list[str]:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    _load_plugins_capturing(report=False)
+    load_plugins_capturing(report=False)
     infos = kvcore.plugins()
     if args.json:
         print_json([i.as_dict() for i in infos])
