@@ -17,7 +17,7 @@ import pytest
 import kvcore
 
 ROOT = Path(kvcore.__file__).parent
-PACKAGES = ("cli", "compat/lmcache")
+PACKAGES = ("cli", "compat/lmcache", "bench")
 MAX_LINES = 800
 
 
@@ -26,7 +26,7 @@ def _modules() -> list[Path]:
 
 
 def test_the_packages_are_there():
-    assert len(_modules()) >= 15
+    assert len(_modules()) >= 25
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -62,6 +62,11 @@ BEFORE = {
         "_layer_layout _params_for _attention_backends _LMCACHE_ALLOCATORS _LMCACHE_ENGINE _BLOCKED_SCALE_RECORDS _SPEC_CLASSES "
         "_memory_ordered_views _trtllm_pool _vllm_device _plane_tuples _lmcache_reading _DESC_FIELDS _VLLM_NON_MLA _VLLM_MLA "
         "GeometryError FormatError DetectionError"
+    ),
+    "kvcore.bench": (
+        "add_arguments run main CASES Case Row SmallRow bench_case bench_small format_table format_small make_cache random_fill "
+        "block_slots random_slots quantised_table shared_planes QUICK BLOCK_SIZES TOKENS MAX_TOKENS MAX_BLOCK_SIZE MAX_REPEATS "
+        "_setup _L2_ROTATE_BYTES _graph_times _median_times _sample_times _timer _case_bytes _payload_per_token _meta asdict"
     ),
 }
 
