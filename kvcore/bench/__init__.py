@@ -65,6 +65,8 @@ from kvcore.bench.cases import (  # noqa: F401
     _LLAMA,
     _MLA,
     _PINNED,
+    AMX_FORMAT,
+    AMX_TILES,
     BLOCK_SIZES,
     CASES,
     KT_FORMAT,
