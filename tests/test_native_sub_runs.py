@@ -25,7 +25,7 @@ import torch
 
 import kvcore
 from kvcore.kernels import TransferPlan, _build
-from kvcore.kernels.native import CPU_KERNEL
+from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL
 from kvcore.kernels.reference import REFERENCE
 from kvcore.spec import Plane, PlaneStrides, StagingBuffer, StagingTarget, StrideTable
 
@@ -44,7 +44,7 @@ def _esz(dt: torch.dtype) -> int:
     return torch.empty(0, dtype=dt).element_size()
 
 
-def sub_run_table(seed: int) -> tuple[StrideTable, list[torch.Tensor], random.Random]:
+def sub_run_table(seed: int, device: str = "cpu") -> tuple[StrideTable, list[torch.Tensor], random.Random]:
     """One or two planes over fresh random bytes, each head ``n_chunks x n_sub x run``
     elements with the chunk and sub-run axes strided (n_sub >= 2); the same seed builds the
     same bytes."""
@@ -67,7 +67,7 @@ def sub_run_table(seed: int) -> tuple[StrideTable, list[torch.Tensor], random.Ra
         numel = 1
         for n in shape:
             numel *= n
-        layers = [torch.randint(0, 256, (numel * esz,), dtype=torch.uint8, generator=g).view(dt).view(*shape) for _ in range(nl)]
+        layers = [torch.randint(0, 256, (numel * esz,), dtype=torch.uint8, generator=g).to(device).view(dt).view(*shape) for _ in range(nl)]
         st = {name: int(layers[0].stride(k)) * esz for k, (name, _) in enumerate(axes)}
         token, tg, tgs = (st["BSE"], group, st["BSC"]) if group else (st["BS"], 0, 0)
         ps = PlaneStrides(
@@ -101,7 +101,7 @@ def sub_run_table(seed: int) -> tuple[StrideTable, list[torch.Tensor], random.Ra
         num_layers=nl,
         block_size=bs,
         num_slots=nb * bs,
-        device=torch.device("cpu"),
+        device=torch.device(device),
         planes=tuple(planes),
         buffers=tuple(buffers),
     )
@@ -133,7 +133,7 @@ def _buffers(table: StrideTable, t: int, g: torch.Generator) -> dict[str, torch.
     for b in table.buffers:
         x = torch.empty(b.shape(table.num_layers, t), dtype=b.dtype)
         x.view(torch.uint8).copy_(torch.randint(0, 256, x.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
-        out[b.key] = x
+        out[b.key] = x.to(table.device)
     return out
 
 
@@ -141,24 +141,25 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def check_against_reference(seed: int) -> None:
-    table, tensors, rng = sub_run_table(seed)
-    assert any(p.strides.n_sub > 1 for p in table.planes) and CPU_KERNEL.supports(table)
+def check_against_reference(seed: int, device: str = "cpu") -> None:
+    kernel = CPU_KERNEL if device == "cpu" else CUDA_KERNEL
+    table, tensors, rng = sub_run_table(seed, device)
+    assert any(p.strides.n_sub > 1 for p in table.planes) and kernel.supports(table)
     g = torch.Generator().manual_seed(seed)
-    slots = _slots(rng, table, scatter=False)
+    slots = _slots(rng, table, scatter=False).to(device)
     nv = int((slots >= 0).sum())
     a = _buffers(table, len(slots), g)
     b = {k: v.clone() for k, v in a.items()}
-    CPU_KERNEL.gather(TransferPlan(table, slots, a, nv))
+    kernel.gather(TransferPlan(table, slots, a, nv))
     REFERENCE.gather(TransferPlan(table, slots, b, nv))
     for key in a:
         assert torch.equal(_u8(a[key]), _u8(b[key])), (seed, key, table)
     # scatter: two identical caches, every byte of every layer tensor
-    slots = _slots(rng, table, scatter=True)
+    slots = _slots(rng, table, scatter=True).to(device)
     nv = int((slots >= 0).sum())
-    t2, tensors2, _ = sub_run_table(seed)
+    t2, tensors2, _ = sub_run_table(seed, device)
     src = _buffers(table, len(slots), g)
-    CPU_KERNEL.scatter(TransferPlan(table, slots, src, nv))
+    kernel.scatter(TransferPlan(table, slots, src, nv))
     REFERENCE.scatter(TransferPlan(t2, slots, src, nv))
     for x, y in zip(tensors, tensors2):
         assert torch.equal(_u8(x), _u8(y)), (seed, table)
@@ -167,6 +168,16 @@ def check_against_reference(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(60))
 def test_sub_run_planes_match_the_reference(seed, native):
     check_against_reference(seed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.py runs it)")
+@pytest.mark.parametrize("seed", range(60))
+def test_sub_run_planes_match_the_reference_on_cuda(seed):
+    """The CUDA kernel's (chunk, sub-run) addressing, byte for byte against the reference."""
+    if not CUDA_KERNEL.available():
+        pytest.fail(f"native CUDA kernel unavailable: {CUDA_KERNEL.why()}")
+    check_against_reference(seed, "cuda")
+    torch.cuda.synchronize()
 
 
 @pytest.fixture
