@@ -13,11 +13,12 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvcore
 
 ROOT = Path(kvcore.__file__).parent
-PACKAGES = ("cli", "compat/lmcache", "bench")
+PACKAGES = ("cli", "compat/lmcache", "bench", "distributed")
 MAX_LINES = 800
 
 
@@ -26,7 +27,7 @@ def _modules() -> list[Path]:
 
 
 def test_the_packages_are_there():
-    assert len(_modules()) >= 25
+    assert len(_modules()) >= 38
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -66,7 +67,15 @@ BEFORE = {
     "kvcore.bench": (
         "add_arguments run main CASES Case Row SmallRow bench_case bench_small format_table format_small make_cache random_fill "
         "block_slots random_slots quantised_table shared_planes QUICK BLOCK_SIZES TOKENS MAX_TOKENS MAX_BLOCK_SIZE MAX_REPEATS "
-        "_setup _L2_ROTATE_BYTES _graph_times _median_times _sample_times _timer _case_bytes _payload_per_token _meta asdict"
+        "_setup _L2_ROTATE_BYTES _graph_times _median_times _sample_times _timer _case_bytes _payload_per_token _meta asdict "
+        "AMX_FORMAT AMX_TILES"
+    ),
+    "kvcore.distributed": (
+        "send recv release_staging HEADER_BYTES STATUS_BYTES CTL_BYTES PROTOCOL MAGIC FAST SLOW DEFAULT_CHUNK_BYTES "
+        "DEFAULT_CHUNK_BYTES_CPU _isend _irecv _post _wait _poll _PeerLost _group _Group _GROUPS _channel _Channel _CHANNELS "
+        "_Agreement _STATS _side _Side _wire _Wire _chunk_tokens _message _ctl_record _read _mismatch _check_values _gate_host "
+        "_emulate _drain _surface _cuda _CUDA _Program _program _send _recv _send_slow _recv_slow _send_fast_host _recv_fast_host "
+        "_send_fast_dev _recv_fast_dev _HOST_RINGS _host_ring _Ring _timeout _F_MAGIC _F_MODE _OP_SEND _OP_RECV"
     ),
 }
 
@@ -117,3 +126,19 @@ def test_every_name_the_facade_modules_cite_exists():
             if obj is None:
                 missing.append(f"{info.name}: {name}")
     assert missing == []
+
+
+def test_setting_a_name_of_the_p2p_package_sets_it_where_it_is_used(monkeypatch):
+    """Tests and scripts interpose the point-to-point primitives and the group lookup by
+    setting them on ``kvcore.distributed``, as when it was one module."""
+    from kvcore import distributed
+    from kvcore.distributed import api, transport
+
+    real_isend, real_group = transport._isend, api._group
+    sent = []
+    monkeypatch.setattr(distributed, "_isend", lambda t, peer, group, tag: sent.append((peer, tag)))
+    monkeypatch.setattr(distributed, "_group", lambda group, peer, what: ("g", "pg"))
+    assert transport._isend is distributed._isend and api._group is distributed._group
+    assert transport._post(True, torch.zeros(1), 3, None, 7) is None and sent == [(3, 7)]
+    monkeypatch.undo()
+    assert transport._isend is real_isend and api._group is real_group and distributed._isend is real_isend
