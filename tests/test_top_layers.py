@@ -98,6 +98,21 @@ def test_the_facades_platform_statement_is_the_one_detection_reads(monkeypatch):
     assert hints.torch_device_type is None and L.torch_device_type is None
 
 
+def _resolve(dotted: str):
+    """The object a dotted name names (its longest importable module prefix, then
+    attributes), or None."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for a in parts[i:]:
+            obj = getattr(obj, a, None)
+        return obj
+    return None
+
+
 def test_every_name_the_facade_modules_cite_exists():
     """Each facade module's docstrings cite kvcore names (``kvcore.x.y``, ``:func:`name```):
     every one resolves, in kvcore or in the facade."""
@@ -109,21 +124,8 @@ def test_every_name_the_facade_modules_cite_exists():
         src = inspect.getsource(mod)
         cited = set(re.findall(r"\bkvcore(?:\.[A-Za-z_][A-Za-z0-9_]*)+", src))
         cited |= set(re.findall(r":(?:func|class|data|exc|mod):`~?([A-Za-z_][A-Za-z0-9_.]*)`", src))
-        for name in cited:
-            name = name.rstrip(".")
-            obj = None
-            parts = name.split(".")
-            for i in range(len(parts), 0, -1):
-                try:
-                    obj = importlib.import_module(".".join(parts[:i]))
-                except ImportError:
-                    continue
-                for a in parts[i:]:
-                    obj = getattr(obj, a, None)
-                break
-            if obj is None:  # a name of the facade or of the module itself
-                obj = getattr(L, name, None) or getattr(mod, name, None)
-            if obj is None:
+        for name in (n.rstrip(".") for n in cited):
+            if _resolve(name) is None and getattr(L, name, None) is None and getattr(mod, name, None) is None:
                 missing.append(f"{info.name}: {name}")
     assert missing == []
 

@@ -129,21 +129,18 @@ def bench_case(
             {k: fns[k] for k in ("copy", "gather", "scatter", "pub-gather", "pub-scatter") if k in fns}, device, repeats, calls
         )
     rows = []
+    what = dict(layout=case.label, format=case.format, dtype=str(case.dtype).replace("torch.", ""), block_size=block_size, tokens=tokens)
+    what.update(mbytes=payload / 1e6, slots=slots)  # every row of the case
     for direction in ("gather", "scatter"):
         sec = tm[direction]
         ref_s = tm.get("ref-" + direction, sec if kernel is reference else None)
         rows.append(
             Row(
+                **what,
                 device=str(device.type),
-                layout=case.label,
-                format=case.format,
-                dtype=str(case.dtype).replace("torch.", ""),
-                block_size=block_size,
-                tokens=tokens,
                 direction=direction,
                 staging="device",
                 kernel=kernel.name,
-                mbytes=payload / 1e6,
                 seconds=sec,
                 gbps=2 * payload / sec / 1e9,
                 baseline="copy",
@@ -158,7 +155,6 @@ def bench_case(
                 public_seconds=tm.get("pub-" + direction),
                 public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
                 public_graph_seconds=gt.get("pub-" + direction),
-                slots=slots,
                 clock=clock if device.type == "cpu" else "wall",
                 gbps_range=_gbps_span(2 * payload, samples[direction]),
                 vs_copy_range=ratio_range(direction),
@@ -194,16 +190,11 @@ def bench_case(
             ref_s = tref.get(direction)
             rows.append(
                 Row(
+                    **what,
                     device="cuda",
-                    layout=case.label,
-                    format=case.format,
-                    dtype=str(case.dtype).replace("torch.", ""),
-                    block_size=block_size,
-                    tokens=tokens,
                     direction=direction,
                     staging="pinned",
                     kernel=hk.name,
-                    mbytes=payload / 1e6,
                     seconds=sec,
                     gbps=payload / sec / 1e9,
                     baseline="pinned memcpy " + ("D2H" if direction == "gather" else "H2D"),
@@ -213,7 +204,6 @@ def bench_case(
                     vs_reference=None if ref_s is None else ref_s / sec,
                     public_seconds=tm.get("pub-" + direction),
                     public_vs_kernel=tm["pub-" + direction] / sec if "pub-" + direction in tm else None,
-                    slots=slots,
                     gbps_range=_gbps_span(payload, hsamples[direction]),
                     vs_copy_range=_ratio_span(hsamples, base, direction),
                     **_spreads(hsamples, base, direction, payload),

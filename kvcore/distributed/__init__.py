@@ -95,6 +95,8 @@ import types
 
 from kvcore.distributed import api, channels, engine, fast_device, fast_host, gates, handshake, programs, rings, sides, transport, wire
 from kvcore.distributed.api import (  # noqa: F401
+    _fast,
+    _fast_any,
     _recv,
     _recv_fast,
     _recv_fast_any,

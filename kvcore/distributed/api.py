@@ -170,36 +170,43 @@ def _recv(layout, slots, src, heads, layers, group, timeout, tag) -> None:
     _recv_fast(ch, ag, g, pg, src, wdev, side, s, tmo, tag)
 
 
-def _send_fast(ch: _Channel, ag: _Agreement, g, pg, dst, wdev, side: _Side, s: torch.Tensor, tmo: float, tag: int) -> None:
+def _fast(sending: bool, ch: _Channel, ag: _Agreement, g, pg, peer, wdev, side: _Side, s: torch.Tensor, tmo: float, tag: int) -> None:
+    """A fast transfer under the channel's agreement (counted; a failure before all its
+    messages were posted breaks the channel: :class:`_step`)."""
     ch.calls += 1
     _STATS["fast"] += 1
     with _step(ch):
-        _send_fast_any(ch, ag, g, pg, dst, wdev, side, s, tmo, tag)
+        _fast_any(sending, ch, ag, g, pg, peer, wdev, side, s, tmo, tag)
 
 
-def _recv_fast(ch: _Channel, ag: _Agreement, g, pg, src, wdev, side: _Side, s: torch.Tensor, tmo: float, tag: int) -> None:
-    ch.calls += 1
-    _STATS["fast"] += 1
-    with _step(ch):
-        _recv_fast_any(ch, ag, g, pg, src, wdev, side, s, tmo, tag)
+def _fast_any(sending: bool, ch, ag, g, pg, peer, wdev, side, s, tmo, tag) -> None:
+    """The fast transfer on the engine that serves it: the GPU engine (NCCL and a native
+    table), its CPU emulation (``KVCORE_P2P_EMULATE=1``), else every message waited for on
+    the host."""
+    if wdev.type == "cuda" and side.native() is not None:
+        eng = _dev_engine(ch, wdev, g, pg, peer, tag, tmo)
+    elif wdev.type == "cpu" and _emulate() and side.layout.device.type == "cpu" and side.native(emulate=True) is not None:
+        eng = _EmuEngine(g, pg, peer, tag, tmo, sending)
+    else:
+        (_send_fast_host if sending else _recv_fast_host)(ch, ag, g, pg, peer, wdev, side, s, tmo, tag)
+        return
+    (_send_fast_dev if sending else _recv_fast_dev)(eng, ch, ag, peer, side, s)
+
+
+def _send_fast(ch, ag, g, pg, dst, wdev, side, s, tmo, tag) -> None:
+    _fast(True, ch, ag, g, pg, dst, wdev, side, s, tmo, tag)
+
+
+def _recv_fast(ch, ag, g, pg, src, wdev, side, s, tmo, tag) -> None:
+    _fast(False, ch, ag, g, pg, src, wdev, side, s, tmo, tag)
 
 
 def _send_fast_any(ch, ag, g, pg, dst, wdev, side, s, tmo, tag) -> None:
-    if wdev.type == "cuda" and side.native() is not None:
-        _send_fast_dev(_dev_engine(ch, wdev, g, pg, dst, tag, tmo), ch, ag, dst, side, s)
-    elif wdev.type == "cpu" and _emulate() and side.layout.device.type == "cpu" and side.native(emulate=True) is not None:
-        _send_fast_dev(_EmuEngine(g, pg, dst, tag, tmo, True), ch, ag, dst, side, s)
-    else:
-        _send_fast_host(ch, ag, g, pg, dst, wdev, side, s, tmo, tag)
+    _fast_any(True, ch, ag, g, pg, dst, wdev, side, s, tmo, tag)
 
 
 def _recv_fast_any(ch, ag, g, pg, src, wdev, side, s, tmo, tag) -> None:
-    if wdev.type == "cuda" and side.native() is not None:
-        _recv_fast_dev(_dev_engine(ch, wdev, g, pg, src, tag, tmo), ch, ag, src, side, s)
-    elif wdev.type == "cpu" and _emulate() and side.layout.device.type == "cpu" and side.native(emulate=True) is not None:
-        _recv_fast_dev(_EmuEngine(g, pg, src, tag, tmo, False), ch, ag, src, side, s)
-    else:
-        _recv_fast_host(ch, ag, g, pg, src, wdev, side, s, tmo, tag)
+    _fast_any(False, ch, ag, g, pg, src, wdev, side, s, tmo, tag)
 
 
 def release_staging() -> None:
