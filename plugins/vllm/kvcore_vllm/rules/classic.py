@@ -4,7 +4,7 @@ blocks-first, the 0.13 - 0.24 cross-layer buffers, ROCm 0.11 unified attention).
 
 from __future__ import annotations
 
-from kvcore_vllm.rules.rule import Rule, _o, _src
+from kvcore_vllm.rules.rule import Rule, _o, _src, stride_layouts
 from kvcore_vllm.rules.sources import _FA, _FI, _FLEX, _ROCM, _TR, _XL, HYBRID_SOURCE
 
 CLASSIC_RULES: tuple[Rule, ...] = (
@@ -15,8 +15,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         rank=5,
         logical=_o("TWO NB BS NH HS"),
         layouts={
-            "NHD": _o("NL TWO NB BS NH HS"),
-            "HND": _o("NL TWO NB NH BS HS"),
+            **stride_layouts("TWO NB BS NH HS", {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)}),
             # attention beside Mamba: _update_hybrid_attention_mamba_layout restrides (2, NB, ...) to
             # stride (hidden, 2*hidden, ...) so a block's K and V are adjacent
             "NHD/mamba": _o("NL NB TWO BS NH HS"),
@@ -62,7 +61,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("FLASH_ATTN",),
         rank=5,
         logical=_o("TWO NB BS NH HS"),
-        layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB NH NL TWO BS HS")},
+        layouts=stride_layouts("TWO NB BS NH HS", {"NHD/cross": (2, 0, 1, 3, 4, 5), "HND/cross": (2, 4, 0, 1, 3, 5)}),
         sources=(_src("0.13.0", _XL + "; FA stride order NHD (2,0,1,3,4,5), HND (2,4,0,1,3,5)"),),
         backends_label=("FLASH_ATTN",),
     ),
@@ -72,7 +71,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("FLASHINFER",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
+        layouts=stride_layouts("NB TWO BS NH HS", {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)}),
         sources=(_src("0.11.0", _FI + ", HND stride order (0,1,3,2,4); kv_cache[:, 0] / [:, 1]"), _src("0.24.0", _FI)),
         physical_ok=True,
         backends_label=("FLASHINFER",),
@@ -83,7 +82,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("FLASHINFER",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB TWO NH NL BS HS")},
+        layouts=stride_layouts("NB TWO BS NH HS", {"NHD/cross": (1, 0, 2, 3, 4, 5), "HND/cross": (1, 2, 4, 0, 3, 5)}),
         sources=(_src("0.13.0", _XL + "; FlashInfer stride order NHD (1,0,2,3,4,5), HND (1,2,4,0,3,5)"), _src("0.24.0", _FI)),
         backends_label=("FLASHINFER",),
     ),
@@ -93,7 +92,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("TRITON_ATTN",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD": _o("NL NB TWO BS NH HS")},
+        layouts=stride_layouts("NB TWO BS NH HS", {"NHD": (0, 1, 2, 3, 4)}),
         sources=(_src("0.11.0", _TR + ", no stride order: NHD only; forward unbind(1)"),),
         physical_ok=True,
         backends_label=("TRITON_ATTN",),
@@ -104,7 +103,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("FLASH_ATTN", "TRITON_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD": _o("NL NB TWO BS NH HS"), "HND": _o("NL NB TWO NH BS HS")},
+        layouts=stride_layouts("NB TWO BS NH HS", {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)}),
         sources=(
             _src("0.24.0", _FA + ", stride order HND (0,1,3,2,4); forward unbind(1)"),
             _src("0.24.0", _TR + ", stride order HND (0,1,3,2,4)"),
@@ -122,7 +121,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("FLEX_ATTENTION",),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD": _o("NL NB BS TWO NH HS"), "NHD/cross": _o("NB NL BS TWO NH HS")},
+        layouts=stride_layouts("NB TWO BS NH HS", {"NHD": (0, 2, 1, 3, 4), "NHD/cross": (1, 0, 3, 2, 4, 5)}),
         sources=(_src("0.24.0", _FLEX + ", stride order (0,2,1,3,4), cross-layer (1,0,3,2,4,5); forward unbind(1)"),),
         physical_ok=True,
         backends_label=("FLEX_ATTENTION",),
@@ -133,7 +132,7 @@ CLASSIC_RULES: tuple[Rule, ...] = (
         families=("FLASH_ATTN", "TRITON_ATTN"),
         rank=5,
         logical=_o("NB TWO BS NH HS"),
-        layouts={"NHD/cross": _o("NB NL TWO BS NH HS"), "HND/cross": _o("NB NH NL TWO BS HS")},
+        layouts=stride_layouts("NB TWO BS NH HS", {"NHD/cross": (1, 0, 2, 3, 4, 5), "HND/cross": (1, 4, 0, 2, 3, 5)}),
         sources=(_src("0.24.0", _XL + "; FA and Triton stride order NHD (1,0,2,3,4,5), HND (1,4,0,2,3,5)"),),
         backends_label=("FLASH_ATTN", "TRITON_ATTN"),
     ),

@@ -33,21 +33,33 @@ ROCM_INDEXER_CROSS = "K=NB_NL_BSC_HSC_BSE_HSE+KS=NB_NL_BS_HS"
 #: records (the sparse MLA backend and the DSA indexer) and ROCm's tiled indexer page.
 _LATENT: dict[str, Any] = dict(
     families=("MLA",),
+    logical=_o("NB BS HS"),
     gate="",
     mla=True,
     backends_label=("FLASHMLA", "FLASHMLA_SPARSE", "TRITON_MLA", "CUTLASS_MLA", "FLASHINFER_MLA", "FLASH_ATTN_MLA"),
 )
-_BLOCKED: dict[str, Any] = dict(families=("MLA",), gate="", mla=True, blocked=True, backends_label=("FLASHMLA_SPARSE", "indexer"))
-_ROCM_TILED: dict[str, Any] = dict(
-    families=("MLA",), gate="rocm?", mla=True, blocked=True, backends_label=("ROCM_AITER_MLA_SPARSE", "indexer"), planes="rocm_tiles"
+_BLOCKED: dict[str, Any] = dict(
+    families=("MLA",), logical=_o("NB BS HS"), gate="", mla=True, blocked=True, backends_label=("FLASHMLA_SPARSE", "indexer")
 )
+_ROCM_TILED: dict[str, Any] = dict(
+    families=("MLA",),
+    logical=_o("NB BS HS"),
+    gate="rocm?",
+    mla=True,
+    blocked=True,
+    backends_label=("ROCM_AITER_MLA_SPARSE", "indexer"),
+    planes="rocm_tiles",
+)
+#: the 0.29+ views: ``[NB, 1, BS, W]`` squeezed to the latent (``bind_kv_cache``'s ``squeeze(1)``), and
+#: the bound view ``(NB, BS, W)`` a layer holds (a whole cross-layer buffer under a block-outermost member).
+_SQUEEZED_VIEW: dict[str, Any] = dict(eras=(LAYOUT_ERA,), rank=4, transform="squeeze_head")
+_BOUND_VIEW: dict[str, Any] = dict(eras=(LAYOUT_ERA,), rank=3)
 
 MLA_RULES: tuple[Rule, ...] = (
     Rule(
         label="MLA latent (NB, BS, W): 576 for DeepSeek, any width",
         eras=ERAS,
         rank=3,
-        logical=_o("NB BS HS"),
         layouts={"*": _o("NL NB BS HS"), "*/cross": _o("NB NL BS HS")},
         sources=(
             _src("0.11.0", _MLA + " (l.284)"),
@@ -61,9 +73,7 @@ MLA_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         label="0.29+ MLA view [NB, 1, BS, C]",
-        eras=(LAYOUT_ERA,),
-        rank=4,
-        logical=_o("NB BS HS"),
+        **_SQUEEZED_VIEW,
         # MLA's one head is squeezed (MLAAttention.bind_kv_cache): each member's order without H
         layouts=member_layouts(KV_CACHE_LAYOUTS, ("NL", "NB", "", "BS", "HS")),
         sources=(
@@ -72,14 +82,12 @@ MLA_RULES: tuple[Rule, ...] = (
             ),
             _src("0.33.0", _V33 + "; MLAAttentionSpec.head_size_v = 0 (C = 576 * dtype_size)"),
         ),
-        transform="squeeze_head",
         **_LATENT,
     ),
     Rule(
         label="blocked-scale pages (NB, BS, W) uint8 (DSA indexer keys 132 / MXFP4 68; DeepSeek-V4 fp8_ds_mla 584)",
         eras=ERAS,
         rank=3,
-        logical=_o("NB BS HS"),
         layouts={"*": _o("NL NB BSV BSS")},
         sources=(
             _src("0.11.0", _IDX + " (l.36); head_size 128 + 4 = 132, uint8"),
@@ -93,19 +101,14 @@ MLA_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         label="0.29+ blocked-scale view [NB, 1, BS, W]",
-        eras=(LAYOUT_ERA,),
-        rank=4,
-        logical=_o("NB BS HS"),
+        **_SQUEEZED_VIEW,
         layouts=member_layouts(KV_CACHE_LAYOUTS, ("NL", "NB", "", "BSV", "BSS")),
         sources=(_src("0.33.0", _V33 + "; MLAAttentionSpec state_content_bytes (mla_attention.py l.1371)"),),
-        transform="squeeze_head",
         **_BLOCKED,
     ),
     Rule(
         label="0.29+ blocked-scale bound view (NB, BS, W) of a block-outermost layout",
-        eras=(LAYOUT_ERA,),
-        rank=3,
-        logical=_o("NB BS HS"),
+        **_BOUND_VIEW,
         # the 4-D [NB, 1, BS, W] view squeezed by the layer's bind_kv_cache (what attn.kv_cache holds): under
         # BLHNC / BLNHC / BHLNC the layers' pages interleave per block, one cross-layer buffer
         layouts={"*/cross": _o("NB NL BSV BSS")},
@@ -121,7 +124,6 @@ MLA_RULES: tuple[Rule, ...] = (
         label="ROCm DSA indexer page (NB, BS, 132) uint8: 16x16-byte key tiles, then the scales",
         eras=("0.24", "0.26", LAYOUT_ERA),
         rank=3,
-        logical=_o("NB BS HS"),
         layouts={"*": ROCM_INDEXER},
         sources=(
             _src("0.24.0", _RIDX),
@@ -131,20 +133,15 @@ MLA_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         label="ROCm 0.29+ DSA indexer view [NB, 1, BS, 132]: 16x16-byte key tiles, then the scales",
-        eras=(LAYOUT_ERA,),
-        rank=4,
-        logical=_o("NB BS HS"),
+        **_SQUEEZED_VIEW,
         # block-outermost members (B first) interleave the layers' pages per block: one cross-layer buffer
         layouts={m: ROCM_INDEXER_CROSS if KV_CACHE_LAYOUT_ORDERS[m][0] == 1 else ROCM_INDEXER for m in KV_CACHE_LAYOUTS},
         sources=(_src("0.33.0", _V33 + "; " + _RIDX),),
-        transform="squeeze_head",
         **_ROCM_TILED,
     ),
     Rule(
         label="ROCm 0.29+ DSA indexer bound view (NB, BS, 132) of a block-outermost layout: key tiles, then the scales",
-        eras=(LAYOUT_ERA,),
-        rank=3,
-        logical=_o("NB BS HS"),
+        **_BOUND_VIEW,
         layouts={"*/cross": ROCM_INDEXER_CROSS},
         sources=(
             _src(

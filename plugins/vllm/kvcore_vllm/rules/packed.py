@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcore_vllm.rules.rule import GPU_FAMILIES, Rule, _o, _src
+from kvcore_vllm.rules.rule import GPU_FAMILIES, Rule, _o, _src, stride_layouts
 from kvcore_vllm.rules.sources import _FA
 
 PACKED_RULES: tuple[Rule, ...] = (
@@ -12,12 +12,9 @@ PACKED_RULES: tuple[Rule, ...] = (
         families=GPU_FAMILIES + ("ROCM_AITER_FA", "ROCM_AITER_UNIFIED"),
         rank=4,
         logical=_o("NB NH BS CS"),
-        layouts={
-            "NHD": _o("NL NB BS NH CS"),
-            "HND": _o("NL NB NH BS CS"),
-            "NHD/cross": _o("NB NL BS NH CS"),
-            "HND/cross": _o("NB NH NL BS CS"),
-        },
+        layouts=stride_layouts(
+            "NB NH BS CS", {"NHD": (0, 2, 1, 3), "HND": (0, 1, 2, 3), "NHD/cross": (1, 0, 3, 2, 4), "HND/cross": (1, 2, 0, 3, 4)}
+        ),
         sources=(
             _src(
                 "0.26.0",

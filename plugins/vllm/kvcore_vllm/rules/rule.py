@@ -27,6 +27,22 @@ def member_layouts(members: Sequence[str], axes: Sequence[str] = VIEW_AXES) -> d
     return {m: tuple(tok for axis in layout_physical_order(m, tuple(axes)) for tok in axis.split()) for m in members}
 
 
+def stride_layouts(logical: str, orders: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
+    """vLLM's ``get_kv_cache_stride_order`` per layout key -> each key's physical order: the
+    per-layer shape ``logical`` (``get_kv_cache_shape``'s axes) permuted by the order, after a
+    layer list's ``NL``; an order one longer (``include_num_layers_dimension=True``, a
+    ``/cross`` key) permutes ``(NL, *logical)``, one cross-layer buffer.
+    ``stride_layouts("NB TWO BS NH HS", {"HND": (0, 1, 3, 2, 4)})`` -> ``{"HND": ("NL", "NB", "TWO", "NH", "BS", "HS")}``."""
+    axes = tuple(logical.split())
+    out = {}
+    for key, order in orders.items():
+        if len(order) == len(axes) + 1:
+            out[key] = tuple((("NL",) + axes)[i] for i in order)
+        else:
+            out[key] = ("NL",) + tuple(axes[i] for i in order)
+    return out
+
+
 def _o(s: str) -> tuple[str, ...]:
     return tuple(s.split())
 
