@@ -66,7 +66,7 @@ std::string hex(uintptr_t v) {
 std::string decode_planes(const at::Tensor& planes, std::vector<PlaneDesc>& out, const char* op) {
   if (!planes.defined() || !planes.device().is_cpu() || planes.scalar_type() != at::kLong || planes.dim() != 2 ||
       planes.size(1) != kPlaneFields || !planes.is_contiguous())
-    return cat("kvcore.", op, ": planes must be a contiguous CPU int64 [P, 16] tensor of plane records (kvcore_ops.h), got ",
+    return cat("kvcore.", op, ": planes must be a contiguous CPU int64 [P, 18] tensor of plane records (kvcore_ops.h), got ",
                planes.defined() ? cat(planes.scalar_type(), " of shape ", planes.sizes(), " on ", planes.device()) : "None");
   const int64_t P = planes.size(0);
   if (P < 1 || P > kMaxPlanes) return cat("kvcore.", op, ": a record has 1..", kMaxPlanes, " planes, got ", P);
@@ -90,12 +90,14 @@ std::string decode_planes(const at::Tensor& planes, std::vector<PlaneDesc>& out,
     d.st_offset = r[kStOffset];
     d.st_head = r[kStHead];
     d.base_align = r[kBaseAlign];
+    d.sub = r[kSub];
+    d.n_sub = r[kNSub];
     for (int i = 0; i < kPlaneFields; ++i)
       if (i != kKvIndex && r[i] < 0) return cat("kvcore.", op, ": plane ", k, " has a negative field ", i, " (", r[i], ")");
     if (d.kv_index < -1) return cat("kvcore.", op, ": plane ", k, " has K/V index ", d.kv_index, " (>= 0, or -1 for its own buffer)");
-    if (d.chunk_bytes < 1 || d.n_chunks < 1 || d.num_heads < 1 || d.chunk_bytes * d.n_chunks != d.head_bytes)
-      return cat("kvcore.", op, ": plane ", k, " has chunk_bytes ", d.chunk_bytes, " x n_chunks ", d.n_chunks, " != head_bytes ",
-                 d.head_bytes, " or no heads (", d.num_heads, ")");
+    if (d.chunk_bytes < 1 || d.n_chunks < 1 || d.n_sub < 1 || d.num_heads < 1 || d.chunk_bytes * d.n_chunks * d.n_sub != d.head_bytes)
+      return cat("kvcore.", op, ": plane ", k, " has chunk_bytes ", d.chunk_bytes, " x n_chunks ", d.n_chunks, " x n_sub ", d.n_sub,
+                 " != head_bytes ", d.head_bytes, " or no heads (", d.num_heads, ")");
     if (d.num_heads > 1 && d.st_head < d.head_bytes)
       return cat("kvcore.", op, ": plane ", k, " stages its heads ", d.st_head, " bytes apart but a head holds ", d.head_bytes,
                  " bytes: staged heads would overlap");
@@ -304,6 +306,85 @@ static inline void copy_run(char* __restrict dst, const char* __restrict src, in
   for (; i < n; i += 16) std::memcpy(dst + i, src + i, 16);
 }
 
+// How a plane whose head is not one run (chunks, sub-runs of chunks) moves a run of a block's
+// consecutive tokens, per head: its items (chunk_bytes each) as a grid of rows x tokens. The
+// rows are the head's runs in staged order: the chunks (n_sub == 1), or per chunk its sub-runs
+// (a batch per chunk), or both as one row level when the chunks continue the sub-runs. The
+// run is moved in segments (segment()), each for every head before the next segment: a
+// partial token group, or whole groups up to about kSegBytes of a head, or (no token groups)
+// the whole run. Nothing here knows a format: only strides.
+struct HeadGrid {
+  static constexpr int64_t kSegBytes = 4096;  // a segment's bytes of one head (whole groups)
+  bool tile = false;  // a row's items of consecutive tokens (of a group) are side by side
+  int64_t G = 0;      // tokens per group (0: the block's tokens are one group)
+  int64_t gs = 0;     // bytes between groups
+  int64_t seg_groups = 1;  // whole groups per segment
+  int64_t nb = 1, bs = 0, R = 1, rs = 0, S = 1;  // batches x rows of S-byte items
+
+  static HeadGrid of(const PlaneDesc& p, int64_t block_size) {
+    HeadGrid g;
+    g.S = p.chunk_bytes;
+    g.tile = p.token == p.chunk_bytes;
+    if (p.token_group && p.token_group < block_size) {
+      g.G = p.token_group;
+      g.gs = p.token_group_stride;
+      g.seg_groups = std::max<int64_t>(1, kSegBytes / (g.G * p.head_bytes));
+    }
+    if (p.n_sub == 1) {
+      g.R = p.n_chunks;
+      g.rs = p.chunk;
+    } else if (p.n_chunks == 1 || p.chunk == p.n_sub * p.sub) {
+      g.R = p.n_chunks * p.n_sub;
+      g.rs = p.sub;
+    } else {
+      g.nb = p.n_chunks;
+      g.bs = p.chunk;
+      g.R = p.n_sub;
+      g.rs = p.sub;
+    }
+    return g;
+  }
+
+  // The segment of a run that starts at token offset o with `left` tokens: ng groups of C
+  // tokens (ng > 1 only for whole groups). Returns its tokens (ng * C).
+  int64_t segment(int64_t o, int64_t left, int64_t& C, int64_t& ng) const {
+    C = left;
+    ng = 1;
+    if (G) {
+      const int64_t in = o % G;
+      if (in == 0 && left >= G) {
+        C = G;
+        ng = std::min(left / G, seg_groups);
+      } else {
+        C = std::min(left, G - in);
+      }
+    }
+    return ng * C;
+  }
+
+  // Move one segment of one head: `head` is the head's bytes in the block (token offset 0),
+  // `st` the segment's first staged head; one batch of small transposes.
+  template <bool kGather>
+  void move(const PlaneDesc& p, char* head, int64_t o, int64_t C, int64_t ng, char* st) const {
+    tile::grid_move<kGather>(head + p.token_offset(o), gs, bs, rs, st, p.st_tok, ng, nb, R, C, S);
+  }
+
+  // Prefetch (into L2) what move() touches for the same arguments: per batch its bounding
+  // byte range when the rows are dense enough, else each row's range; the staged rows.
+  template <bool kGather>
+  void prefetch(const PlaneDesc& p, const char* head, int64_t o, int64_t n, const char* st) const {
+    if (n < 1) return;
+    const int64_t first = p.token_offset(o), last = p.token_offset(o + n - 1);
+    const int64_t region = last - first + (R - 1) * rs + S;
+    if (region <= 2 * R * n * S + 128) {
+      tile::prefetch_rows<!kGather>(head + first, nb, bs, region);
+    } else {
+      for (int64_t b = 0; b < nb; ++b) tile::prefetch_rows<!kGather>(head + b * bs + first, R, rs, last - first + S);
+    }
+    tile::prefetch_rows<kGather>(st, n, p.st_tok, p.head_bytes);
+  }
+};
+
 template <bool kGather>
 void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL, const int64_t* slot, int64_t T, int64_t skip,
               int64_t block_size, int64_t num_slots) {
@@ -342,6 +423,8 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
   for (const PlaneDesc& p : pl) bytes += NL * nvalid * p.row_bytes();
   const int64_t* offs = tok_off.data();
   const int64_t* cl = cls.data();
+  std::vector<HeadGrid> grids(static_cast<size_t>(P));
+  for (int64_t k = 0; k < P; ++k) grids[k] = HeadGrid::of(pl[k], block_size);
   constexpr int64_t kAhead = 4;  // rows prefetched ahead (the next block's address is known here, not to the hardware)
   const int64_t rows = P * NL * T;
   auto body = [&](int64_t begin, int64_t end) {
@@ -374,7 +457,7 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
         const char* nx = pbase + ko[t + kAhead];
         if (contig) {
           for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(nx + i, kGather ? 0 : 1);
-        } else if (p->n_chunks == 1) {
+        } else if (p->head_contiguous()) {
           for (int64_t h = 0; h < p->num_heads; ++h)
             for (int64_t i = 0; i < p->head_bytes; i += 64) __builtin_prefetch(nx + h * p->head + i, kGather ? 0 : 1);
         }
@@ -394,12 +477,12 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
         else copy_run(cache, row, n * row_bytes);
         r += n - 1;
         t += n - 1;
-      } else if (p->n_chunks == 1) {
+      } else if (p->head_contiguous()) {
         for (int64_t h = 0; h < p->num_heads; ++h) {
           if (kGather) copy_run(row + h * p->st_head, cache + h * p->head, p->head_bytes);
           else copy_run(cache + h * p->head, row + h * p->st_head, p->head_bytes);
         }
-      } else {
+      } else if (p->n_sub == 1) {
         // a head in chunks (its elements not one run): where a chunk's items of consecutive
         // tokens sit side by side (token stride == chunk bytes: a column-major [HS, BS] head,
         // VNNI tiles, 16-byte chunks across tokens), the block's tokens that follow in the
@@ -432,6 +515,44 @@ void cpu_move(const std::vector<PlaneDesc>& pl, const int64_t* base, int64_t NL,
           }
           if (kGather) tile::transpose_items(b, p->st_tok, a, p->chunk, p->n_chunks, n, p->chunk_bytes);
           else tile::transpose_items(a, p->chunk, b, p->st_tok, n, p->n_chunks, p->chunk_bytes);
+        }
+        r += n - 1;
+        t += n - 1;
+      } else {
+        // a head of chunks of strided sub-runs (n_sub > 1: vLLM CPU's AMX V tile): where a
+        // sub-run's items of consecutive tokens sit side by side (token stride == chunk
+        // bytes), the tokens that follow each other in the slot mapping inside one block move
+        // together, in segments (HeadGrid::segment), per segment and head a batch of small
+        // transposes (HeadGrid::move); otherwise one token at a time
+        const HeadGrid& g = grids[k];
+        const int64_t o0 = slot[t] % block_size;
+        int64_t n = 1;
+        if (g.tile) {
+          const int64_t lim = std::min({T - t, end - r, block_size - o0});
+          while (n < lim && slot[t + n] == slot[t] + n && ko[t + n] >= 0) ++n;
+        }
+        char* blk = cache - p->token_offset(o0);
+        for (int64_t i = 0; i < n;) {
+          int64_t C, ng;
+          const int64_t m = g.segment(o0 + i, n - i, C, ng);
+          char* srun = row + i * p->st_tok;
+          for (int64_t h = 0; h < p->num_heads; ++h) {
+            char* a = blk + h * p->head;
+            char* b = srun + h * p->st_head;
+            // what comes next, both sides, while this head moves (as many tokens as this
+            // segment): the next head, else the next segment's (or the next run's) first head
+            if (h + 1 < p->num_heads) {
+              g.prefetch<kGather>(*p, a + p->head, o0 + i, m, b + p->st_head);
+            } else if (i + m < n) {
+              g.prefetch<kGather>(*p, blk, o0 + i + m, std::min(m, n - i - m), srun + m * p->st_tok);
+            } else if (t + n < T && ko[t + n] >= 0) {
+              const int64_t o1 = slot[t + n] % block_size;
+              const int64_t nn = std::min({m, T - t - n, block_size - o1});
+              g.prefetch<kGather>(*p, pbase + ko[t + n] - p->token_offset(o1), o1, nn, srow + (t + n) * p->st_tok);
+            }
+            g.move<kGather>(*p, a, o0 + i, C, ng, b);
+          }
+          i += m;
         }
         r += n - 1;
         t += n - 1;
@@ -997,7 +1118,7 @@ TORCH_LIBRARY(kvcore, m) {
   m.def("gather(Tensor ptrs, Tensor planes, Tensor slots, Tensor(a!)[] staging, int block_size, int num_slots) -> int");
   m.def("scatter(Tensor ptrs, Tensor planes, Tensor slots, Tensor[] staging, int block_size, int num_slots) -> int");
   // the op-library version: bumped whenever the op schemas or semantics change
-  m.def("abi_version() -> int", []() -> int64_t { return 4; });
+  m.def("abi_version() -> int", []() -> int64_t { return 5; });
   // gather/scatter return 0, or non-zero with the reason here (the ops never throw)
   m.def("last_error() -> str", []() -> std::string { return kvcore::g_last_error; });
   // CUDA tuning: loads in flight per thread for device / pinned-host staging (4 or 8)

@@ -48,10 +48,12 @@ enum Mode : uint32_t { kRowContig = 0, kHeadRuns = 1, kChunks = 2 };
 
 struct DevPlane {
   int64_t block, token, head, chunk, tgs;  // cache side, bytes
+  int64_t sub;                             // bytes between a chunk's sub-runs (n_sub > 1)
   int64_t st_layer, st_tok, st_head;       // staging side, bytes
   char* st_base;                           // device address of this plane's staged row 0 of layer 0
   uint32_t token_group;                    // 0: no token groups
-  uint32_t units_per_row, units_per_head, chunk_units, n_chunks;
+  uint32_t units_per_row, units_per_head, chunk_units;
+  uint32_t n_runs, n_sub;                  // runs of a head (n_chunks * n_sub), sub-runs of a chunk
   uint32_t width, mode;
   uint32_t block_begin;  // first blockIdx.x of this plane
   uint32_t col;          // column of this plane in ptrs
@@ -127,12 +129,20 @@ __device__ __forceinline__ void move_units(const Params& p, const DevPlane& pl, 
       cofs += h * pl.head + static_cast<int64_t>(e) * W;
       sofs = h * pl.st_head + static_cast<int64_t>(e) * W;
     } else {
+      // run r of the row: head h, run j = (chunk, sub-run) of the head in staged order
       const uint32_t r = u / pl.chunk_units;
       const uint32_t e = u - r * pl.chunk_units;
-      const uint32_t h = r / pl.n_chunks;
-      const uint32_t c = r - h * pl.n_chunks;
-      cofs += h * pl.head + c * pl.chunk + static_cast<int64_t>(e) * W;
-      sofs = h * pl.st_head + (static_cast<int64_t>(c) * pl.chunk_units + e) * W;
+      const uint32_t h = r / pl.n_runs;
+      const uint32_t j = r - h * pl.n_runs;
+      int64_t run_ofs;
+      if (pl.n_sub == 1) {
+        run_ofs = j * pl.chunk;
+      } else {
+        const uint32_t c = j / pl.n_sub;
+        run_ofs = c * pl.chunk + (j - c * pl.n_sub) * pl.sub;
+      }
+      cofs += h * pl.head + run_ofs + static_cast<int64_t>(e) * W;
+      sofs = h * pl.st_head + (static_cast<int64_t>(j) * pl.chunk_units + e) * W;
     }
     V* cache = reinterpret_cast<V*>(base + cofs);
     V* row = reinterpret_cast<V*>(srow0 + static_cast<int64_t>(t) * pl.st_tok + sofs);
@@ -340,7 +350,7 @@ const char* run_transfer(const CudaTransfer& a) {
   for (int64_t k = 0; k < P; ++k) {
     const PlaneDesc& s = a.plane[k];
     char* st = s.st_base;
-    const uint32_t mode = s.row_contiguous() ? kRowContig : (s.n_chunks == 1 ? kHeadRuns : kChunks);
+    const uint32_t mode = s.row_contiguous() ? kRowContig : (s.head_contiguous() ? kHeadRuns : kChunks);
     // the widest unit every address this plane's mode forms allows: a contiguous row is
     // one run (its heads' own sizes do not matter: 8 heads of 2-byte scales move as one
     // 16-byte unit), head runs add the head strides, chunks the chunk strides
@@ -351,7 +361,7 @@ const char* run_transfer(const CudaTransfer& a) {
     } else {
       for (int64_t v : {s.head, s.head_bytes, s.st_head}) g = gcd64(g, v);
       if (mode == kChunks)
-        for (int64_t v : {s.chunk, s.chunk_bytes}) g = gcd64(g, v);
+        for (int64_t v : {s.chunk, s.chunk_bytes, s.n_sub > 1 ? s.sub : int64_t{0}}) g = gcd64(g, v);
     }
     int width = static_cast<int>(g == 0 ? 16 : g);
     if (width != 16 && width != 8 && width != 4 && width != 2) width = (width % 8 == 0) ? 8 : (width % 4 == 0) ? 4 : (width % 2 == 0) ? 2 : 1;
@@ -372,7 +382,9 @@ const char* run_transfer(const CudaTransfer& a) {
     d.units_per_row = static_cast<uint32_t>(upr);
     d.units_per_head = static_cast<uint32_t>(s.head_bytes / width);
     d.chunk_units = static_cast<uint32_t>(s.chunk_bytes / width);
-    d.n_chunks = static_cast<uint32_t>(s.n_chunks);
+    d.n_runs = static_cast<uint32_t>(s.n_chunks * s.n_sub);
+    d.n_sub = static_cast<uint32_t>(s.n_sub);
+    d.sub = s.n_sub > 1 ? s.sub : 0;
     d.width = static_cast<uint32_t>(width);
     d.mode = mode;
     d.col = static_cast<uint32_t>(k);

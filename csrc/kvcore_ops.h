@@ -1,9 +1,9 @@
-// kvcore native transfer kernels: shared definitions (op ABI version 4).
+// kvcore native transfer kernels: shared definitions (op ABI version 5).
 //
 // A kernel never sees a format name. It receives the layout's stride table as data:
 //
 //   ptrs    int64 [NL, P]   base address (bytes) of plane p of layer l
-//   planes  int64 [P, 16]   one record per plane, fields below (bytes unless noted)
+//   planes  int64 [P, 18]   one record per plane, fields below (bytes unless noted)
 //   slots   int64 [T]       slot = block * block_size + offset; outside [0, num_slots)
 //                           (negative = engine padding) the row is skipped
 //   staging a list of B buffers; plane p writes (gather) / reads (scatter) buffer
@@ -11,12 +11,15 @@
 //           K/V index (planes[p][kKvIndex] >= 0: the classic "kv" buffer) and
 //           [NL, T, row] otherwise; the last dim is contiguous.
 //
-// The bytes of (slot, head h, chunk c) of plane p in layer l start at
+// The bytes of (slot, head h, chunk c, sub-run s) of plane p in layer l start at
 //   ptrs[l][p] + (slot / block_size) * block + token_offset(slot % block_size)
-//              + h * head + c * chunk                         ... chunk_bytes bytes
+//              + h * head + c * chunk + s * sub               ... chunk_bytes bytes
 //   token_offset(o) = o * token                                   (token_group == 0)
 //                   = (o / token_group) * token_group_stride + (o % token_group) * token
-// and n_chunks * chunk_bytes = head_bytes is one head's run. In the staged row of token t
+// and n_chunks * n_sub * chunk_bytes = head_bytes is one head's bytes, staged in (chunk,
+// sub-run) order. n_sub > 1 is a second strided level inside a chunk (vLLM CPU's AMX V tile:
+// a token's 16 elements of a chunk two elements apart); n_sub == 1 (sub unused) is a chunk of
+// one run, the common case. In the staged row of token t
 // (buffer b, K/V index k, layer l) head h of the plane starts at byte
 //   st_offset + h * st_head
 // so several planes may share one staged row (a blocked-scale record: values at byte 0,
@@ -48,23 +51,28 @@ enum PlaneField : int {
   kStOffset = 12,
   kStHead = 13,
   kBaseAlign = 14,
-  kReserved = 15,
+  kSub = 15,
+  kNSub = 16,
+  kReserved = 17,
 };
-constexpr int kPlaneFields = 16;
+constexpr int kPlaneFields = 18;
 
 // One plane, decoded, with its staging addressing resolved for one call (bytes).
 struct PlaneDesc {
   int64_t block, token, head, chunk, chunk_bytes, n_chunks, token_group, token_group_stride;
   int64_t num_heads, head_bytes;
   int64_t buffer, kv_index, st_offset, st_head, base_align;
+  int64_t sub, n_sub;  // sub-runs of a chunk (n_sub == 1: a chunk is one run)
   // resolved per call: staging[t = 0] of layer 0 of this plane (offset included), and strides
   char* st_base;
   int64_t st_layer, st_tok;
   int64_t row_bytes() const { return num_heads * head_bytes; }
   // a whole token row, cache side and staging side, is one contiguous run
   bool row_contiguous() const {
-    return n_chunks == 1 && (num_heads == 1 || (head == head_bytes && st_head == head_bytes));
+    return n_chunks == 1 && n_sub == 1 && (num_heads == 1 || (head == head_bytes && st_head == head_bytes));
   }
+  // a head's bytes are one run (no chunks, no sub-runs)
+  bool head_contiguous() const { return n_chunks == 1 && n_sub == 1; }
   int64_t token_offset(int64_t o) const {
     return token_group ? (o / token_group) * token_group_stride + (o % token_group) * token : o * token;
   }

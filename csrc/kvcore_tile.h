@@ -237,5 +237,107 @@ static inline void transpose_items(char* __restrict dst, int64_t ds, const char*
   }
 }
 
+#if defined(KVCORE_TILE_AVX2)
+// Pairs (C = 2) with dense rows: a grid of R rows of two S-byte items each, 2 * R * S bytes
+// side by side (a chunk's sub-runs of a token pair in a VNNI-style tile: [R, 2] items), and
+// two rows of R items, `ds` bytes apart. Gather splits the pairs (even items to row 0, odd
+// items to row 1): per 16-byte lane one byte shuffle puts a lane's first items before its
+// second items, then 64-bit and 128-bit permutes gather each row's halves. Scatter interleaves
+// the two rows (unpack lo/hi per lane, then a 128-bit permute puts the lanes in order).
+template <int S>
+__attribute__((target("avx2"))) static inline __m256i pair_mask() {
+  alignas(32) char m[32];
+  for (int lane = 0; lane < 2; ++lane)
+    for (int x = 0; x < 16; ++x) {
+      const int half = x / 8, y = x % 8;
+      m[lane * 16 + x] = static_cast<char>((y / S) * 2 * S + half * S + y % S);
+    }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
+}
+// dst rows d, d + ds get R items each; src: [R, 2] items, dense. R * S % 16 == 0.
+template <int S>
+__attribute__((target("avx2"))) static inline void split_pairs(char* __restrict d, int64_t ds, const char* __restrict src, int64_t R,
+                                                               __m256i m) {
+  const int64_t n = 2 * R * S;  // source bytes
+  int64_t k = 0;
+  for (; k + 64 <= n; k += 64) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 32));
+    a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(a, m), 0xD8);  // [row0 16B | row1 16B]
+    b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, m), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k / 2), _mm256_permute2x128_si256(a, b, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + ds + k / 2), _mm256_permute2x128_si256(a, b, 0x31));
+  }
+  if (k < n) {  // 32 source bytes left
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+    a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(a, m), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k / 2), _mm256_castsi256_si128(a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + ds + k / 2), _mm256_extracti128_si256(a, 1));
+  }
+}
+
+// dst: [R, 2] items, dense; src rows s, s + ss hold R items each. R * S % 16 == 0.
+template <int S>
+__attribute__((target("avx2"))) static inline void join_pairs(char* __restrict dst, const char* __restrict s, int64_t ss, int64_t R) {
+  const int64_t n = R * S;  // bytes per source row
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + ss + k));
+    const __m256i lo = unpack_lo256<S>(x0, x1), hi = unpack_hi256<S>(x0, x1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * k), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * k + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+  if (k < n) {  // 16 bytes per row left
+    const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k));
+    const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + ss + k));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * k), unpack_lo<S>(x0, x1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * k + 16), unpack_hi<S>(x0, x1));
+  }
+}
+
+template <bool kGather, int S>
+__attribute__((target("avx2"))) void pairs_avx2(char* cache, int64_t gs, int64_t bs, char* st, int64_t ds, int64_t ng, int64_t nb,
+                                                int64_t R) {
+  const __m256i m = pair_mask<S>();
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      char* c = cache + g * gs + b * bs;
+      char* r = st + 2 * g * ds + b * R * S;
+      if (kGather) split_pairs<S>(r, ds, c, R, m);
+      else join_pairs<S>(c, r, ds, R);
+    }
+}
+#endif
+
+// A batch of small transposes between a cache-side grid and staged rows (bytes):
+//   cache item (g, b, r, c) at cache + g * gs + b * bs + r * rs + c * S
+//   staged item (g, b, r, c) at st + (g * C + c) * ds + (b * R + r) * S
+// for g < ng groups of C tokens (c: a token, its items side by side across the group's
+// tokens), b < nb batches of R rows (a head's chunks, or a chunk's sub-runs). Gather moves
+// cache -> staged, scatter staged -> cache. Per (g, b) one [R, C] <-> [C, R] transpose; pairs
+// of tokens over dense rows (C == 2, rs == 2 * S: VNNI-style tiles) take the pair kernels.
+template <bool kGather>
+static inline void grid_move(char* cache, int64_t gs, int64_t bs, int64_t rs, char* st, int64_t ds, int64_t ng, int64_t nb, int64_t R,
+                             int64_t C, int64_t S) {
+#if defined(KVCORE_TILE_AVX2)
+  if (C == 2 && rs == 2 * S && (R * S) % 16 == 0 && has_avx2()) {
+    switch (S) {
+      case 1: pairs_avx2<kGather, 1>(cache, gs, bs, st, ds, ng, nb, R); return;
+      case 2: pairs_avx2<kGather, 2>(cache, gs, bs, st, ds, ng, nb, R); return;
+      case 4: pairs_avx2<kGather, 4>(cache, gs, bs, st, ds, ng, nb, R); return;
+      default: break;
+    }
+  }
+#endif
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      char* c = cache + g * gs + b * bs;
+      char* r = st + g * C * ds + b * R * S;
+      if (kGather) transpose_items(r, ds, c, rs, R, C, S);
+      else transpose_items(c, rs, r, ds, C, R, S);
+    }
+}
+
 }  // namespace tile
 }  // namespace kvcore

@@ -65,6 +65,7 @@ class Case:
     dtype: torch.dtype
     kind: str = "classic"  # "quant": int8 K/V values + bf16 per-(token, head) scales, four planes;
     # "shared": a two-plane name whose planes are views of one per-layer tensor (_shared_planes)
+    tiles: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()  # "shared": per plane role its BSE / HSE sizes
 
 
 _LLAMA = dict(num_layers=32, num_heads=8, head_size=128)
@@ -80,6 +81,12 @@ KT_FORMAT = "K=NL_X_NB_NH_HS_BS+V=NL_X_NB_NH_BS_HS"
 KTILE_FORMAT = "K=NL_X_NB_NH_BSC_HSC_BSE_HSE+V=NL_X_NB_NH_BS_HS"
 #: tokens per tile (BSE) of the ``Ktile`` case
 TILE_TOKENS = 16
+#: both planes in AMX tiles (``AMX``, ``AMX-fp8``): K ``[BS/16, HS/2, 16, 2]`` (16 tokens x a
+#: pair of elements), V ``[HS/16, BS/2, 16, 2]`` (16 elements x a pair of tokens: a token's
+#: elements of a 16-element chunk two elements apart, a second strided level of the head),
+#: in elements of the storage dtype (fp8 keeps the bf16 element order)
+AMX_FORMAT = "K=NL_X_NB_NH_BSC_HSC_BSE_HSE+V=NL_X_NB_NH_HSC_BSC_HSE_BSE"
+AMX_TILES = (("K", (("BSE", 16), ("HSE", 2))), ("V", (("HSE", 16), ("BSE", 2))))
 
 CASES: dict[str, Case] = {
     "NHD": Case("NHD", "NL_X_TWO_NB_BS_NH_HS", **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16),
@@ -91,6 +98,8 @@ CASES: dict[str, Case] = {
     "KT": Case("KT", KT_FORMAT, **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16, kind="shared"),
     "KT-fp8": Case("KT-fp8", KT_FORMAT, **_LLAMA, storage_dtype=torch.uint8, dtype=torch.float8_e4m3fn, kind="shared"),
     "Ktile": Case("Ktile", KTILE_FORMAT, **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16, kind="shared"),
+    "AMX": Case("AMX", AMX_FORMAT, **_LLAMA, storage_dtype=torch.bfloat16, dtype=torch.bfloat16, kind="shared", tiles=AMX_TILES),
+    "AMX-fp8": Case("AMX-fp8", AMX_FORMAT, **_LLAMA, storage_dtype=torch.uint8, dtype=torch.float8_e4m3fn, kind="shared", tiles=AMX_TILES),
 }
 
 BLOCK_SIZES = (16, 64, 256)
@@ -251,19 +260,29 @@ def quantised_table(
 
 
 def shared_planes(
-    name: str, *, num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_size: int, dtype: torch.dtype, device
+    name: str,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device,
+    tiles: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
     """Per layer one tensor ``[NB, NH, 2 * BS * HS]`` of ``dtype`` (random bytes) whose two
     halves per (block, head) are the planes of the two-plane ``name`` (first plane first),
     each viewed in its template's order of the axes after ``NB_NH``: ``HS``, ``BS``, and
-    ``BSC``/``BSE`` (tiles of :data:`TILE_TOKENS` tokens), ``HSC``/``HSE`` (``HSE``: 4 bytes
-    of elements).
+    ``BSC``/``BSE``, ``HSC``/``HSE`` (tiles: by default :data:`TILE_TOKENS` tokens and 4
+    bytes of elements; ``tiles`` gives a plane role its own ``BSE`` / ``HSE``, e.g.
+    :data:`AMX_TILES`).
 
     Returns:
         ``{role: [view per layer]}`` for :func:`kvcore.build_layout`.
     Raises:
         kvcore.GeometryError: a name that is not two planes ``NL_X_NB_NH_...``, or a block
-            size its token tiles do not divide.
+            or head size its tiles do not divide.
     """
     from kvcore.errors import GeometryError
     from kvcore.grammar import parse
@@ -273,18 +292,24 @@ def shared_planes(
         raise GeometryError(f"{name}: shared_planes lays out two planes")
     esz = torch.empty(0, dtype=dtype).element_size()
     pair = max(1, 4 // esz)
-    sizes = {"HS": head_size, "BS": block_size, "BSE": TILE_TOKENS, "BSC": block_size // TILE_TOKENS, "HSE": pair, "HSC": head_size // pair}
-    if block_size % TILE_TOKENS and any(p.syntax.has("BSC") for p in syn.planes):
-        raise GeometryError(f"{name}: block_size {block_size} is not a multiple of {TILE_TOKENS}")
     half = block_size * head_size
     out: dict[str, list[torch.Tensor]] = {p.role: [] for p in syn.planes}
+    shapes = []
+    for p in syn.planes:
+        if p.syntax.axes[:2] != ("NB", "NH") or p.syntax.list_levels != ("NL",):
+            raise GeometryError(f"{name}: plane {p.role} is not NL_X_NB_NH_...")
+        own = {"BSE": TILE_TOKENS, "HSE": pair, **(tiles or {}).get(p.role, {})}
+        for whole, inner in (("BS", "BSE"), ("HS", "HSE")):
+            n = block_size if whole == "BS" else head_size
+            if p.syntax.has(inner) and n % own[inner]:
+                raise GeometryError(f"{name}: plane {p.role}: {whole} {n} is not a multiple of {inner} {own[inner]}")
+        sizes = {"HS": head_size, "BS": block_size, "BSE": own["BSE"], "BSC": block_size // own["BSE"]}
+        sizes.update(HSE=own["HSE"], HSC=head_size // own["HSE"])
+        shapes.append(tuple(sizes[a] for a in p.syntax.axes[2:]))
     for _ in range(num_layers):
         t = random_fill(torch.empty(num_blocks, num_heads, 2 * half, dtype=dtype, device=device))
         for i, p in enumerate(syn.planes):
-            inner = p.syntax.axes[2:]
-            if p.syntax.axes[:2] != ("NB", "NH") or p.syntax.list_levels != ("NL",):
-                raise GeometryError(f"{name}: plane {p.role} is not NL_X_NB_NH_...")
-            out[p.role].append(t[:, :, i * half : (i + 1) * half].unflatten(2, tuple(sizes[a] for a in inner)))
+            out[p.role].append(t[:, :, i * half : (i + 1) * half].unflatten(2, shapes[i]))
     return out
 
 
@@ -662,6 +687,7 @@ def _setup(case: Case, block_size: int, num_blocks: int, device: torch.device):
             head_size=case.head_size,
             dtype=case.storage_dtype,
             device=device,
+            tiles={role: dict(sz) for role, sz in case.tiles},
         )
         layout = kvcore.build_layout(case.format, planes, dtype=case.dtype if case.dtype != case.storage_dtype else None)
 

@@ -79,15 +79,17 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvcore import p2p_graph
 from kvcore.errors import TransferError
-from kvcore.kernels import TransferPlan, select_kernel
+from kvcore.kernels import TransferPlan, _build, select_kernel
 from kvcore.layout import KVLayout
 from kvcore.layout_copy import _check_slots, _select, head_range
 from kvcore.layout_plan import _dense
+from kvcore.p2p_graph import WireGraphs
 from kvcore.spec import StagingBuffer, StagingTarget, StrideTable
 from kvcore.transfer import _index_tensor, _layers
 
@@ -110,8 +112,9 @@ _MIN_CHUNK_BYTES = {"cuda": 16 << 20, "cpu": 2 << 20}
 (tens of µs) outweighs what overlapping its packing would save."""
 _MIN_CHUNKS = {"cuda": 2, "cpu": 4}
 _CTL_RING = 8
-_STATS = {"handshakes": 0, "fast": 0}
-_NO_GATE = torch.empty(0, dtype=torch.int32)  # per process: handshakes run, fast transfers started (tests, diagnostics)
+_STATS = {"handshakes": 0, "fast": 0}  # per process: handshakes run, fast transfers started (tests, diagnostics)
+_NO_GATE = torch.empty(0, dtype=torch.int32)
+_CPU = torch.device("cpu")
 # control record fields (csrc/kvcore_copy.h, CtlField)
 _F_MAGIC, _F_MODE, _F_EPOCH, _F_TOKENS, _F_VERDICT, _F_INDEX, _F_VALUE, _F_NUM = range(8)
 _OP_SEND, _OP_RECV = 3, 4
@@ -275,12 +278,15 @@ def _reason(e: BaseException, timeout: float) -> str:
 class _Group:
     """What kvcore needs of a process group, looked up once."""
 
-    __slots__ = ("ref", "pg", "me", "ranks", "index", "backend", "coalesce", "__weakref__")
+    __slots__ = ("ref", "pg", "me", "ranks", "index", "backend", "coalesce", "graphs", "__weakref__")
 
     def __init__(self, pg):
         import torch.distributed as dist
 
-        self.ref = weakref.ref(pg)
+        # per device index: this group's point-to-point groups captured in CUDA graphs, dropped
+        # with the process group object
+        graphs = self.graphs = {}
+        self.ref = weakref.ref(pg, lambda _r: graphs.clear())
         self.me = dist.get_rank()
         self.ranks = list(dist.get_process_group_ranks(pg))
         self.index = {r: i for i, r in enumerate(self.ranks)}
@@ -321,6 +327,7 @@ class _Agreement:
     peer_desc: str = ""  # the peer's format and geometry, for messages
     dfast: torch.Tensor | None = None  # sender: the fast D message on the wire device
     r0fast: torch.Tensor | None = None  # receiver: the fast R0 message
+    programs: dict = field(default_factory=dict)  # the fast path precomputed per side (_Program)
 
     @property
     def prefix_bytes(self) -> int:
@@ -332,7 +339,7 @@ class _Agreement:
 
 
 class _Channel:
-    __slots__ = ("agreement", "calls", "ctl", "ctl_next", "broken")
+    __slots__ = ("agreement", "calls", "ctl", "ctl_next", "broken", "side_memo", "eng")
 
     def __init__(self):
         self.agreement: _Agreement | None = None
@@ -340,6 +347,8 @@ class _Channel:
         self.ctl: list = []
         self.ctl_next = 0
         self.broken: str | None = None  # why a transfer stopped between its messages: the channel is out of step
+        self.side_memo: tuple | None = None  # receiver: the last call's side (_recv_side)
+        self.eng = None  # the GPU engine of the last fast call (_dev_engine)
 
     def check(self, what: str) -> None:
         if self.broken:
@@ -560,7 +569,6 @@ class _Side:
         """The prepared native plan of the wire table (the GPU engine; ``emulate``: its CPU
         emulation), or None when the native op library does not serve this table."""
         if self.prep is None:
-            from kvcore.kernels import _build
             from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, prepare
 
             want = CPU_KERNEL if emulate else CUDA_KERNEL
@@ -633,14 +641,17 @@ class _Ring:
         self.free: list = [None, None]
         self.k = 0
         self.retired: list = []
+        self.gen = 0  # bumped whenever the buffers change: precomputed slices of them are stale
 
     def ensure(self, nbytes: int) -> None:
-        self.retired = [r for r in self.retired if not _done_all(r)]
+        if self.retired:
+            self.retired = [r for r in self.retired if not _done_all(r)]
         if nbytes <= self.cap:
             return
         if self.bufs:
             self.retired.append((self.bufs, self.work, self.free))
         self.cap = nbytes
+        self.gen += 1
         self.bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.work = [None, None]
         self.free = [None, None]
@@ -706,23 +717,30 @@ def _cuda(device: torch.device) -> _Cuda:
 
 
 class _Ctl:
-    """Per-call control buffers of a GPU channel (a ring per channel): D, R0, V, flags."""
+    """Per-call control buffers of a channel (a ring per channel): D, R0, V, flags; on a GPU
+    the events that guard their reuse (the emulation waits on the host: no events)."""
 
-    __slots__ = ("buf", "d", "r0", "v", "flag", "gate", "ev", "work")
+    __slots__ = ("buf", "d", "r0", "v", "flag", "gate", "ev", "ev_check", "work", "device")
 
-    def __init__(self, device):
-        self.buf = torch.empty(HEADER_BYTES + 3 * CTL_BYTES, dtype=torch.uint8, device=device)
-        torch.cuda.current_stream(device).synchronize()  # as _Ring.ensure: the NCCL stream writes it unordered
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.device = device
+        self.buf = torch.zeros(HEADER_BYTES + 3 * CTL_BYTES, dtype=torch.uint8, device=device)
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()  # as _Ring.ensure: the NCCL stream writes it unordered
         self.d = self.buf[:HEADER_BYTES]
         self.r0 = self.buf[HEADER_BYTES : HEADER_BYTES + CTL_BYTES]
         self.v = self.buf[HEADER_BYTES + CTL_BYTES : HEADER_BYTES + 2 * CTL_BYTES]
         flags = self.buf[HEADER_BYTES + 2 * CTL_BYTES :].view(torch.int32)
         self.flag, self.gate = flags[0:1], flags[1:2]
-        self.ev = torch.cuda.Event()
+        self.ev = torch.cuda.Event() if cuda else _NoEvent()  # the last reader of R0 / V (sender) or D (receiver)
+        self.ev_check = torch.cuda.Event() if cuda else _NoEvent()  # receiver: after the check that wrote V
         self.work = None
 
 
-def _ctl(ch: _Channel, device) -> _Ctl:
+def _ctl(ch: _Channel, device: torch.device) -> _Ctl:
+    if ch.ctl and ch.ctl[0].device != device:  # the channel moved to another device: new control buffers
+        ch.ctl, ch.ctl_next = [], 0
     if len(ch.ctl) < _CTL_RING:
         ch.ctl.append(_Ctl(device))
         return ch.ctl[-1]
@@ -852,6 +870,10 @@ def release_staging() -> None:
         for r in st.rings.values():
             r.bufs, r.cap, r.retired = [], 0, []
             r.work, r.free = [None, None], [None, None]
+            r.gen += 1
+    for g in _GROUPS.values():
+        for wg in g.graphs.values():
+            wg.clear()
     _HOST_RINGS.clear()
 
 
@@ -1068,13 +1090,13 @@ def _exchange(g, pg, peer, wdev, ops, tag, tmo) -> None:
 def _wire_groups(ag: _Agreement, bounds, buf: torch.Tensor, sending: bool, v: torch.Tensor) -> list[list[tuple[bool, torch.Tensor]]]:
     """The point-to-point groups of one agreed transfer, as ``(send?, tensor)`` ops: chunk
     ``i`` from ``buf`` (the header prefix only with the first), and the receiver's verdict
-    ``v`` travelling the other way with the last chunk (alone after a single chunk).
+    ``v`` travelling the other way with the last chunk (alone when there are no chunks).
     ``sending``: this side sends the chunks (and receives ``v``)."""
     groups = []
     for i, (a, b) in enumerate(bounds):
         lo = 0 if i == 0 else ag.prefix_bytes
         groups.append([(sending, buf[lo : ag.prefix_bytes + (b - a) * ag.token_bytes])])
-    if len(groups) > 1:
+    if groups:
         groups[-1].append((not sending, v))
     else:
         groups.append([(not sending, v)])
@@ -1142,9 +1164,20 @@ class _step:
         return False
 
 
+def _dev_engine(ch: _Channel, wdev, g, pg, peer, tag, tmo) -> _DevEngine:
+    """The channel's GPU engine, made current (the current stream and the timeout of this call)."""
+    e = ch.eng
+    if e is None or e.pg is not pg or e.g is not g or e.dev != wdev:
+        e = ch.eng = _DevEngine(wdev, g, pg, peer, tag, tmo)
+        return e
+    e.main = torch.cuda.current_stream(wdev)
+    e.tmo = tmo
+    return e
+
+
 def _send_fast_any(ch, ag, g, pg, dst, wdev, side, s, tmo, tag) -> None:
     if wdev.type == "cuda" and side.native() is not None:
-        _send_fast_dev(_DevEngine(wdev, g, pg, dst, tag, tmo), ch, ag, dst, side, s)
+        _send_fast_dev(_dev_engine(ch, wdev, g, pg, dst, tag, tmo), ch, ag, dst, side, s)
     elif wdev.type == "cpu" and _emulate() and side.layout.device.type == "cpu" and side.native(emulate=True) is not None:
         _send_fast_dev(_EmuEngine(g, pg, dst, tag, tmo, True), ch, ag, dst, side, s)
     else:
@@ -1154,6 +1187,8 @@ def _send_fast_any(ch, ag, g, pg, dst, wdev, side, s, tmo, tag) -> None:
 def _emulate() -> bool:
     """``KVCORE_P2P_EMULATE=1``: run the GPU engine's fast path on the CPU over Gloo (the same
     messages, the native CPU control functions and gated kernels, host waits): for tests."""
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(b"KVCORE_P2P_EMULATE") == b"1"
     return os.environ.get("KVCORE_P2P_EMULATE", "") == "1"
 
 
@@ -1184,7 +1219,20 @@ class _DevEngine:
         ev.record(self.main)
         self.xs.wait_event(ev)
 
-    def post(self, ops):
+    def post(self, ops, key=None):
+        """Post one group from the current stream (the posting stream); with graphs on
+        (``KVCORE_P2P_GRAPH=1``) and a ``key`` (the group's operations, see :class:`_Program`),
+        replay its captured graph instead."""
+        if key is not None and p2p_graph.enabled():
+            wg = self.g.graphs.get(self.dev.index)
+            if wg is None:
+                wg = self.g.graphs[self.dev.index] = WireGraphs()
+            w = wg.post((self.gpeer, self.tag, key), lambda: self._post(ops))
+            if w is not None:
+                return w
+        return self._post(ops)
+
+    def _post(self, ops):
         return _coalesced(self.g, self.pg, self.dev, self.gpeer, ops, self.tag)
 
     def after(self, work) -> None:
@@ -1246,13 +1294,7 @@ class _EmuEngine:
         return r
 
     def ctl(self, ch: _Channel) -> _Ctl:
-        c = _Ctl.__new__(_Ctl)
-        c.buf = torch.zeros(HEADER_BYTES + 3 * CTL_BYTES, dtype=torch.uint8)
-        c.d, c.r0 = c.buf[:HEADER_BYTES], c.buf[HEADER_BYTES : HEADER_BYTES + CTL_BYTES]
-        c.v = c.buf[HEADER_BYTES + CTL_BYTES : HEADER_BYTES + 2 * CTL_BYTES]
-        flags = c.buf[HEADER_BYTES + 2 * CTL_BYTES :].view(torch.int32)
-        c.flag, c.gate, c.ev, c.work = flags[0:1], flags[1:2], _NoEvent(), None
-        return c
+        return _ctl(ch, _CPU)  # every message of a call is waited for in the call: reuse is safe
 
     def on(self, stream):
         return contextlib.nullcontext()
@@ -1260,7 +1302,7 @@ class _EmuEngine:
     def xs_after_main(self) -> None:
         pass
 
-    def post(self, ops):
+    def post(self, ops, key=None):
         return _Works([_post(snd, t, self.peer, self.pg, self.tag) for snd, t in ops], self.tmo)
 
     def after(self, work) -> None:
@@ -1279,81 +1321,154 @@ class _EmuEngine:
         pass
 
 
-def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
-    """The sender's fast transfer on the GPU engine (or its CPU emulation)."""
-    from kvcore.kernels import _build
+# -- the fast path's programs (issue 26) -----------------------------------------------------
+#
+# Everything a fast transfer posts is fixed by the agreement: the chunk bounds, the staging
+# slices, the kernels' staging arguments and the point-to-point groups (one group per chunk;
+# the control messages travel with the first and the last chunk: one group per call when the
+# transfer is one chunk). A :class:`_Program` computes them once per agreement, side and
+# staging buffers, so that a fast call only walks it; with ``KVCORE_P2P_GRAPH=1`` the GPU
+# engine replays each group from a CUDA graph keyed by :meth:`_Program.group`'s key
+# (kvcore/p2p_graph.py).
 
-    mod = _build.MODULE
+
+class _Program:
+    """One side's fast transfer under one agreement, precomputed.
+
+    ``chunk(k, i)``: chunk ``i``'s wire bytes in staging buffer ``k`` (with the prefix for
+    chunk 0) and its kernels' staging list; ``head(k)``: the sender's verdict record and
+    padding mask, or the receiver's prefix, in buffer ``k``; ``group(k, i, ctl)``: the
+    operations of chunk ``i``'s group (``i = -1``: the control messages alone, no tokens)
+    and their key (direction, address, bytes of each operation). Built lazily, kept while the
+    agreement and the staging buffers last.
+    """
+
+    __slots__ = (
+        "ag",
+        "side",
+        "prep",
+        "plan",
+        "ring",
+        "gen",
+        "sending",
+        "P",
+        "tb",
+        "T",
+        "K",
+        "bounds",
+        "what",
+        "_chunks",
+        "_heads",
+        "_groups",
+    )
+
+    def __init__(self, ag: _Agreement, side: _Side, prep, ring: _Ring, sending: bool, what: str):
+        self.ag, self.side, self.prep, self.plan, self.ring, self.gen = ag, side, prep, prep.plan, ring, ring.gen
+        self.sending = sending
+        self.P, self.tb, self.T = ag.prefix_bytes, ag.token_bytes, ag.tokens
+        self.bounds = ag.bounds()
+        self.K = len(self.bounds)
+        self.what = what
+        self._chunks: dict = {}
+        self._heads: dict = {}
+        self._groups: dict = {}
+
+    def chunk(self, k: int, i: int):
+        c = self._chunks.get((k, i))
+        if c is None:
+            a, b = self.bounds[i]
+            buf, P, n = self.ring.bufs[k], self.P, b - a
+            wire = buf[: P + n * self.tb] if i == 0 else buf[P : P + n * self.tb]
+            c = self._chunks[(k, i)] = (wire, self.prep.staging_list(self.side.wire.views(buf[P:], n)))
+        return c
+
+    def head(self, k: int):
+        h = self._heads.get(k)
+        if h is None:
+            buf = self.ring.bufs[k]
+            h = self._heads[k] = (buf[:CTL_BYTES], buf[CTL_BYTES : self.P]) if self.sending else buf[: self.P]
+        return h
+
+    def group(self, k: int, i: int, ctl: _Ctl):
+        key = (k, i, id(ctl))
+        g = self._groups.get(key)
+        if g is None or g[2] is not ctl:
+            snd, ag = self.sending, self.ag
+            first = [(True, ag.dfast), (False, ctl.r0)] if snd else [(False, ctl.d), (True, ag.r0fast)]
+            if i < 0:
+                ops = [*first, (not snd, ctl.v)]
+            else:
+                ops = [*first, (snd, self.chunk(k, 0)[0])] if i == 0 else [(snd, self.chunk(k, i)[0])]
+                if i == self.K - 1:
+                    ops.append((not snd, ctl.v))  # the receiver's verdict V travels with the last chunk
+            g = self._groups[key] = (ops, tuple((o, t.data_ptr(), t.nbytes) for o, t in ops), ctl)
+        return g[0], g[1]
+
+
+def _program(ag: _Agreement, side: _Side, ring: _Ring, prep, emulated: bool, sending: bool, peer: int) -> _Program:
+    progs = ag.programs
+    key = (id(side), emulated)
+    prog = progs.get(key)
+    if prog is None or prog.side is not side or prog.gen != ring.gen:
+        if len(progs) > 8:
+            progs.clear()
+        what = f"kvcore.send to rank {peer}" if sending else f"kvcore.recv from rank {peer}"
+        prog = progs[key] = _Program(ag, side, prep, ring, sending, what)
+    return prog
+
+
+def _native_module():
+    """The native op library (loaded: a fast path runs only when :meth:`_Side.native` found it)."""
+    return _build.MODULE
+
+
+def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
+    """The sender's fast transfer on the GPU engine (or its CPU emulation): per chunk the
+    slot check (first chunk), the packing and one group; the receiver's answers read on a
+    side stream."""
+    mod = _native_module()
     ring = eng.ring(True)
-    P, tb = ag.prefix_bytes, ag.token_bytes
-    ring.ensure(P + ag.chunk_tokens * tb)
-    xs = eng.xs
+    ring.ensure(ag.prefix_bytes + ag.chunk_tokens * ag.token_bytes)
+    prog = _program(ag, side, ring, side.native(emulate=eng.emulated), eng.emulated, True, dst)
+    xs, plan, K, calls = eng.xs, prog.plan, prog.K, ch.calls
     ctl = eng.ctl(ch)
-    prep = side.native(emulate=eng.emulated)
-    plan = prep.plan
-    bounds = ag.bounds()
     works = []
-    last = len(bounds) - 1
-    what = f"kvcore.send to rank {dst}"
     errors = []
     try:
-        for i, (a, b) in enumerate(bounds):
-            k = ring.next()
-            if ring.work[k] is not None:
-                eng.after(ring.work[k])  # the current stream waits until the chunk buffer's last send read it
-            buf = ring.bufs[k]
-            if i == 0:
-                rc = mod.p2p_check(
-                    s,
-                    side.num_slots,
-                    None,
-                    0,
-                    None,
-                    ctl.flag,
-                    buf[:CTL_BYTES],
-                    MAGIC,
-                    FAST,
-                    ag.epoch,
-                    buf[CTL_BYTES:P],
-                    _OP_SEND,
-                    ch.calls,
-                    dst,
-                )
-                if rc < 0:
-                    raise TransferError(mod.copy_last_error())
-                if rc > 0:  # the CPU answers at once (a GPU records a refusal on the device)
-                    errors.append(mod.copy_last_error())
-            rc = plan.run_gated(True, s[a:b], prep.staging_list(side.views(buf, P, b - a)), _NO_GATE)
-            if rc:
-                raise TransferError(f"{what}: packing chunk {i} was refused: {mod.last_error()}")
-            with eng.on(xs):
-                eng.xs_after_main()
-                if i == 0:
-                    if ctl.work is not None:
-                        eng.wait_event(xs, ctl.ev)  # the last reader of this control slot's R0 / V
-                    ops = [(True, ag.dfast), (False, ctl.r0), (True, buf[: P + (b - a) * tb])]
-                else:
-                    ops = [(True, buf[P : P + (b - a) * tb])]
-                if i == last and last > 0:
-                    ops.append((False, ctl.v))  # with the last chunk (one chunk: a group of its own, as the receiver posts it)
-                w = eng.post(ops)
-            ring.work[k] = w
-            works.append((w, i, a, b))
-        if len(works) == 1:
-            with eng.on(xs):
-                works.append((eng.post([(False, ctl.v)]), -1, 0, 0))
-        if not works:  # no tokens: the D / R0 / V exchange alone
+        if K == 0:  # no tokens: the D / R0 / V exchange alone
             with eng.on(xs):
                 eng.xs_after_main()
                 if ctl.work is not None:
                     eng.wait_event(xs, ctl.ev)
-                works.append((eng.post([(True, ag.dfast), (False, ctl.r0), (False, ctl.v)]), -1, 0, 0))
+                works.append((eng.post(*prog.group(0, -1, ctl)), -1, 0, 0))
+        for i in range(K):
+            a, b = prog.bounds[i]
+            k = ring.next()
+            if ring.work[k] is not None:
+                eng.after(ring.work[k])  # the current stream waits until the chunk buffer's last send read it
+            if i == 0:
+                rep, mask = prog.head(k)
+                rc = mod.p2p_check(s, side.num_slots, None, 0, None, ctl.flag, rep, MAGIC, FAST, ag.epoch, mask, _OP_SEND, calls, dst)
+                if rc < 0:
+                    raise TransferError(mod.copy_last_error())
+                if rc > 0:  # the CPU answers at once (a GPU records a refusal on the device)
+                    errors.append(mod.copy_last_error())
+            rc = plan.run_gated(True, s if K == 1 else s[a:b], prog.chunk(k, i)[1], _NO_GATE)
+            if rc:
+                raise TransferError(f"{prog.what}: packing chunk {i} was refused: {mod.last_error()}")
+            with eng.on(xs):
+                eng.xs_after_main()
+                if i == 0 and ctl.work is not None:
+                    eng.wait_event(xs, ctl.ev)  # the last reader of this control slot's R0 / V
+                w = eng.post(*prog.group(k, i, ctl))
+            ring.work[k] = w
+            works.append((w, i, a, b))
         # the receiver's answers, read on a side stream: the current stream does not wait for the wire
         w_last = works[-1][0]
         with eng.on(eng.ks):
             for w, *_ in works if eng.emulated else works[-1:]:
                 eng.after(w)  # GPU: the last group (the NCCL stream runs them in order)
-            rc = mod.p2p_verdict(ctl.r0, ctl.v, MAGIC, ag.epoch, ag.tokens, None, ch.calls, dst)
+            rc = mod.p2p_verdict(ctl.r0, ctl.v, MAGIC, ag.epoch, ag.tokens, None, calls, dst)
             eng.record(ctl.ev, eng.ks)
         if rc < 0:
             raise TransferError(mod.copy_last_error())
@@ -1361,10 +1476,10 @@ def _send_fast_dev(eng, ch, ag, dst, side, s) -> None:
             errors.append(mod.copy_last_error())
     except _PeerLost as e:  # emulation: a host wait ran out
         i, a, b = next(((i, a, b) for w, i, a, b in works if not _done(w)), (-1, 0, 0))
-        f = _InFlight(what, True, works, len(bounds), ag.tokens, 0.0, eng.tmo, None, ())
+        f = _InFlight(prog.what, True, works, K, ag.tokens, 0.0, eng.tmo, None, ())
         raise _lost_error(f, i, a, b, e.reason) from None
     ctl.work = w_last
-    eng.keep(_InFlight(what, True, works, len(bounds), ag.tokens, time.monotonic() + eng.tmo, eng.tmo, None, (ag.dfast, s)))
+    eng.keep(_InFlight(prog.what, True, works, K, ag.tokens, time.monotonic() + eng.tmo, eng.tmo, None, (ag.dfast, s)))
     if errors:
         raise _Done(errors[0])
 
@@ -1562,12 +1677,7 @@ def _recv(layout, slots, src, heads, layers, group, timeout, tag) -> None:
         wdev = _wire_device(layout, g)
         s = _slots_arg(slots, layout, "slots")
         t = int(s.shape[0])
-        roles = tuple(p[0] for p in ag.sig) if ag is not None else None
-        base = _side(layout, layers, heads, "heads")
-        if roles is not None and sorted(roles) == sorted(p.role for p in base.table.planes):
-            side = _side(layout, layers, heads, "heads", roles)
-        else:
-            side = base
+        side = _recv_side(ch, layout, layers, heads, ag)
     except TransferError as e:
         err = e
         if isinstance(layout, KVLayout) and layout.device.type == "cuda" and "nccl" in g.backend:
@@ -1579,6 +1689,21 @@ def _recv(layout, slots, src, heads, layers, group, timeout, tag) -> None:
         return
     ag, side = _recv_slow(ch, g, pg, src, wdev, layout, side, s, t, layers, heads, err, tmo, tag)
     _recv_fast(ch, ag, g, pg, src, wdev, side, s, tmo, tag)
+
+
+def _recv_side(ch: _Channel, layout, layers, heads, ag: _Agreement | None) -> _Side:
+    """The receiving side of ``layout``, its planes in the sender's order when the agreement
+    has the same roles (remembered per channel for the same arguments and agreement)."""
+    m = ch.side_memo
+    if m is not None and m[0] is layout and m[1] is ag and m[2] is layers and m[3] == heads:
+        return m[4]
+    roles = tuple(p[0] for p in ag.sig) if ag is not None else None
+    base = _side(layout, layers, heads, "heads")
+    side = base
+    if roles is not None and sorted(roles) == sorted(p.role for p in base.table.planes):
+        side = _side(layout, layers, heads, "heads", roles)
+    ch.side_memo = (layout, ag, layers, heads, side)
+    return side
 
 
 def _recv_slow(ch, g, pg, src, wdev, layout, side, s, t, layers, heads, err, tmo, tag):
@@ -1683,7 +1808,7 @@ def _recv_fast(ch: _Channel, ag: _Agreement, g, pg, src, wdev, side: _Side, s: t
 
 def _recv_fast_any(ch, ag, g, pg, src, wdev, side, s, tmo, tag) -> None:
     if wdev.type == "cuda" and side.native() is not None:
-        _recv_fast_dev(_DevEngine(wdev, g, pg, src, tag, tmo), ch, ag, src, side, s)
+        _recv_fast_dev(_dev_engine(ch, wdev, g, pg, src, tag, tmo), ch, ag, src, side, s)
     elif wdev.type == "cpu" and _emulate() and side.layout.device.type == "cpu" and side.native(emulate=True) is not None:
         _recv_fast_dev(_EmuEngine(g, pg, src, tag, tmo, False), ch, ag, src, side, s)
     else:
@@ -1691,71 +1816,59 @@ def _recv_fast_any(ch, ag, g, pg, src, wdev, side, s, tmo, tag) -> None:
 
 
 def _recv_fast_dev(eng, ch, ag, src, side, s) -> None:
-    """The receiver's fast transfer on the GPU engine (or its CPU emulation)."""
-    from kvcore.kernels import _build
-
-    mod = _build.MODULE
+    """The receiver's fast transfer on the GPU engine (or its CPU emulation): its slot check,
+    then per chunk one group (two in flight) and the gated unpacking; the first chunk's gate
+    decides whether anything lands."""
+    mod = _native_module()
     ring = eng.ring(False)
-    P, tb, T = ag.prefix_bytes, ag.token_bytes, ag.tokens
-    ring.ensure(P + ag.chunk_tokens * tb)
-    main, xs = eng.main, eng.xs
+    ring.ensure(ag.prefix_bytes + ag.chunk_tokens * ag.token_bytes)
+    prog = _program(ag, side, ring, side.native(emulate=eng.emulated), eng.emulated, False, src)
+    main, xs, plan, K, T, calls = eng.main, eng.xs, prog.plan, prog.K, prog.T, ch.calls
     ctl = eng.ctl(ch)
-    prep = side.native(emulate=eng.emulated)
-    plan = prep.plan
-    what = f"kvcore.recv from rank {src}"
     dev = s.device
     if side.bitmap is None:
         side.bitmap = torch.zeros(max(1, (side.num_slots + 31) // 32), dtype=torch.int32, device=dev)
     if ctl.work is not None:
         eng.after(ctl.work)  # the current stream waits until this control slot's V was sent
     errors = []
-    rc = mod.p2p_check(None, 0, s, side.num_slots, side.bitmap, ctl.flag, ctl.v, MAGIC, FAST, ag.epoch, None, _OP_RECV, ch.calls, src)
+    rc = mod.p2p_check(None, 0, s, side.num_slots, side.bitmap, ctl.flag, ctl.v, MAGIC, FAST, ag.epoch, None, _OP_RECV, calls, src)
     if rc < 0:
         raise TransferError(mod.copy_last_error())
     own = mod.copy_last_error() if rc > 0 else None
-    ev_check = eng.event()
+    ev_check = ctl.ev_check
     eng.record(ev_check, main)
     eff = torch.empty(T, dtype=torch.int64, device=dev)
-    bounds = ag.bounds()
-    K = len(bounds)
     works: list = []
     slot_of: list[int] = []
+    bounds = prog.bounds
 
     def post(i: int):
-        a, b = bounds[i]
         k = ring.next()
         slot_of.append(k)
-        buf = ring.bufs[k]
         with eng.on(xs):
             eng.wait_event(xs, ring.free[k])  # the last unpacking of this chunk buffer
-            if i == 0:
-                if ctl.work is not None:
-                    eng.wait_event(xs, ctl.ev)  # the last gate that read this control slot's D
-                ops = [(False, ctl.d), (True, ag.r0fast), (False, buf[: P + (b - a) * tb])]
-            else:
-                ops = [(False, buf[P : P + (b - a) * tb])]
-            if i == K - 1 and K > 1:
-                eng.wait_event(xs, ev_check)
-                ops.append((True, ctl.v))
-            w = eng.post(ops)
+            if i == 0 and ctl.work is not None:
+                eng.wait_event(xs, ctl.ev)  # the last gate that read this control slot's D
+            if i == K - 1:
+                eng.wait_event(xs, ev_check)  # V (with the last chunk) is written by the check
+            w = eng.post(*prog.group(k, i, ctl))
         ring.work[k] = w
-        works.append((w, i, a, b))
+        works.append((w, i, *bounds[i]))
 
     def land(i: int):
         a, b = bounds[i]
         k = slot_of[i]
-        buf = ring.bufs[k]
         eng.after(works[i][0])  # the current stream waits for the chunk
         if i == 0:
-            rc = mod.p2p_gate(ctl.d, buf[:P], ctl.flag, MAGIC, ag.epoch, T, s, eff, ctl.gate, ch.calls, src)
+            rc = mod.p2p_gate(ctl.d, prog.head(k), ctl.flag, MAGIC, ag.epoch, T, s, eff, ctl.gate, calls, src)
             if rc < 0:
                 raise TransferError(mod.copy_last_error())
             if 0 < rc < 100:
                 errors.append(mod.copy_last_error())
             eng.record(ctl.ev, main)
-        rc = plan.run_gated(False, eff[a:b], prep.staging_list(side.views(buf, P, b - a)), ctl.gate)
+        rc = plan.run_gated(False, eff if K == 1 else eff[a:b], prog.chunk(k, i)[1], ctl.gate)
         if rc:
-            raise TransferError(f"{what}: unpacking chunk {i} was refused: {mod.last_error()}")
+            raise TransferError(f"{prog.what}: unpacking chunk {i} was refused: {mod.last_error()}")
         if ring.free[k] is None:
             ring.free[k] = eng.event()
         eng.record(ring.free[k], main)
@@ -1766,7 +1879,7 @@ def _recv_fast_dev(eng, ch, ag, src, side, s) -> None:
                 if ctl.work is not None:
                     eng.wait_event(xs, ctl.ev)
                 eng.wait_event(xs, ev_check)
-                w = eng.post([(False, ctl.d), (True, ag.r0fast), (True, ctl.v)])
+                w = eng.post(*prog.group(0, -1, ctl))
             works.append((w, -1, 0, 0))
             eng.after(w)
             eng.record(ctl.ev, main)
@@ -1778,19 +1891,12 @@ def _recv_fast_dev(eng, ch, ag, src, side, s) -> None:
                 land(i)
                 if i + 2 < K:
                     post(i + 2)
-            if K == 1:
-                with eng.on(xs):
-                    eng.wait_event(xs, ev_check)
-                    w = eng.post([(True, ctl.v)])
-                works.append((w, -1, 0, 0))
-                if eng.emulated:
-                    eng.after(w)
     except _PeerLost as e:  # emulation: a host wait ran out
         i, a, b = next(((i, a, b) for w, i, a, b in works if not _done(w)), (-1, 0, 0))
-        f = _InFlight(what, False, works, K, T, 0.0, eng.tmo, s, ())
+        f = _InFlight(prog.what, False, works, K, T, 0.0, eng.tmo, s, ())
         raise _lost_error(f, i, a, b, e.reason) from None
     ctl.work = works[-1][0]
-    eng.keep(_InFlight(what, False, works, K, T, time.monotonic() + eng.tmo, eng.tmo, s, (ag.r0fast, eff)))
+    eng.keep(_InFlight(prog.what, False, works, K, T, time.monotonic() + eng.tmo, eng.tmo, s, (ag.r0fast, eff)))
     if errors:
         raise _Done(errors[0])
     if own:

@@ -255,6 +255,7 @@ def main() -> int:
         files = [
             "tests/test_native_kernels.py",
             "tests/test_native_planes.py",
+            "tests/test_native_sub_runs.py",
             "tests/test_staging_safety.py",
             "tests/test_public_path.py",
             "tests/test_copy.py",

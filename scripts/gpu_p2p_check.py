@@ -4,6 +4,7 @@ mismatches, checked byte for byte (issue 15; the CPU twin is tests/test_distribu
 Usage (repository root, two GPUs)::
 
     NCCL_NVLS_ENABLE=0 python3 scripts/gpu_p2p_check.py --out $OUT
+    NCCL_NVLS_ENABLE=0 python3 scripts/gpu_p2p_check.py --out $OUT --graph   # groups replayed from CUDA graphs
 
 Rank 0 holds a vLLM-style NHD cache (block 16, 8 KV heads), rank 1 an HND cache (block 32, 4
 heads: a TP 2 decode rank taking heads 0..3). Scenarios, each on its own tag:
@@ -192,6 +193,12 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     from kvcore import distributed as d
 
     out["stats"] = dict(d._STATS)
+    wgs = [wg for g in d._GROUPS.values() for wg in getattr(g, "graphs", {}).values()]
+    out["graphs"] = {
+        "captures": sum(w.captures for w in wgs),
+        "replays": sum(w.replays for w in wgs),
+        "failed": [w.failed for w in wgs if w.failed],
+    }
     return out
 
 
@@ -202,10 +209,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: Gloo, the GPU path emulated (refusals raise in the call)"
     )
+    ap.add_argument("--graph", action="store_true", help="the fast path's groups replayed from CUDA graphs (KVCORE_P2P_GRAPH=1)")
     args = ap.parse_args(argv)
     from kvcore.testing.multiprocess import run_ranks
 
     env = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS") if k in os.environ}
+    env["KVCORE_P2P_GRAPH"] = "1" if args.graph else "0"
     t0 = time.perf_counter()
     if args.device == "cpu":
         env["KVCORE_P2P_EMULATE"] = "1"
@@ -237,15 +246,18 @@ def main(argv=None) -> int:
             "receiver_changed: untouched, then lands": r["receiver_changed"]["untouched"] and r["receiver_changed"]["landed"],
             "varying landed": r["varying"] == [True] * 10,
         }
+        if args.graph:  # the fast calls replayed their groups from CUDA graphs on both ranks
+            checks["groups replayed from CUDA graphs"] = all(x["graphs"]["replays"] > 0 and not x["graphs"]["failed"] for x in (s, r))
         report["checks"] = checks
         ok = all(bool(v) for v in checks.values())
     report["ok"] = ok
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "p2p_check.json").write_text(json.dumps(report, indent=2, default=str))
+    report["graph"] = args.graph
+    (out / ("p2p_check_graph.json" if args.graph else "p2p_check.json")).write_text(json.dumps(report, indent=2, default=str))
     for k, v in report.get("checks", {}).items():
         print(f"{'ok  ' if v else 'FAIL'} {k}")
-    print(f"p2p check: {'all passed' if ok else 'FAILED'} ({report['seconds']} s)")
+    print(f"p2p check{' (CUDA graphs)' if args.graph else ''}: {'all passed' if ok else 'FAILED'} ({report['seconds']} s)")
     return 0 if ok else 1
 
 

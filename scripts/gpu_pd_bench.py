@@ -4,6 +4,7 @@ Usage (repository root)::
 
     # two GPUs (e.g. two H200s of one host): NCCL between two processes, one GPU each
     NCCL_NVLS_ENABLE=0 python3 scripts/gpu_pd_bench.py --out $OUT
+    NCCL_NVLS_ENABLE=0 python3 scripts/gpu_pd_bench.py --out $OUT --p2p-modes eager,graph   # and from CUDA graphs
     # CPU only (Gloo between two processes)
     python3 scripts/gpu_pd_bench.py --device cpu --out OUTDIR
 
@@ -362,40 +363,37 @@ def _p2p_one(rank: int, dev, t: int, cfg: dict, gen, timed) -> dict:
 
     rec["naive"] = timed(naive, reps, repeats)
     # kvcore: NHD bs16 TP1 -> HND bs32 TP2
-    # each chunk size on a channel of its own (a tag): the chunking is agreed in a channel's handshake
+    # each chunk size on a channel of its own (a tag): the chunking is agreed in a channel's handshake;
+    # each mode (eager groups, or groups replayed from CUDA graphs: KVCORE_P2P_GRAPH=1) on channels of its own
     sweep = [None] if cfg["quick"] else [None, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
-    for n_cb, cb in enumerate(sweep):
-
-        def both(cb=cb, tag=2 * n_cb):
-            for r in range(2):
-                if rank == 0:
-                    kvcore.send(src, ss, 1, heads=(r * half, r * half + half), chunk_bytes=cb, tag=tag)
-                else:
-                    kvcore.recv(dsts[r], ds, 0, tag=tag)
-
-        def one(cb=cb, tag=2 * n_cb + 1):
-            if rank == 0:
-                kvcore.send(src, ss, 1, heads=(0, half), chunk_bytes=cb, tag=tag)
-            else:
-                kvcore.recv(dsts[0], ds, 0, tag=tag)
-
-        name = "default" if cb is None else f"{cb >> 20}MiB"
-        rec[f"kvcore_both_{name}"] = timed(both, reps, repeats)
-        rec[f"kvcore_one_{name}"] = timed(one, reps, repeats)
-        if cb is None:
-            # host time of one fast call (no synchronisation): enqueueing only
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                one()
-            rec["host_us_one"] = (time.perf_counter() - t0) / reps * 1e6
-            sync()
-            dist.barrier()
+    for mode_i, mode in enumerate(cfg.get("modes") or ["eager"]):
+        os.environ["KVCORE_P2P_GRAPH"] = "1" if mode == "graph" else "0"
+        suffix = "" if mode == "eager" else "_graph"
+        _kvcore_rows(
+            rank,
+            rec,
+            src if rank == 0 else None,
+            ss if rank == 0 else None,
+            dsts if rank == 1 else None,
+            ds if rank == 1 else None,
+            half,
+            sweep,
+            100 * mode_i,
+            suffix,
+            reps,
+            repeats,
+            timed,
+            sync,
+        )
+    os.environ.pop("KVCORE_P2P_GRAPH", None)
     from kvcore import distributed as _d
 
     rec["handshakes"] = _d._STATS["handshakes"]
     rec["fast_calls"] = _d._STATS["fast"]
+    wgs = [wg for g in _d._GROUPS.values() for wg in getattr(g, "graphs", {}).values()]
+    rec["graph_captures"] = sum(w.captures for w in wgs)
+    rec["graph_replays"] = sum(w.replays for w in wgs)
+    rec["graph_failed"] = "; ".join(w.failed for w in wgs if w.failed)
     # verify: rank 0 sends its gathered rows, rank 1 compares both decode halves
     ref = torch.empty(2, NL, t, NH * HS, dtype=torch.bfloat16, device=dev)
     if rank == 0:
@@ -414,11 +412,52 @@ def _p2p_one(rank: int, dev, t: int, cfg: dict, gen, timed) -> dict:
     return rec
 
 
-def p2p_bench(device_type: str, tokens: list[int], quick: bool, timeout: float) -> list[dict]:
+def _kvcore_rows(rank, rec, src, ss, dsts, ds, half, sweep, tag0, suffix, reps, repeats, timed, sync) -> None:
+    """kvcore.send / recv rows of one mode (``suffix``) into ``rec``: both halves and one half per chunk size."""
+    import torch.distributed as dist
+
+    import kvcore
+
+    for n_cb, cb in enumerate(sweep):
+
+        def both(cb=cb, tag=tag0 + 2 * n_cb):
+            for r in range(2):
+                if rank == 0:
+                    kvcore.send(src, ss, 1, heads=(r * half, r * half + half), chunk_bytes=cb, tag=tag)
+                else:
+                    kvcore.recv(dsts[r], ds, 0, tag=tag)
+
+        def one(cb=cb, tag=tag0 + 2 * n_cb + 1):
+            if rank == 0:
+                kvcore.send(src, ss, 1, heads=(0, half), chunk_bytes=cb, tag=tag)
+            else:
+                kvcore.recv(dsts[0], ds, 0, tag=tag)
+
+        name = "default" if cb is None else f"{cb >> 20}MiB"
+        for _ in range(16):  # warm: a handshake per channel; with graphs, every (staging buffer, control slot) group captured
+            both()
+            one()
+        sync()
+        dist.barrier()
+        rec[f"kvcore_both_{name}{suffix}"] = timed(both, reps, repeats)
+        rec[f"kvcore_one_{name}{suffix}"] = timed(one, reps, repeats)
+        if cb is None:
+            # host time of one fast call (no synchronisation): enqueueing only
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                one()
+            rec[f"host_us_one{suffix}"] = (time.perf_counter() - t0) / reps * 1e6
+            sync()
+            dist.barrier()
+
+
+def p2p_bench(device_type: str, tokens: list[int], quick: bool, timeout: float, modes: list[str] | None = None) -> list[dict]:
     from kvcore.testing.multiprocess import run_ranks
 
     backend = "nccl" if device_type == "cuda" else "gloo"
-    cfg = {"device": device_type, "tokens": tokens, "quick": quick}
+    cfg = {"device": device_type, "tokens": tokens, "quick": quick, "modes": modes or ["eager"]}
     env = {k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS") if k in os.environ}
     if device_type == "cpu":
         env["KVCORE_RANK_THREADS"] = "1"
@@ -429,7 +468,7 @@ def p2p_bench(device_type: str, tokens: list[int], quick: bool, timeout: float) 
     rows = []
     for a, b in zip(res[0].value["rows"], res[1].value["rows"]):
         row = {k: (max(a[k], b[k]) if isinstance(a.get(k), float) else a.get(k)) for k in a}
-        for k in ("host_us_one", "handshakes", "fast_calls"):
+        for k in ("host_us_one", "host_us_one_graph", "handshakes", "fast_calls", "graph_captures", "graph_replays", "graph_failed"):
             if k in a:
                 row[k] = {
                     "sender": round(a[k], 1) if isinstance(a[k], float) else a[k],
@@ -443,8 +482,13 @@ def p2p_bench(device_type: str, tokens: list[int], quick: bool, timeout: float) 
         rows.append(row)
         log(
             f"p2p {row['tokens']} tokens: ceiling {row['ceiling_full_GBps']} GB/s (half {row['ceiling_half_GBps']}), naive "
-            f"{row['naive_GBps']}, kvcore both halves {row['kvcore_both_default_GBps']}, one half {row['kvcore_one_default_GBps']}; "
-            f"verified {row['verified']}"
+            f"{row['naive_GBps']}, kvcore both halves {row['kvcore_both_default_GBps']}, one half {row['kvcore_one_default_GBps']}"
+            + (
+                f"; from CUDA graphs: both halves {row['kvcore_both_default_graph_GBps']}, one half {row['kvcore_one_default_graph_GBps']}"
+                if "kvcore_both_default_graph_GBps" in row
+                else ""
+            )
+            + f"; verified {row['verified']}"
         )
     return rows
 
@@ -459,18 +503,22 @@ def targets(device_type: str, copy_rows: list[dict], p2p_rows: list[dict]) -> li
         out.append({"target": name, "value": value, "goal": goal, "met": value is not None and value >= goal})
 
     for r in p2p_rows:
-        best_both = max(v for k, v in r.items() if k.startswith("kvcore_both_") and k.endswith("_GBps"))
         goal = 0.90 if r["tokens"] >= 8192 else 0.75
-        if device_type == "cuda":
+        for suffix, how in (("", "eager groups"), ("_graph", "groups from CUDA graphs")):
+            if device_type != "cuda" or f"kvcore_both_default{suffix}_GBps" not in r:
+                continue
+            best_both = max(
+                v for k, v in r.items() if k.startswith("kvcore_both_") and k.endswith(f"{suffix}_GBps") and ("_graph" in k) == bool(suffix)
+            )
             add(
-                f"kvcore.send/recv NHD->HND TP1->2 both halves vs NCCL ceiling, {r['tokens']} tokens (default chunks)",
-                round(r["kvcore_both_default_GBps"] / r["ceiling_full_GBps"], 4),
+                f"kvcore.send/recv NHD->HND TP1->2 both halves vs NCCL ceiling, {r['tokens']} tokens (default chunks, {how})",
+                round(r[f"kvcore_both_default{suffix}_GBps"] / r["ceiling_full_GBps"], 4),
                 goal,
             )
             add("  same, best chunk size of the sweep", round(best_both / r["ceiling_full_GBps"], 4), goal)
             add(
                 f"  one TP half vs NCCL ceiling of half the bytes, {r['tokens']} tokens",
-                round(r["kvcore_one_default_GBps"] / r["ceiling_half_GBps"], 4),
+                round(r[f"kvcore_one_default{suffix}_GBps"] / r["ceiling_half_GBps"], 4),
                 goal,
             )
     for r in copy_rows:
@@ -502,6 +550,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-tests", action="store_true", help="skip the pytest stage")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 256,8192; cpu 256,2048)")
     ap.add_argument("--p2p-timeout", type=float, default=1200.0, help="seconds before the two p2p ranks are stopped")
+    ap.add_argument(
+        "--p2p-modes",
+        default="eager",
+        help="comma-separated: eager (groups posted through the backend), graph (groups replayed from CUDA graphs: KVCORE_P2P_GRAPH=1)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -557,7 +610,8 @@ def main(argv=None) -> int:
     if device == "cuda" and not args.skip_tests:
         stage("tests", tests)
     copy_rows = stage("copy", lambda: copy_bench(device, tokens, args.quick)) or []
-    p2p_rows = stage("p2p", lambda: p2p_bench(device, tokens, args.quick, timeout=args.p2p_timeout)) or []
+    modes = [m for m in args.p2p_modes.split(",") if m]
+    p2p_rows = stage("p2p", lambda: p2p_bench(device, tokens, args.quick, timeout=args.p2p_timeout, modes=modes)) or []
     if any(r.get("verified") is False for r in p2p_rows):
         report["ok"] = False
     report["copy"] = copy_rows

@@ -482,7 +482,7 @@ def test_cuda_host_staging_both_directions(name, pinned, force):
 @pytest.mark.parametrize("device", DEVICES)
 def test_registered_ops_match_the_direct_entry(device):
     """torch.ops.kvcore.gather/scatter (the dispatcher path, ABI 4: ptrs [NL, P], plane
-    records [P, 16], slots, a list of staging buffers) move the same bytes as the direct entry."""
+    records [P, 18], slots, a list of staging buffers) move the same bytes as the direct entry."""
     k = _native(device)
     from kvcore.kernels.native import plane_records
 
@@ -494,7 +494,7 @@ def test_registered_ops_match_the_direct_entry(device):
     a, b = _poison(layout, 9, device), _poison(layout, 9, device)
     k.gather(TransferPlan(table, slots, a, 7))
     ptrs, recs = table.ptrs().to(device), plane_records(table)
-    assert torch.ops.kvcore.abi_version() == 4
+    assert torch.ops.kvcore.abi_version() == 5
     assert torch.ops.kvcore.gather(ptrs, recs, slots, [b], table.block_size, table.num_slots) == 0
     assert torch.equal(_bits(a), _bits(b))
     before = _storage_bytes(caches)

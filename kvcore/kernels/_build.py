@@ -44,7 +44,7 @@ import torch
 log = logging.getLogger("kvcore.native")
 
 CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
-ABI_VERSION = 4
+ABI_VERSION = 5
 _CPU_SOURCES = ("kvcore_cpu.cpp", "kvcore_copy.cpp")
 _CUDA_SOURCES = ("kvcore_cuda.cu", "kvcore_copy.cu")
 _HEADERS = ("kvcore_ops.h", "kvcore_copy.h", "kvcore_device.cuh", "kvcore_tile.h")

@@ -1,10 +1,10 @@
 """Native transfer kernels: the C++ CPU and CUDA ops of ``csrc/`` (``torch.ops.kvcore``).
 
 Both take the layout's stride table as data and never see a format name: plane base
-addresses ``[NL, P]`` and one 16-field record per plane (:func:`plane_records`; the
+addresses ``[NL, P]`` and one 18-field record per plane (:func:`plane_records`; the
 fields are documented in ``csrc/kvcore_ops.h``: cache strides incl. chunks and token
-groups, heads, width, the staging buffer / K/V index / byte offset / head stride the plane
-is staged into, and the alignment of its bases), plus the slot mapping and the staging
+groups, a chunk's strided sub-runs, heads, width, the staging buffer / K/V index / byte
+offset / head stride the plane is staged into, and the alignment of its bases), plus the slot mapping and the staging
 buffers. Any table of the stride table v2 moves: classic K/V, MLA, blocked-scale records
 (two planes sharing a staged row), multi-plane records with planes of different widths,
 dtypes and staging buffers.
@@ -82,6 +82,8 @@ PLANE_FIELDS = (
     "st_offset",
     "st_head",
     "base_align",
+    "sub",
+    "n_sub",
     "reserved",
 )
 MAX_PLANES = 64
@@ -91,7 +93,7 @@ _MAX_CACHED = 64
 
 
 def plane_records(table: StrideTable) -> torch.Tensor:
-    """int64 ``[P, 16]``: the table's planes as the native ops read them (field order:
+    """int64 ``[P, 18]``: the table's planes as the native ops read them (field order:
     :data:`PLANE_FIELDS`; ``buffer`` indexes ``table.buffers``; ``kv_index`` is -1 for a
     plane's own buffer; ``base_align`` is the largest power of two up to 16 dividing the
     plane's base address in every layer)."""
@@ -120,6 +122,8 @@ def plane_records(table: StrideTable) -> torch.Tensor:
                 p.staging.offset,
                 p.staging.head_stride,
                 g,
+                s.sub if s.n_sub > 1 else 0,
+                s.n_sub,
                 0,
             ]
         )
@@ -314,9 +318,9 @@ class _NativeKernel:
         return (self.device_type,)
 
     def supports(self, table: StrideTable) -> bool:
-        """Every table of the stride table v2 with at most 64 planes whose chunks are one run
-        each (no plane with strided runs inside a chunk, ``PlaneStrides.sub_runs``)."""
-        return 1 <= len(table.planes) <= MAX_PLANES and not any(p.strides.sub_runs for p in table.planes)
+        """Every table of the stride table v2 with at most 64 planes (chunks of strided
+        sub-runs included: ``PlaneStrides.sub_runs``)."""
+        return 1 <= len(table.planes) <= MAX_PLANES
 
     def _call(self, plan: TransferPlan, gather: bool) -> None:
         if _ops() is None or not self.supports(plan.table):

@@ -7,7 +7,8 @@
 * ``geometry``: every accessor equals the declared sizes.
 * ``ambiguity[PROBE]``: look-alike geometries (:data:`PROBES`) answer or raise
   AmbiguousLayoutError naming every candidate and the hints that decide -- never a hint the
-  fixture's hints already give; ``semantic_gather[PROBE]``: an answer's gather moves the bytes
+  fixture's hints already give. An answer's gather is checked too, under the semantic family's
+  check (:mod:`kvcore.testing.checks.semantic`, with the probe in brackets): it moves the bytes
   the engine's view says (a wrong value is reported with where it belongs and where it came from).
 * ``ambiguity[memory order]``: the allocation handed over already permuted into memory order
   (as some connectors do), detected with the fixture's hints and once more with

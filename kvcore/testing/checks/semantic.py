@@ -3,6 +3,8 @@ engine's own view addresses.
 
 * ``semantic_gather`` / ``semantic_scatter``: shuffled slots with padding, layer subsets,
   whole blocks; a scatter writes nothing the engine's view does not cover.
+  ``semantic_gather[PROBE]``: the gather of an answer to a look-alike geometry (the
+  detection family's probes) moves the bytes the engine's view says.
 * ``negative_slots``: all-padding mappings and ``skip_prefix``.
 * ``empty_slots``: an empty mapping is a no-op.
 * ``padded_pool``: the same on a pool whose block axis is padded.

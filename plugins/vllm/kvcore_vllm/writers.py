@@ -34,6 +34,19 @@ def _amx_here() -> str | None:
     return None if torch.cpu._is_amx_tile_supported() else "this CPU has no AMX tiles: vLLM never takes the amx path here"
 
 
+def _amx_mla_here() -> str | None:
+    """AMX tiles on this CPU and the installed release's AMX MLA op (vLLM CPU 0.29+: 0.28's
+    ``vllm._custom_ops`` has no ``amx_mla_concat_and_cache``)."""
+    why = _amx_here()
+    if why:
+        return why
+    from vllm import _custom_ops as ops
+
+    if not hasattr(ops, "amx_mla_concat_and_cache"):
+        return "the installed vLLM has no vllm._custom_ops.amx_mla_concat_and_cache (AMX_MLA is vLLM CPU 0.29+)"
+    return None
+
+
 def _halves(t: torch.Tensor, era: str) -> tuple[torch.Tensor, torch.Tensor]:
     if era == "0.13":
         k, v = t.unbind(0)  # cpu_attn.py (0.13) forward: kv_cache.unbind(0)
@@ -114,5 +127,5 @@ def cpu_mla_writer(backend: str) -> Writer:
         write=write,
         source=src,
         requires=("vllm._custom_ops", "vllm.v1.attention.backends.mla.cpu_mla") if backend == "CPU_MLA" else ("vllm._custom_ops",),
-        ready=_amx_here if backend == "AMX_MLA" else None,
+        ready=_amx_mla_here if backend == "AMX_MLA" else None,
     )
