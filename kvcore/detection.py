@@ -40,20 +40,36 @@ states which one the caller passed. Without it:
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvcore import registry
+from kvcore.containers import _LAYER_RE, _ROLE_RE, Layers, Planes, _is_planes, _layer_key, describe_input, normalize_container, tensors_in  # noqa: F401
+from kvcore.detect_context import _CALL, _ORDER_ALIASES, GEOMETRY_HINTS, TENSOR_ORDER, TENSOR_ORDERS, _Call, _hints_dict, tensor_order  # noqa: F401
 from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError
-from kvcore.inputs import check_container, tensor_paths
+from kvcore.format_decl import KVFormat
+from kvcore.grammar import parse
+from kvcore.inputs import check_container, tensor_paths  # noqa: F401 (check_container: re-exported)
 from kvcore.layout import Detection, KVLayout, _build_layout
+from kvcore.memory_order import _size1_rank, memory_ordered, physical_permutation  # noqa: F401
+from kvcore.resolution import (  # noqa: F401 - resolution's names stay importable from here
+    Candidate,
+    _alternatives,
+    _ambiguity,
+    _deciding_sets,
+    _describe_candidates,
+    _geometry,
+    _geometry_line,
+    _hint_contradiction,
+    _order_contradiction,
+    _order_note,
+    _separates,
+    resolve,
+)
 from kvcore.spec import record_callers
 
 __all__ = [
@@ -75,242 +91,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcore.detection")
-
-#: The hint every engine accepts that states how the tensors' axes relate to memory.
-TENSOR_ORDER = "tensor_order"
-#: Its values: ``"allocated"`` (as the engine allocated them: its logical shape, strides
-#: show any permutation) and ``"physical"`` (already permuted into memory order).
-TENSOR_ORDERS = ("allocated", "physical")
-_ORDER_ALIASES = {
-    "allocated": "allocated",
-    "as_allocated": "allocated",
-    "logical": "allocated",
-    "physical": "physical",
-    "memory": "physical",
-    "memory_order": "physical",
-}
-#: Default names of the hints that fix a layout's geometry (layout attribute -> hint).
-GEOMETRY_HINTS: dict[str, str] = {"block_size": "block_size", "num_heads": "num_kv_heads", "head_size": "head_size"}
-
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
-
-
-def _layer_key(name: str) -> int | None:
-    m = _LAYER_RE.search(name)
-    if m:
-        return int(m.group(1))
-    nums = re.findall(r"\d+", name)
-    return int(nums[0]) if nums else None
-
-
-_ROLE_RE = re.compile(r"[A-Z][A-Z0-9]*")
-
-
-class Planes(dict):
-    """A multi-plane cache handed to :func:`detect`: ``{role: container}``, each container
-    the tensors of one plane (``{"K": k_layers, "V": v_layers, "KS": k_scales}``).
-
-    Its keys are plane roles (``[A-Z][A-Z0-9]*``: ``K``, ``V``, ``KV``, ``KS``, ``KZ``...),
-    never layer names: the engine's plugin receives the mapping as it is, roles intact
-    (``kv_caches["K"]``), and returns ``Detection(format="K=...+V=...", kv_caches={role:
-    ...})``. A plain dict whose keys are all roles without digits (``{"K": ..., "V": ...}``)
-    is read the same way; wrap the dict in ``Planes`` when a role has digits (``"K2"``),
-    which would otherwise read as a layer name.
-
-    Raises:
-        DetectionError: (at :func:`detect`) a key that is not a role, or an empty mapping.
-    """
-
-    def __repr__(self) -> str:
-        return f"Planes({dict.__repr__(self)})"
-
-
-class Layers(list):
-    """A list whose items are **one layer each**, in layer order: what kvcore hands a detector
-    whenever it knows the outer level is layers -- the entries of a dict of layer names
-    (``{"model.layers.0.attn": ..., ...}``, put in layer order) and every group
-    :func:`detect_per_layer` detects. Item ``i`` is layer ``i``'s entry exactly as the caller
-    gave it: a tensor, a per-layer ``(K, V)`` pair, a tuple of planes.
-
-    A plain list or tuple from the caller arrives as it is: its outer level may be layers or
-    K/V (``[k_layers, v_layers]``), and for two layers of two same-shaped tensors each the two
-    readings look alike. A detector that reads ``[[K, V], [K, V]]`` as ``[K list, V list]`` takes
-    layer 0's V for layer 1's K; given a ``Layers`` it must read each item as one layer. A
-    caller may pass ``kvcore.Layers([...])`` to say the same.
-    """
-
-    def __repr__(self) -> str:
-        return f"Layers({list.__repr__(self)})"
-
-
-def _is_planes(x: Any) -> bool:
-    """``x`` is a dict of plane roles: :class:`Planes`, or a plain dict whose keys are all
-    role names without a digit (a layer name carries a layer number: ``layers.0``)."""
-    if isinstance(x, Planes):
-        return True
-    return (
-        isinstance(x, Mapping)
-        and bool(x)
-        and all(isinstance(k, str) and _ROLE_RE.fullmatch(k) and not any(c.isdigit() for c in k) for k in x)
-    )
-
-
-def normalize_container(kv_caches: Any, *, sort_dicts: bool = True) -> tuple[Any, list[str] | None]:
-    """Dicts of layers become lists, tuples and lists are kept. Returns ``(container,
-    layer_names or None)``.
-
-    With ``sort_dicts`` (what :func:`detect` does) a dict's entries are put in layer order,
-    the layer index parsed from names such as ``model.layers.7.self_attn.attn`` (insertion
-    order where names carry none); without it (:func:`detect_per_layer`) they keep the
-    dict's own order.
-
-    A dict of plane roles (:class:`Planes`, or a plain dict whose keys are all roles without
-    digits: ``{"K": ..., "V": ..., "KS": ...}``) is a multi-plane cache: it is returned as a
-    :class:`Planes` mapping, keys intact and never used as layer names (``layer_names`` None).
-    A dict of two or more containers whose keys carry no layer number (``{"k": [...], "v":
-    [...]}``) reads either way and is refused.
-
-    An object that is not a container (an engine's cache object) is returned as it is,
-    for the engine's plugin to unwrap. The container is first checked at the door
-    (:func:`kvcore.inputs.check_container`: nesting depth, nested/sparse/non-strided
-    tensors, negated or conjugated views).
-
-    Raises:
-        DetectionError: an empty container, a list/dict that holds no tensors, a container
-            nested too deep or holding itself, a :class:`Planes` key that is not a role, or
-            a dict of containers whose keys are neither roles nor numbered layer names.
-        GeometryError: a tensor kvcore cannot address in place (nested, sparse or another
-            non-strided layout, a lazily negated/conjugated view).
-    """
-    check_container(kv_caches)
-    names = None
-    if _is_planes(kv_caches):
-        bad = [k for k in kv_caches if not (isinstance(k, str) and _ROLE_RE.fullmatch(k))]
-        if bad:
-            raise DetectionError(f"kvcore.Planes keys are plane roles ([A-Z][A-Z0-9]*: K, V, KS, ...); {bad[0]!r} is not one")
-        if not tensors_in(kv_caches):
-            raise DetectionError(f"kv_caches (planes {', '.join(kv_caches)}) holds no torch.Tensor")
-        return (kv_caches if isinstance(kv_caches, Planes) else Planes(kv_caches)), None
-    if isinstance(kv_caches, Mapping):
-        if not kv_caches:
-            raise DetectionError("kv_caches is an empty dict; pass the engine's per-layer KV cache tensors")
-        items = list(kv_caches.items())
-        keys = [_layer_key(str(k)) for k, _ in items]
-        if len(items) > 1 and all(k is None for k in keys) and all(isinstance(v, (list, tuple, Mapping)) for _, v in items):
-            shown = ", ".join(repr(k) for k, _ in items[:6]) + (", ..." if len(items) > 6 else "")
-            raise DetectionError(
-                f"kv_caches is a dict of containers whose keys ({shown}) carry no layer number: each key reads either as a "
-                "plane role or as a layer name, and nothing decides. For a multi-plane cache name the roles upper-case "
-                "({'K': [...], 'V': [...]}, or kvcore.Planes(...) for roles with digits); for layers pass a list in layer "
-                "order, or a dict whose names carry the layer index (model.layers.0...)"
-            )
-        if sort_dicts and all(k is not None for k in keys):
-            order = sorted(range(len(items)), key=lambda i: (keys[i], i))
-            items = [items[i] for i in order]
-        names = [str(k) for k, _ in items]
-        kv_caches = Layers(v for _, v in items)
-    if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == 0:
-        raise DetectionError("kv_caches is empty; pass the engine's KV cache tensors (a list, tuple or dict of layers)")
-    if not tensors_in(kv_caches):
-        if names is None and not isinstance(kv_caches, (list, tuple, str, bytes, int, float, bool, type(None))):
-            # an engine's own cache object (a transformers DynamicCache, ...): passed untouched to the plugins,
-            # whose kvcore_detect unwraps the objects of its engine; if none does, detect() says so
-            return kv_caches, None
-        raise DetectionError(f"kv_caches holds no torch.Tensor (got {type(kv_caches).__name__})")
-    return kv_caches, names
-
-
-def tensors_in(container: Any) -> list[torch.Tensor]:
-    """Every tensor in a nested dict/list/tuple container, in container order."""
-    out: list[torch.Tensor] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, Mapping):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(container)
-    return out
-
-
-def describe_input(kv_caches: Any, limit: int = 6) -> str:
-    """One line per distinct leaf: shape, stride, dtype, device, and where it is."""
-    rows: OrderedDict[tuple, list[str]] = OrderedDict()
-
-    def walk(x: Any, path: str, depth: int = 0) -> None:
-        if isinstance(x, torch.Tensor):
-            try:
-                stride = tuple(x.stride())
-            except RuntimeError:  # nested or sparse tensors have no strides
-                stride = (str(x.layout).replace("torch.", "") + (" nested" if getattr(x, "is_nested", False) else ""),)
-            shape = tuple(x.shape) if not getattr(x, "is_nested", False) else ("ragged",)
-            key = (shape, stride, str(x.dtype), str(x.device))
-            rows.setdefault(key, []).append(path)
-        elif isinstance(x, (list, tuple, Mapping)) and depth < 16:
-            pairs = x.items() if isinstance(x, Mapping) else enumerate(x)
-            for i, y in pairs:
-                walk(y, f"{path}[{i!r}]" if isinstance(x, Mapping) else f"{path}[{i}]", depth + 1)
-        else:
-            rows.setdefault(("not a tensor", type(x).__name__), []).append(path)
-
-    walk(kv_caches, "kv_caches")
-    out = []
-    for key, paths in list(rows.items())[:limit]:
-        where = paths[0] if len(paths) == 1 else f"{paths[0]} .. ({len(paths)} entries)"
-        if key[0] == "not a tensor":
-            out.append(f"  {where}: {key[1]} (not a tensor)")
-        else:
-            out.append(f"  {where}: shape={list(key[0])} stride={list(key[1])} dtype={key[2].replace('torch.', '')} device={key[3]}")
-    if len(rows) > limit:
-        out.append(f"  ... and {len(rows) - limit} more distinct tensor kinds")
-    return "\n".join(out)
-
-
-def _hints_dict(hints: Any) -> dict[str, Any]:
-    if hints is None:
-        return {}
-    if hasattr(hints, "model_dump"):
-        return {k: v for k, v in hints.model_dump().items() if v is not None}
-    if isinstance(hints, Mapping):
-        return {k: v for k, v in hints.items() if v is not None}
-    raise DetectionError(f"hints must be a dict or a pydantic model, got {type(hints).__name__}")
-
-
-def tensor_order(hints: Mapping[str, Any] | None) -> str | None:
-    """The value of the generic :data:`TENSOR_ORDER` hint: ``"allocated"``, ``"physical"``
-    or None (not given). Also accepts ``"logical"`` / ``"as_allocated"`` and ``"memory"``
-    / ``"memory_order"``.
-
-    Raises:
-        DetectionError: any other value.
-    """
-    if not hints or hints.get(TENSOR_ORDER) is None:
-        return None
-    v = hints[TENSOR_ORDER]
-    key = str(v).strip().lower() if isinstance(v, str) else None
-    if key not in _ORDER_ALIASES:
-        raise DetectionError(
-            f"hint {TENSOR_ORDER}={v!r} is not known: use 'allocated' (the tensors as the engine allocated them; their strides "
-            "show the memory order) or 'physical' (the tensors were already permuted so that their axes are in memory order)"
-        )
-    return _ORDER_ALIASES[key]
-
-
-# -- one detect() call's context: the caller's hints and the readings plugins rejected ------
-
-
-@dataclass
-class _Call:
-    hints: dict[str, Any]
-    rejected: list[str] = field(default_factory=list)
-
-
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("kvcore_detect_call", default=None)
 
 
 def _detectors() -> list[str]:
@@ -360,8 +140,6 @@ def _check_registered(fmt: Any) -> None:
         FormatError: a malformed name (naming the token).
         DetectionError: not a format name, or a name no loaded plugin registers.
     """
-    from kvcore.format_decl import KVFormat
-    from kvcore.grammar import parse
 
     name = fmt.name if isinstance(fmt, KVFormat) else fmt
     if not isinstance(name, str):
@@ -529,7 +307,6 @@ def page_split(layout: KVLayout, det: Detection, hints: Mapping[str, Any], engin
         DetectionError: the hint is not a positive int, two hints disagree, or the hint does
             not divide the fused axis.
     """
-    from kvcore.format_decl import KVFormat
 
     fmt = layout.format
     page = _page_hint(hints)
@@ -744,368 +521,6 @@ def _groups(layer_groups: Any, n: int, keys: list[Any] | None) -> list[list[int]
     return out
 
 
-# -- helpers for plugins -------------------------------------------------------------
-
-
-@dataclass
-class Candidate:
-    """One way to read the tensors: a format, the views that match it, and which hint
-    value selects it (for the ambiguity message).
-
-    Attributes:
-        format: the format name.
-        kv_caches: views of the caller's tensors nested as the format says.
-        dtype: the element dtype when the tensors are a byte view of it.
-        params: facts the name cannot carry (``head_size`` of a packed CS axis, ...).
-        note: how this reading was reached (the layout's ``note``).
-        decided_by: hint name -> the value that selects this reading.
-        label: a short human name for messages.
-        order: ``None`` (the reading holds whether the tensors are as allocated or in
-            memory order), ``"allocated"`` (it reads the engine's logical axes through
-            permuted strides) or ``"physical"`` (it reads the tensors as already permuted
-            into memory order); see the module docstring.
-        against: hint name -> the caller's value, for a reading the strides show but that
-            hint rules out. Such a candidate is evidence, never an answer: when nothing
-            else fits, :func:`resolve` raises a DetectionError naming the hint and this
-            reading.
-    """
-
-    format: str
-    kv_caches: Any  # multi-plane formats: {role: container}
-    dtype: torch.dtype | dict[str, torch.dtype] | None = None  # multi-plane formats: one dtype or {role: dtype}
-    params: dict[str, Any] = field(default_factory=dict)
-    note: str = ""
-    decided_by: dict[str, Any] = field(default_factory=dict)
-    label: str = ""
-    order: str | None = None
-    against: dict[str, Any] = field(default_factory=dict)
-
-    def detection(self) -> Detection:
-        return Detection(format=self.format, kv_caches=self.kv_caches, dtype=self.dtype, params=self.params, note=self.note)
-
-    def name(self) -> str:
-        return f"{self.format} [{self.label}]" if self.label else self.format
-
-
-def _geometry(lay: KVLayout, attr: str) -> Any:
-    try:
-        return getattr(lay, attr)
-    except GeometryError:
-        return None
-
-
-def _geometry_line(lay: KVLayout) -> str:
-    parts = [f"NL={lay.num_layers}"]
-    for short, attr in (("NB", "num_blocks"), ("BS", "block_size"), ("NH", "num_heads"), ("HS", "head_size")):
-        v = _geometry(lay, attr)
-        if v is not None:
-            parts.append(f"{short}={v}")
-    if lay.dtype != lay.storage_dtype:
-        parts.append(f"dtype={str(lay.dtype).replace('torch.', '')}")
-    return ", ".join(parts)
-
-
-def _order_note(c: Candidate) -> str:
-    if c.order == "physical" and "memory order" not in c.label and "physical order" not in c.label:
-        return " (if the tensors were already permuted into memory order)"
-    return ""
-
-
-def resolve(
-    candidates: Sequence[Candidate],
-    *,
-    engine: str,
-    deciding_hints: Sequence[str] = (),
-    hints: Mapping[str, Any] | None = None,
-    geometry_hints: Mapping[str, str] | None = None,
-    required: bool = False,
-) -> Detection | None:
-    """Pick the one meaning of the tensors among ``candidates``.
-
-    Candidates that do not build (their geometry does not fit the tensors) drop out; the
-    reason of each is kept and shown in the final error (``required=True`` here, else in
-    :func:`detect`'s "nothing recognises" message). The ``tensor_order`` hint (see the
-    module docstring) drops the readings of the other order. Those left are grouped by
-    what they move (stride table, K/V count and element dtype): one group means one answer
-    (the first candidate of it). Several groups mean the same tensors can be read two ways
-    that move different bytes: :class:`AmbiguousLayoutError`, naming the candidates and
-    the hints that would decide -- ``deciding_hints``, the ``decided_by`` keys whose values
-    differ, the geometry hints (``geometry_hints``) whose values differ between the
-    readings, and ``tensor_order`` when it would decide -- minus every hint the caller
-    already gave.
-
-    Args:
-        candidates: the readings, in order of preference among byte-identical ones.
-        engine: for messages.
-        deciding_hints: hints the plugin knows decide between these candidates.
-        hints: the caller's hints as the plugin understands them (names it accepts);
-            default: the hints of the current :func:`detect` call.
-        geometry_hints: layout attribute (``block_size``, ``num_heads``, ``head_size``,
-            ``num_layers``, ``num_blocks``) -> the plugin's hint for it; default
-            :data:`GEOMETRY_HINTS`.
-        required: raise instead of returning None when no candidate fits.
-    Returns:
-        a Detection, or None when no candidate fits.
-    Raises:
-        AmbiguousLayoutError: see above.
-        DetectionError: a hint contradicts the strides (a candidate with ``against`` is
-            all the strides allow), ``tensor_order`` contradicts them, or (``required``)
-            nothing fits.
-    """
-    call = _CALL.get()
-    given = dict(hints) if hints is not None else (dict(call.hints) if call is not None else {})
-    given = {k: v for k, v in given.items() if v is not None}
-    order = tensor_order(given)
-    geo = dict(GEOMETRY_HINTS if geometry_hints is None else geometry_hints)
-    built: list[tuple[Candidate, KVLayout]] = []
-    rejected: list[str] = []
-    for c in candidates:
-        try:
-            lay = _build_layout(c.format, c.kv_caches, dtype=c.dtype, params=c.params)
-        except GeometryError as e:
-            log.debug("candidate %s rejected: %s", c.format, e)
-            rejected.append(f"{c.name()}: {e}")
-            continue
-        built.append((c, lay))
-    if call is not None:
-        call.rejected.extend(rejected)
-    live = [(c, lay) for c, lay in built if not c.against]
-    evidence = [(c, lay) for c, lay in built if c.against]
-    if order is not None:
-        fits = [(c, lay) for c, lay in live if c.order in (None, order)]
-        if live and not fits:
-            raise _order_contradiction(engine, order, live)
-        live = fits
-        evidence = [(c, lay) for c, lay in evidence if c.order in (None, order)]
-    if not live:
-        if evidence:
-            raise _hint_contradiction(engine, evidence, [])
-        if required:
-            why = "\n".join(f"  - {r}" for r in rejected) or "  - no candidate reading was offered"
-            raise DetectionError(f"{engine}: these tensors fit none of the layouts tried:\n{why}")
-        return None
-    if order is None and all(c.order == "physical" for c, _ in live):
-        shown = [(c, lay) for c, lay in evidence if c.order != "physical"]
-        if shown:
-            raise _hint_contradiction(engine, shown, live)
-    groups: OrderedDict[tuple, list[tuple[Candidate, KVLayout]]] = OrderedDict()
-    for c, lay in live:
-        sig = (lay.kv_size, lay.dtype, lay.stride_table().signature())
-        groups.setdefault(sig, []).append((c, lay))
-    if len(groups) == 1:
-        return live[0][0].detection()
-    raise _ambiguity(engine, list(groups.values()), deciding_hints, given, geo, order)
-
-
-def _alternatives(v: Any) -> frozenset[str] | None:
-    """The hint values a ``decided_by`` entry (or a geometry value) accepts: a list, tuple or
-    set lists alternatives, as does a string ``"a/b/c"``; None: any value (no constraint)."""
-    if v is None:
-        return None
-    if isinstance(v, (list, tuple, set, frozenset)):
-        return frozenset(str(x) for x in v)
-    if isinstance(v, str) and "/" in v:
-        return frozenset(x.strip() for x in v.split("/") if x.strip())
-    return frozenset([str(v)])
-
-
-def _separates(k: str, a: Mapping[str, frozenset[str] | None], b: Mapping[str, frozenset[str] | None]) -> bool:
-    """Hint ``k`` tells two readings apart: each constrains it and no value selects both
-    (a reading that accepts any value of ``k`` stays whatever value is given)."""
-    va, vb = a.get(k), b.get(k)
-    return va is not None and vb is not None and not (va & vb)
-
-
-def _deciding_sets(keys: Sequence[str], values: Sequence[Mapping[str, frozenset[str] | None]], opaque: Sequence[str]):
-    """``(singles, together)``. A set of hints decides when, whatever true values the caller
-    gives for them, at most one reading is left: every pair of readings is told apart by
-    one of the hints (:func:`_separates`). ``singles``: the hints that decide alone
-    (``opaque`` ones -- a plugin's ``deciding_hints`` with no per-reading value -- are taken
-    at the plugin's word between two readings); when none does, ``together``: the smallest
-    set that decides (None when even all of them do not tell every reading apart)."""
-    import itertools
-
-    n = len(values)
-    pairs = list(itertools.combinations(range(n), 2))
-    known = [k for k in keys if k not in opaque]
-
-    def decides(combo: Sequence[str]) -> bool:
-        return all(any(_separates(k, values[i], values[j]) for k in combo) for i, j in pairs)
-
-    singles = [k for k in keys if (k in opaque and n == 2) or (k in known and decides([k]))]
-    if singles:
-        return singles, None
-    useful = [k for k in known if any(_separates(k, values[i], values[j]) for i, j in pairs)]
-    tried = 0
-    for size in range(2, len(useful) + 1):
-        for combo in itertools.combinations(useful, size):
-            tried += 1
-            if tried > 4096:  # a plugin naming dozens of hints: say all of them, if they decide
-                return [], (list(useful) if decides(useful) else None)
-            if decides(combo):
-                return [], list(combo)
-    return [], None
-
-
-def _ambiguity(
-    engine: str,
-    groups: list[list[tuple[Candidate, KVLayout]]],
-    deciding_hints: Sequence[str],
-    given: Mapping[str, Any],
-    geo: Mapping[str, str],
-    order: str | None,
-) -> AmbiguousLayoutError:
-    """The error for readings that place bytes differently. It names every candidate with the
-    hint values that select it, and says truthfully what decides: the hints that decide
-    alone ("Pass one of these hints to decide"), else the smallest set that decides only
-    together ("pass these hints together"), else that the hints narrow it but do not tell
-    every reading apart. It never names a hint the caller gave. ``error.hints`` lists every
-    hint that bears on the choice; ``error.decide`` the sets that decide (one per entry)."""
-    firsts = [g[0] for g in groups]
-    keys: list[str] = list(deciding_hints)
-    all_keys = list(dict.fromkeys(k for c, _ in firsts for k in c.decided_by))
-    for k in all_keys:
-        if len({repr(c.decided_by.get(k)) for c, _ in firsts}) > 1:
-            keys.append(k)
-    geo_keys: dict[str, str] = {}
-    for attr, hint in geo.items():
-        if len({_geometry(lay, attr) for _, lay in firsts}) > 1:
-            keys.append(hint)
-            geo_keys[hint] = attr
-    by_order: dict[int, str] = {}  # group -> the tensor_order value that leaves it alone
-    only: dict[int, str] = {}  # group -> the one tensor order all its readings need
-    if order is None:
-        for i, g in enumerate(groups):
-            orders = {c.order for c, _ in g}
-            if None not in orders and len(orders) == 1:
-                only[i] = orders.pop()
-        alloc = [i for i in range(len(groups)) if only.get(i) != "physical"]
-        phys = [i for i in range(len(groups)) if only.get(i) != "allocated"]
-        if len(alloc) == 1 and alloc != phys:
-            by_order[alloc[0]] = "allocated"
-        if len(phys) == 1 and alloc != phys:
-            by_order[phys[0]] = "physical"
-        n = len(groups)
-        phys_only = sum(1 for v in only.values() if v == "physical")
-        alloc_only = sum(1 for v in only.values() if v == "allocated")
-        if 0 < phys_only < n or 0 < alloc_only < n:  # a value of tensor_order rules out some readings, not all
-            keys.append(TENSOR_ORDER)
-    keys = [k for k in dict.fromkeys(keys) if k not in given]
-    # per candidate, the values of each hint that select it (None: any value keeps it)
-    values: list[dict[str, frozenset[str] | None]] = []
-    for i, (c, lay) in enumerate(firsts):
-        row: dict[str, frozenset[str] | None] = {}
-        for k in keys:
-            if k in c.decided_by:
-                row[k] = _alternatives(c.decided_by[k])
-            elif k in geo_keys:
-                row[k] = _alternatives(_geometry(lay, geo_keys[k]))
-            elif k == TENSOR_ORDER:
-                row[k] = frozenset([only[i]]) if i in only else None
-            else:
-                row[k] = None
-        values.append(row)
-    opaque = [k for k in deciding_hints if k in keys and all(v.get(k) is None for v in values)]
-    singles, together = _deciding_sets(keys, values, opaque)
-    lines = []
-    for i, (c, lay) in enumerate(firsts):
-        sel = {k: v for k, v in c.decided_by.items() if k not in given}
-        if TENSOR_ORDER in keys and (i in by_order or i in only):
-            sel[TENSOR_ORDER] = by_order.get(i, only.get(i))
-        for k in geo_keys:  # the geometry hints that differ between the readings, by the plugin's names
-            if k in keys and values[i].get(k) is not None:
-                sel.setdefault(k, _geometry(lay, geo_keys[k]))
-        dec = ", ".join(f"{k}={v!r}" for k, v in sel.items())
-        lines.append(f"  {c.name()}: {lay.describe()} ({_geometry_line(lay)}){_order_note(c)}" + (f"; selected by {dec}" if dec else ""))
-    said = f" (hints given: {', '.join(f'{k}={v!r}' for k, v in given.items())})" if given else ""
-    also = [k for k in opaque if k not in singles]
-    if singles:
-        advice = f"Pass one of these hints to decide: {', '.join(singles)}"
-        decide = [[k] for k in singles]
-    elif together:
-        advice = (
-            f"No one hint decides between these {len(firsts)} layouts; pass these hints together: {', '.join(together)} "
-            "(the values that select each layout are listed with it)"
-        )
-        decide = [together]
-    elif keys:
-        advice = (
-            f"These hints narrow it down but do not tell all {len(firsts)} layouts apart, even together: {', '.join(keys)}; "
-            "see the plugin's docs for what else decides"
-        )
-        decide = []
-    else:
-        advice = "Pass one of these hints to decide: (none of the hints this plugin knows decides; see its docs)"
-        decide = []
-    if also:
-        advice += f"; the plugin also names {', '.join(also)} as deciding (its docs give the values)"
-    needs_physical = [firsts[i][0].name() for i, o in only.items() if o == "physical"]
-    if needs_physical and TENSOR_ORDER not in given and not any(TENSOR_ORDER in d for d in decide):
-        # a hint that rules out the allocated-order reading leaves it only when the caller says so
-        advice += (
-            f". {' and '.join(needs_physical)} {'reads' if len(needs_physical) == 1 else 'read'} the tensors as already permuted "
-            f"into memory order: for {'it' if len(needs_physical) == 1 else 'them'} pass {TENSOR_ORDER}='physical' too"
-        )
-    err = AmbiguousLayoutError(
-        f"{engine}: these tensors fit {len(firsts)} layouts that place bytes differently, and no hint given decides{said}:\n"
-        + "\n".join(lines)
-        + f"\n{advice}",
-        candidates=[c.format for c, _ in firsts],
-        hints=keys,
-    )
-    err.decide = decide
-    return err
-
-
-def _describe_candidates(items: Sequence[tuple[Candidate, KVLayout]]) -> str:
-    return "; ".join(f"{c.name()} {lay.describe()} ({_geometry_line(lay)})" for c, lay in items)
-
-
-def _hint_contradiction(
-    engine: str, evidence: Sequence[tuple[Candidate, KVLayout]], physical: Sequence[tuple[Candidate, KVLayout]]
-) -> DetectionError:
-    said = dict(p for c, _ in evidence for p in c.against.items())
-    hint = ", ".join(f"{k}={v!r}" for k, v in said.items())
-    msg = f"{engine}: the hints say {hint}, but the tensors' strides show {_describe_candidates(evidence)}, which {hint} rules out."
-    if physical:
-        msg += (
-            f" Read as already permuted into memory order they would fit the hints as {_describe_candidates(physical)}:"
-            f" if that is what you passed, add the hint {TENSOR_ORDER}='physical'."
-        )
-    msg += " Otherwise fix the hint, or pass the tensors as the engine allocated them."
-    tensors = [t for c, _ in evidence[:1] for t in tensors_in(c.kv_caches)]
-    if tensors:
-        msg += f"\ntensors:\n{describe_input(tensors)}"
-    return DetectionError(msg)
-
-
-def _order_contradiction(engine: str, order: str, live: Sequence[tuple[Candidate, KVLayout]]) -> DetectionError:
-    other = "physical" if order == "allocated" else "allocated"
-    if order == "physical":
-        what = "the tensors' axes are already in memory order, but their strides are permuted"
-    else:
-        what = "the tensors are as the engine allocated them, but no reading of the engine's allocation fits"
-    return DetectionError(
-        f"{engine}: the hint {TENSOR_ORDER}={order!r} says {what}; they read only as {TENSOR_ORDER}={other!r}: "
-        f"{_describe_candidates(live)}. Drop or fix the hint."
-    )
-
-
-def memory_ordered(t: torch.Tensor) -> bool:
-    """True when ``t``'s axes are in memory order: the strides of the axes longer than 1
-    do not increase from the outermost axis in. Such a tensor may have been handed over
-    as allocated or already permuted into memory order; a tensor that is not memory
-    ordered was certainly not permuted into memory order."""
-    prev = None
-    for n, s in zip(t.shape, t.stride()):
-        if n <= 1:
-            continue
-        if prev is not None and s > prev:
-            return False
-        prev = s
-    return True
-
-
 def _same_objects(a: Any, b: Any) -> bool:
     """``a`` and ``b`` are the very same tensor objects (lists compared leaf by leaf)."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -1175,17 +590,3 @@ def split_aliases(entries: Sequence[Any]) -> tuple[list[Any], dict[int, int]]:
         seen[k] = i
         distinct.append(e)
     return distinct, aliases
-
-
-def physical_permutation(t: torch.Tensor) -> list[int]:
-    """The axis order that makes ``t``'s memory order outermost-first: axes sorted by
-    decreasing stride; ties (size-1 axes) keep their given order."""
-    return sorted(range(t.dim()), key=lambda i: (-t.stride(i) if t.shape[i] > 1 else _size1_rank(t, i), i))
-
-
-def _size1_rank(t: torch.Tensor, i: int) -> int:
-    # a size-1 axis sits where its neighbour to the right is: it changes no address
-    for j in range(i + 1, t.dim()):
-        if t.shape[j] > 1:
-            return -t.stride(j)
-    return 0

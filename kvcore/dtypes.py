@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvcore.containers import tensors_in
 from kvcore.errors import DetectionError, KVCoreError
 
 __all__ = [
@@ -167,7 +168,6 @@ def rocm_build(tensors: Any) -> bool | None:
         ``meta`` device or inside :func:`described_tensors` (a description from a log:
         this process says nothing about the engine's platform), or there are no tensors.
     """
-    from kvcore.detection import tensors_in
 
     ts = tensors_in(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
     if not ts or _DESCRIBED.get() or all(t.device.type == "meta" for t in ts):

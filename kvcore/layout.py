@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from kvcore import registry
+from kvcore.detection_decl import Detection
 from kvcore.errors import FormatError, GeometryError, KVCoreError
 from kvcore.format_decl import KVFormat
 from kvcore.grammar import parse
@@ -43,41 +44,6 @@ class PageBufferShapeDesc(BaseModel):
     hs: int
     element_size: int
     block_stride_elems: int = 0
-
-
-@dataclass
-class Detection:
-    """What a ``kvcore_detect`` hook returns.
-
-    Attributes:
-        format: the format name.
-        kv_caches: the container normalised to the format's nesting (views of the
-            caller's tensors, never copies); for a multi-plane format a dict
-            ``{role: container}``, each nested as that plane's template.
-        dtype: the element dtype when the tensors are a byte view of it, else None; for
-            a multi-plane format one dtype for every plane or a dict ``{role: dtype}``
-            (roles left out keep their tensors' dtype).
-        params: facts the name cannot carry (``head_size`` of a packed CS axis, ...).
-        note: one line on how it was decided (shown by ``kvcore detect``).
-        excluded: set (with the reason) for tensors that are not KV (Mamba state);
-            then ``format`` is None.
-        layer_ids: the model's layer indices of the layout's layers, when the plugin
-            knows them and they are not 0..NL-1 (one attention-type group of a hybrid
-            model's cache); None: 0..NL-1.
-        aliases: ``{layer: earlier layer}`` for layers that are the very same memory as an
-            earlier layer (KV-sharing layers registered under several names; see
-            :func:`kvcore.detection.split_aliases`). ``kv_caches`` then holds only the
-            distinct layers, in order, and the layout still has one layer per entry.
-    """
-
-    format: str | None
-    kv_caches: Any = None
-    dtype: torch.dtype | dict[str, torch.dtype] | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    note: str = ""
-    excluded: str | None = None
-    layer_ids: tuple[int, ...] | None = None
-    aliases: dict[int, int] | None = None
 
 
 class KVLayout:
@@ -607,8 +573,6 @@ def _build_layout(
     """:func:`build_layout` without recording ``kv_caches`` as the caller's tensors (the
     detectors' candidates are a plugin's views; :func:`kvcore.detect` records the caller's
     own tensors once a reading is chosen)."""
-    from kvcore import registry
-
     if isinstance(format, str):
         try:
             fmt = registry.get_format(format)

@@ -48,8 +48,9 @@ import torch
 
 from kvcore.errors import GeometryError, TransferError
 from kvcore.inputs import plain_integers
-from kvcore.kernels import plane_span
-from kvcore.kernels.copy_kernels import CopyPlan, check_tables, select_copy_kernel
+from kvcore.kernels import _build, plane_span
+from kvcore.kernels.copy_kernels import NATIVE_CPU_COPY, NATIVE_CUDA_COPY, CopyPlan, check_tables, prepare_native, select_copy_kernel
+from kvcore.kernels.native import RC_REFUSED
 from kvcore.layout import KVLayout
 from kvcore.layout_plan import _dense
 from kvcore.spec import StrideTable
@@ -587,7 +588,6 @@ class CopyLayoutPlan:
         empty = torch.empty(0, dtype=torch.int64)
         self.kernel = select_copy_kernel(CopyPlan(src=self.src, dst=self.dst, src_slots=empty, dst_slots=empty, num_valid=0))
         self._native = None
-        from kvcore.kernels.copy_kernels import NATIVE_CPU_COPY, NATIVE_CUDA_COPY, prepare_native
 
         if self.kernel is NATIVE_CPU_COPY or self.kernel is NATIVE_CUDA_COPY:
             # the op compares slot values when one memory is read the same way on both sides; any
@@ -656,8 +656,6 @@ class CopyLayoutPlan:
     def _failed(self, rc: int, src_slots, dst_slots) -> None:
         """The op refused before moving a byte: raise the Python layer's message for the
         same input (host checks, worded as every kvcore error) or the op's own."""
-        from kvcore.kernels import _build
-        from kvcore.kernels.native import RC_REFUSED
 
         msg = _build.MODULE.copy_last_error()
         if rc == RC_REFUSED:

@@ -43,8 +43,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvcore import transfer_path
 from kvcore.errors import GeometryError, TransferError
 from kvcore.inputs import plain_integers
+from kvcore.kernels import _build, select_kernel, single_threaded
+from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, RC_NEG_CONJ, RC_PAGEABLE, RC_REFUSED, prepare, run_prepared, take_device_error
+from kvcore.transfer_path import _index_tensor, _layers, _run, _scalar_layer, _write_once, slots_for_blocks
 
 __all__ = ["LayoutPlan", "plan", "synchronize"]
 
@@ -85,8 +89,6 @@ class LayoutPlan:
     """
 
     def __init__(self, layout, layers: Sequence[int] | int | None = None):
-        from kvcore.kernels import select_kernel
-        from kvcore.transfer import _layers, _scalar_layer, _write_once
 
         layers = _scalar_layer(layers)
         sel = _layers(layout, layers)
@@ -111,8 +113,6 @@ class LayoutPlan:
             self.kernel = select_kernel(self.device.type, layout.format.name, self.device.type, table=self.table)
         except TransferError:
             return  # the generic path raises it, at the call
-        from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, prepare
-
         if self.kernel is CPU_KERNEL or self.kernel is CUDA_KERNEL:
             self._prep = prepare(self.table, self.single)
 
@@ -130,8 +130,6 @@ class LayoutPlan:
     def allocate(self, num_tokens: int, *, device=None, pin_memory: bool = False):
         """Zeroed staging for ``num_tokens`` tokens: a tensor (classic staging) or a dict
         ``{role: tensor}``, on ``device`` (default: the cache's), pinned when asked."""
-        from kvcore.kernels import single_threaded
-
         dev = torch.device(device) if device is not None else self.device
         shapes = self.staging_shapes(num_tokens)
         nbytes = num_tokens * self.table.num_layers * sum(b.row_bytes * (b.kv_size or 1) for b in self.table.buffers)
@@ -230,9 +228,6 @@ class LayoutPlan:
         the way the code says (staging with torch's negative/conjugate bit resolved;
         pageable host staging through the generic path), or raise the refusal (a stale
         storage, an earlier call's device refusal, anything else the op checks)."""
-        from kvcore.kernels import _build
-        from kvcore.kernels.native import RC_NEG_CONJ, RC_PAGEABLE, RC_REFUSED, run_prepared
-
         msg = _build.MODULE.last_error()
         if rc == RC_NEG_CONJ:
             run_prepared(prep, gather, s, staging, skip, v, "")
@@ -247,26 +242,20 @@ class LayoutPlan:
     def _explain(self, gather: bool, slot_mapping, staging, skip: int) -> None:
         """Raise the Python layer's message for a call the op refused (the same checks,
         worded as every other kvcore error); returns when it finds nothing to say."""
-        from kvcore import transfer as tr
-
         if isinstance(staging, Mapping) and not isinstance(staging, torch.Tensor) and self.classic_staging:
-            tr._check_staging(self.layout, staging, self._sel, self.single, 0, "out" if gather else "src")
-        slots, _ = tr._slots(self.layout, slot_mapping, skip, check_duplicates=not gather)
+            transfer_path._check_staging(self.layout, staging, self._sel, self.single, 0, "out" if gather else "src")
+        slots, _ = transfer_path._slots(self.layout, slot_mapping, skip, check_duplicates=not gather)
         t = slots.numel()
         what = "out" if gather else "src"
         if self.classic_staging:
-            tr._check_staging(self.layout, staging, self._sel, self.single, t, what)
-        elif hasattr(tr, "_check_plane_staging"):
-            tr._check_plane_staging(self.layout, staging, self._sel, self.single, t, what)
+            transfer_path._check_staging(self.layout, staging, self._sel, self.single, t, what)
+        elif hasattr(transfer_path, "_check_plane_staging"):
+            transfer_path._check_plane_staging(self.layout, staging, self._sel, self.single, t, what)
 
     def _generic(self, gather: bool, slot_mapping, staging, skip_prefix):
-        from kvcore.transfer import _run
-
         return _run(self.layout, slot_mapping, staging, self.layers, skip_prefix, gather)
 
     def _slots_in(self, slot_mapping) -> torch.Tensor:
-        from kvcore.transfer import _index_tensor
-
         s = _index_tensor(slot_mapping, "slot_mapping")
         if s.dim() != 1:
             raise TransferError(f"slot_mapping must be 1-D [T], got shape {tuple(s.shape)}")
@@ -293,8 +282,6 @@ class LayoutPlan:
         return v
 
     def _block_slots(self, block_ids, validate, check_duplicates: bool = False, skip_prefix=0) -> torch.Tensor:
-        from kvcore.transfer import _index_tensor, slots_for_blocks
-
         if not (self._cuda and validate != "sync"):
             # host-validated: errors name the caller's block_ids (the first bad index), not derived slots
             dup = check_duplicates and validate != "none"
@@ -368,8 +355,6 @@ def synchronize(device=None) -> None:
             if p2p is not None:  # transfers in flight: wait with their deadlines, raise what they left
                 p2p._drain(dev)
             torch.cuda.synchronize(dev)
-    from kvcore.kernels.native import take_device_error
-
     msg = take_device_error()
     if msg:
         raise TransferError(msg)

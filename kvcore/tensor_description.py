@@ -18,6 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvcore.dtypes import parse_dtype as _parse
 from kvcore.errors import KVCoreError
 
 __all__ = ["UsageError", "load_tensor_description", "parse_dtype"]
@@ -35,7 +36,6 @@ def parse_dtype(name: str) -> Any:
     Raises:
         UsageError: an unknown name (listing the accepted ones).
     """
-    from kvcore.dtypes import parse_dtype as _parse
 
     return _parse(name, what="dtype", error=UsageError)
 

@@ -24,8 +24,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvcore import registry
 from kvcore.errors import TransferError
+from kvcore.kernels import _build
+from kvcore.registry import BoundKernel, _GuardedKernel
 from kvcore.spec import StrideTable, caller_problem
+from kvcore.strides import plane_span
 
 __all__ = [
     "TransferKernel",
@@ -88,8 +92,6 @@ class TransferKernel(Protocol):
 
 
 def _candidates(device_type: str, format_name: str):
-    from kvcore import registry
-
     out = []
     for k in registry.kernels():
         if device_type not in tuple(k.device_types):
@@ -133,7 +135,6 @@ def select_kernel(device_type: str, format_name: str, staging_device_type: str |
 def _bound(k, reselect):
     """A plugin's kernel with the selection that chose it, so a transfer it fails is redone
     by the next kernel (:class:`kvcore.registry.BoundKernel`); the core's kernels as they are."""
-    from kvcore.registry import BoundKernel, _GuardedKernel
 
     return BoundKernel(k, reselect) if isinstance(k, _GuardedKernel) else k
 
@@ -143,7 +144,6 @@ def forced_kernel_problem(forced: str, device_type: str, format_name: str, cands
     kernel of that name is registered (listing those that are, and the plugins disabled or
     failed to load, one of which may provide it), or the kernel does not claim the device
     type or the format."""
-    from kvcore import registry
 
     every = registry.kernels()
     named = [k for k in every if k.name == forced]
@@ -173,7 +173,6 @@ def forced_kernel_problem(forced: str, device_type: str, format_name: str, cands
 
 def kernel_report() -> list[dict]:
     """For ``kvcore doctor``: every registered kernel, whether it is available and why."""
-    from kvcore import registry
 
     rows = []
     for k in sorted(registry.kernels(), key=lambda k: (tuple(k.device_types), -int(k.priority))):
@@ -191,16 +190,6 @@ def kernel_report() -> list[dict]:
 
 
 # -- safety checks every kernel runs before it writes --------------------------------------
-
-
-def plane_span(table: StrideTable, p) -> int:
-    """Bytes from a plane's base (per layer) to the end of the last byte it addresses."""
-    s = p.strides
-    nblocks = -(-table.num_slots // table.block_size)
-    last_tok = min(table.block_size, table.num_slots) - 1
-    if nblocks <= 0 or last_tok < 0:
-        return 0
-    return (nblocks - 1) * s.block + s.max_token_offset(last_tok) + (p.num_heads - 1) * s.head + s.head_span
 
 
 def check_storages(table: StrideTable) -> None:
@@ -386,7 +375,6 @@ def staging_conflict(table: StrideTable, buffers: Mapping[str, torch.Tensor], wh
 def cpu_grain() -> int:
     """Bytes per CPU thread of a transfer: below twice this, CPU work stays on the calling
     thread (the native op library's setting, ``KVCORE_CPU_GRAIN_BYTES``; 8 MiB without it)."""
-    from kvcore.kernels import _build
 
     mod = _build.MODULE
     if mod is not None and hasattr(mod, "cpu_grain"):

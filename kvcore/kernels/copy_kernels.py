@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore import registry
 from kvcore.errors import TransferError
+from kvcore.kernels import _build, check_storages, guard_rows
 from kvcore.kernels.views import UNIT as _UNIT
 from kvcore.kernels.views import cache_rows_view
 from kvcore.spec import Plane, StrideTable
@@ -79,7 +81,6 @@ def check_tables(src: StrideTable, dst: StrideTable) -> None:
     Raises:
         TransferError: naming the side, the (layer, plane) and what changed.
     """
-    from kvcore.kernels import check_storages
 
     for table, what in ((src, "source"), (dst, "destination")):
         try:
@@ -238,7 +239,6 @@ def prepare_native(src: StrideTable, dst: StrideTable, shared: bool):
         TransferError: a cache storage changed since the tables were built, or the op refuses
             the tables.
     """
-    from kvcore.kernels import _build, guard_rows
 
     if _op() is None or not hasattr(_build.MODULE, "CopyPlan"):
         return None
@@ -291,7 +291,6 @@ def prepare_native(src: StrideTable, dst: StrideTable, shared: bool):
 
 def _op():
     """``torch.ops.kvcore.copy_rows`` once the op library is built and loaded, else None."""
-    from kvcore.kernels import _build
 
     if not _build.load().loaded:
         return None
@@ -318,14 +317,11 @@ class NativeCopyKernel:
         if self.device_type == "cuda":
             if not torch.cuda.is_available():
                 return False
-            from kvcore.kernels import _build
 
             return _op() is not None and _build.status().cuda
         return _op() is not None
 
     def why(self) -> str:
-        from kvcore.kernels import _build
-
         if self.device_type == "cuda" and not torch.cuda.is_available():
             return "unavailable: no CUDA device visible to torch"
         st = _build.status() if _build.status().attempted else _build.load()
@@ -380,7 +376,6 @@ NATIVE_CUDA_COPY = NativeCopyKernel("cuda")
 
 def copy_kernels() -> list:
     """The copy kernels: the built-in ones and every registered kernel that defines ``copy``."""
-    from kvcore import registry
 
     out = [NATIVE_CUDA_COPY, NATIVE_CPU_COPY, REFERENCE_COPY]
     for k in registry.kernels():

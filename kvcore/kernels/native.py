@@ -48,6 +48,7 @@ import torch
 
 from kvcore.errors import TransferError
 from kvcore.kernels import TransferPlan, _build, check_storages, guard_rows, plane_span
+from kvcore.kernels.reference import REFERENCE
 from kvcore.spec import StrideTable
 
 __all__ = [
@@ -326,8 +327,6 @@ class _NativeKernel:
         if _ops() is None or not self.supports(plan.table):
             # select_kernel skips this kernel when it is given the table (or when the op
             # library is not built); a caller that calls it anyway still gets a correct transfer
-            from kvcore.kernels.reference import REFERENCE
-
             (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
             return
         prep = prepare(plan.table)
@@ -336,8 +335,6 @@ class _NativeKernel:
             # a TransferPlan is validated by its maker; the op still skips slots out of range
             run_prepared(prep, gather, slots, plan.staging, 0, 0, f"{self.name} refused the transfer")
         except _Pageable:
-            from kvcore.kernels.reference import REFERENCE
-
             (REFERENCE.gather if gather else REFERENCE.scatter)(plan)
 
     def gather(self, plan: TransferPlan) -> None:

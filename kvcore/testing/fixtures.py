@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from kvcore.registry import fixtures_by_plugin, registered_fixtures
+
 __all__ = ["FixtureCase", "registered_fixtures", "fixtures_by_plugin"]
 
 
@@ -90,41 +92,3 @@ def _takes_hints(fn: Callable) -> bool:
         return "hints" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-def registered_fixtures(plugin: str | None = None, *, skip_broken: bool = False) -> list[FixtureCase]:
-    """Every fixture the loaded plugins register through ``kvcore_register_fixtures`` (or
-    ``plugin``'s only), in plugin-name order. The hook is called through pluggy: every
-    implementation a plugin has (one named with ``specname=`` too) contributes.
-
-    Raises:
-        Exception: whatever a plugin's hook raised (``skip_broken``: that plugin's cases
-            are left out instead; :func:`fixtures_by_plugin` reports it).
-    """
-    by_plugin, errors = fixtures_by_plugin(None if plugin is None else [plugin])
-    if errors and not skip_broken:
-        raise next(iter(errors.values()))
-    return [c for name in sorted(by_plugin) for c in by_plugin[name]]
-
-
-def fixtures_by_plugin(plugins: list[str] | None = None) -> tuple[dict[str, list[Any]], dict[str, BaseException]]:
-    """``({plugin: [cases]}, {plugin: the exception its hook raised})`` for every loaded
-    plugin (or those named). A plugin whose hook raised keeps the cases registered before."""
-    from kvcore import registry
-
-    h = registry.host()
-    out: dict[str, list[Any]] = {}
-    errors: dict[str, BaseException] = {}
-    for p in h.pm.get_plugins():
-        name = h.pm.get_name(p)
-        if plugins is not None and name not in plugins:
-            continue
-        out[name] = []
-        impls = [i for i in h.pm.hook.kvcore_register_fixtures.get_hookimpls() if i.plugin_name == name]
-        for impl in reversed(impls):  # pluggy's call order
-            try:
-                registry.contained(impl.function, *[{"register": out[name].append}[a] for a in impl.argnames])
-            except Exception as e:  # noqa: BLE001 - reported per plugin by the caller
-                errors[name] = e
-                break
-    return out, errors

@@ -27,6 +27,9 @@ import weakref
 
 import torch
 
+from kvcore import distributed
+from kvcore import distributed as d
+
 __all__ = ["LoopbackWire", "LoopbackGroup"]
 
 
@@ -106,8 +109,6 @@ class LoopbackWire:
     def __init__(self, device: torch.device | str = "cuda"):
         import torch.distributed as dist
 
-        from kvcore import distributed
-
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("LoopbackWire needs torch.distributed initialised (a world of one process will do)")
         self.device = torch.device(device)
@@ -137,7 +138,6 @@ class LoopbackWire:
         ``kvcore.recv(recv_layout, slots, 0, heads=recv_heads, tag=tag, group=ends[1])`` of
         ``num_tokens`` slots would leave, size the mailboxes of one such call and prefill the
         receiver's answers. Returns the number of chunks per call."""
-        from kvcore import distributed as d
 
         s_side = d._side(send_layout, None, heads, "heads")
         r_side = d._side(recv_layout, None, recv_heads, "heads", tuple(p[0] for p in s_side.sig))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvcore import registry
+from kvcore.errors import PluginError
 from kvcore.testing.checks import planes as plane_checks
 from kvcore.testing.checks.common import (
     _dname,
@@ -45,7 +46,7 @@ from kvcore.testing.checks.semantic import (
 )
 from kvcore.testing.checks.staging import check_staging_views
 from kvcore.testing.checks.writer import check_writer, check_writer_gather, check_writer_scatter, check_writer_view
-from kvcore.testing.fixtures import FixtureCase
+from kvcore.testing.fixtures import FixtureCase, fixtures_by_plugin
 from kvcore.testing.results import CheckFailure, CheckSkip, Options, Task
 from kvcore.testing.writers import Writer
 
@@ -241,7 +242,6 @@ def _devices(opts: Options) -> list[torch.device]:
 
 def _fixtures_by_plugin() -> tuple[dict[str, list[FixtureCase]], dict[str, str]]:
     """Each plugin's fixtures, and the error of each plugin whose fixture hook raised."""
-    from kvcore.testing.fixtures import fixtures_by_plugin
 
     out, raised = fixtures_by_plugin()
     errors = {name: f"kvcore_register_fixtures raised {type(e).__name__}: {e}" for name, e in raised.items()}
@@ -263,7 +263,6 @@ def plan(plugins: Sequence[str] | None = None, opts: Options | None = None) -> l
     Raises:
         kvcore.PluginError: a name that is not a loaded plugin (the message lists them).
     """
-    from kvcore.errors import PluginError
 
     opts = opts or Options()
     h = registry.host()

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.errors import PluginError
+from kvcore.testing import suite
+
 __all__ = ["pytest_addoption", "pytest_collection_modifyitems"]
 
 
@@ -43,9 +46,6 @@ def pytest_collection_modifyitems(session: Any, config: Any, items: list) -> Non
     if not names:
         return
     import pytest
-
-    from kvcore.errors import PluginError
-    from kvcore.testing import suite
 
     opts = suite.Options(examples=max(1, config.getoption("kvcore_examples")))
     try:

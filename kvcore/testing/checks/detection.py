@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvcore import registry
-from kvcore.detection import TENSOR_ORDER, detect, physical_permutation, tensors_in
+from kvcore.detection import TENSOR_ORDER, detect, normalize_container, physical_permutation, tensors_in
 from kvcore.errors import AmbiguousLayoutError, DetectionError, GeometryError, KVCoreError
 from kvcore.grammar import render_concrete
 from kvcore.testing import oracle
@@ -266,8 +266,6 @@ def check_memory_order(case: FixtureCase, device: torch.device) -> str:
 
 
 def check_physical_order(case: FixtureCase) -> str:
-    from kvcore.detection import physical_permutation
-
     dtype = _widest(case.dtypes)
     kv, hints = _make(case, case.sizes, dtype, torch.device("cpu"))
     layout = _detect(case, kv, hints)
@@ -297,8 +295,6 @@ FOREIGN_ENGINE = "kvcore-check-not-an-engine"
 
 
 def check_engine_scoped(plugin: str, cases: list[FixtureCase]) -> str:
-    from kvcore.detection import normalize_container
-
     impls = [i for i in registry.host().pm.hook.kvcore_detect.get_hookimpls() if i.plugin_name == plugin]
     if not impls:
         raise CheckSkip(f"{plugin} has no kvcore_detect hook")

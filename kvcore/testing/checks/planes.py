@@ -25,7 +25,9 @@ from kvcore import registry
 from kvcore.detection import detect
 from kvcore.errors import AmbiguousLayoutError, GeometryError, KVCoreError, TransferError
 from kvcore.grammar import VALUE_ROLES, parse
+from kvcore.kernels.reference import REFERENCE
 from kvcore.layout import KVLayout
+from kvcore.layout_plan import synchronize
 from kvcore.testing import oracle
 from kvcore.testing.checks.common import (
     _detect,
@@ -40,6 +42,8 @@ from kvcore.testing.checks.common import (
     devices,
     forced_kernel,
 )
+from kvcore.testing.checks.detection import PROBES, _ambiguity_ok
+from kvcore.testing.checks.random import _random_sizes
 from kvcore.testing.fixtures import FixtureCase
 from kvcore.testing.results import CheckFailure, CheckSkip
 from kvcore.transfer import gather, gather_blocks, scatter, slots_for_blocks
@@ -415,7 +419,6 @@ def check_geometry(case: FixtureCase) -> str | None:
 def check_ambiguity(case: FixtureCase, probe: str, device: torch.device, gather_too: bool = False) -> str | None:
     """Per plane: ``ambiguity[PROBE]`` and, with ``gather_too``, ``semantic_gather[PROBE]``
     (:func:`kvcore.testing.checks.detection.check_ambiguity`)."""
-    from kvcore.testing.checks.detection import PROBES
 
     fmt = registry.get_format(case.format)
     if (probe.startswith("NH") or probe == "BS=NH") and not fmt.syntax.has("NH"):
@@ -431,8 +434,6 @@ def check_ambiguity(case: FixtureCase, probe: str, device: torch.device, gather_
     try:
         layout = detect(kv, case.engine, hints)
     except AmbiguousLayoutError as e:
-        from kvcore.testing.checks.detection import _ambiguity_ok
-
         if gather_too:
             raise CheckSkip(f"probe {_sizes_str(sizes)} is ambiguous: no answer to gather (see ambiguity[{probe}])") from None
         return _ambiguity_ok(e, hints)
@@ -593,8 +594,6 @@ def _expect_refusal(ctx: PCtx, what: str, call: Callable[[], Any], staging: Any 
     try:
         call()
         # a CUDA refusal validated on the device surfaces at kvcore.synchronize()
-        from kvcore.layout_plan import synchronize
-
         synchronize(ctx.layout.device)
     except TransferError:
         pass
@@ -735,9 +734,6 @@ def check_staging_views(ctx: PCtx) -> str:
 
 
 def check_agrees_with_reference(case: FixtureCase, device: torch.device, kernel: Any, examples: int) -> str:
-    from kvcore.kernels.reference import REFERENCE
-    from kvcore.testing.checks.random import _random_sizes
-
     if kernel is REFERENCE or kernel.name == REFERENCE.name:
         raise CheckSkip("this is the reference kernel")
     rng = random.Random(_seed(case.name, kernel.name, "planes"))

@@ -14,6 +14,7 @@ import torch
 from kvcore import registry
 from kvcore.detection import detect
 from kvcore.errors import GeometryError, KVCoreError
+from kvcore.kernels.reference import REFERENCE
 from kvcore.testing import oracle
 from kvcore.testing.checks.common import (
     _dname,
@@ -57,8 +58,6 @@ def _random_sizes(case: FixtureCase, draw_int: Callable[[int, int], int], draw_f
 
 
 def check_agrees_with_reference(case: FixtureCase, device: torch.device, kernel: Any, examples: int) -> str:
-    from kvcore.kernels.reference import REFERENCE
-
     if kernel.name == REFERENCE.name:
         raise CheckSkip("this is the reference kernel")
     state = {"ran": 0, "declined": 0, "last": None}

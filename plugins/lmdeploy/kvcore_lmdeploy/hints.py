@@ -69,6 +69,7 @@ hints that decide -- the plugin never guesses. A hint the tensors contradict is 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -241,10 +242,10 @@ def declared_hints() -> list[Any]:
     """The hints :class:`LMDeployHints` reads, for ``kvcore hints lmdeploy``."""
     from kvcore import Hint, tensor_order_hint
 
+    hint = partial(Hint, engine="lmdeploy")
     ce = "lmdeploy/pytorch/engine/cache_engine.py::CacheEngine"
     return [
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="quant_policy",
             meaning="PytorchEngineConfig.quant_policy: 0 none, 4 int4 (K/V uint8 of head_dim/2 bytes), 8 int8, 16 fp8 e4m3, "
             "17 fp8 e5m2, 42 TurboQuant; int4/int8/TurboQuant add per-token-head scale/zero (norm) tensors",
@@ -253,8 +254,7 @@ def declared_hints() -> list[Any]:
             "block fit, several fitting raise AmbiguousLayoutError naming this hint",
             source="lmdeploy/messages.py::QuantPolicy (0.14.0); PytorchEngineConfig.quant_policy",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="device_type",
             aliases=["device"],
             meaning="PytorchEngineConfig.device_type: the backend whose get_k_block_shape allocated the blocks: cuda (BS, NH, HS) "
@@ -265,8 +265,7 @@ def declared_hints() -> list[Any]:
             "where the readings differ",
             source="lmdeploy/pytorch/backends/*/op_backend.py::get_k_block_shape",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="block_size",
             aliases=["cache_block_seq_len"],
             meaning="CacheConfig.block_size, tokens per block (TurboMind: cache_block_seq_len); 0.14+: a multiple of the "
@@ -275,8 +274,7 @@ def declared_hints() -> list[Any]:
             default="from the shapes",
             source="lmdeploy/pytorch/config.py::CacheConfig.block_size",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="kernel_block_size",
             meaning="CacheConfig.kernel_block_size (0.14+): tokens per allocated block (a power of 2 >= 16 dividing block_size; camb: 16)",
             type="int > 0",
@@ -284,40 +282,35 @@ def declared_hints() -> list[Any]:
             "bytes raise AmbiguousLayoutError naming this hint",
             source=f"{ce}.allocate_caches (0.14.0)",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="num_kv_heads",
             meaning="KV heads per rank: ModelConfig.num_key_value_heads // world_size",
             type="int > 0",
             default="from the shapes (required for the 0.11+ memory pool)",
             source=f"{ce}._get_key_block_shape_impl",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="head_dim",
             meaning="ModelConfig.head_dim: the model's head size (int4 stores head_dim/2 bytes per head)",
             type="int > 0",
             default="from the shapes (required for the 0.11+ memory pool unless k_head_dim and v_head_dim are given)",
             source="lmdeploy/pytorch/config.py::ModelConfig.head_dim",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="k_head_dim",
             meaning="ModelConfig.k_head_dim when K's head size differs from head_dim",
             type="int > 0",
             default="head_dim",
             source="lmdeploy/pytorch/config.py::ModelConfig.k_head_dim",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="v_head_dim",
             meaning="ModelConfig.v_head_dim when V's head size differs from head_dim (0 for MLA: V is not stored)",
             type="int >= 0",
             default="head_dim",
             source="lmdeploy/pytorch/config.py::ModelConfig.v_head_dim",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="dtype",
             meaning="ModelConfig.dtype: K/V dtype of an unquantised cache, dtype of the int4/int8 scales and zeros",
             values=["bfloat16", "float16", "float32"],
@@ -326,8 +319,7 @@ def declared_hints() -> list[Any]:
             source="lmdeploy/pytorch/config.py::ModelConfig.dtype",
         ),
         tensor_order_hint("lmdeploy"),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="lmdeploy_version",
             meaning="the release that allocated the cache; every hint and the tensors are checked against it: int4/int8 "
             "from 0.6.2, fp8 / TurboQuant / kernel blocks from 0.14.0, camb from 0.7, the cross-layer full_gpu_cache "
@@ -338,8 +330,7 @@ def declared_hints() -> list[Any]:
             "AmbiguousLayoutError names this hint",
             source="SOURCES.md (per release)",
         ),
-        Hint(
-            engine="lmdeploy",
+        hint(
             name="soc_version",
             meaning="the Ascend chip (SocVersion.device_name(): torch_npu.npu.get_device_name(), e.g. Ascend910B3, "
             "Ascend310P3); LMDeploy 0.8.0-0.11.0 allocate NZ blocks ((NH*HS+15)//16, BS, 16) on Ascend310P*, "

@@ -369,6 +369,22 @@ def _ascend_case() -> FixtureCase:
     )
 
 
+def _indexer_fixture(name: str, make: Any, kv_view: Any, num_blocks: int, source: str) -> FixtureCase:
+    """A DSA indexer pool case: uint8 pages, one head of 132 bytes (index_head_dim 128 fp8 + one fp32
+    scale); SGLang's page count (size + page_size + 1) // page_size is num_blocks only for
+    page_size >= 2."""
+    return _case(
+        name,
+        INDEXER_FORMAT,
+        make,
+        kv_view,
+        {"num_layers": 2, "num_blocks": num_blocks, "block_size": 64, "num_heads": 1, "head_size": 132},
+        source,
+        dtypes=(torch.uint8,),
+        size_constraints={"fixed": ("num_heads", "head_size"), "block_size_choices": (2, 4, 8, 64)},
+    )
+
+
 def _indexer_case() -> FixtureCase:
     def make(sizes: dict, dtype: torch.dtype, device: Any):
         nl, nb, bs, _, _ = _geom(sizes)
@@ -379,18 +395,7 @@ def _indexer_case() -> FixtureCase:
         # is the pair of segment views (keys [NP, BS, 1, 128], scales [NP, BS, 1, 4])
         return indexer_segment_views(kv_caches[layer], _page_of(kv_caches))
 
-    return _case(
-        "sglang-0.5.3-dsa-indexer",
-        INDEXER_FORMAT,
-        make,
-        kv_view,
-        {"num_layers": 2, "num_blocks": 3, "block_size": 64, "num_heads": 1, "head_size": 132},
-        "sglang 0.5.3 memory_pool.py::NSATokenToKVPool.__init__",
-        dtypes=(torch.uint8,),
-        # one head of 132 bytes (index_head_dim 128 fp8 + one fp32 scale); SGLang's page count
-        # (size + page_size + 1) // page_size is num_blocks only for page_size >= 2
-        size_constraints={"fixed": ("num_heads", "head_size"), "block_size_choices": (2, 4, 8, 64)},
-    )
+    return _indexer_fixture("sglang-0.5.3-dsa-indexer", make, kv_view, 3, "sglang 0.5.3 memory_pool.py::NSATokenToKVPool.__init__")
 
 
 def _indexer_dcp_case() -> FixtureCase:
@@ -404,15 +409,12 @@ def _indexer_dcp_case() -> FixtureCase:
     def kv_view(kv_caches: Any, layer: int, kv: int) -> tuple[torch.Tensor, torch.Tensor]:
         return indexer_segment_views(indexer_kernel_view(kv_caches[layer], 2), _page_of(kv_caches))
 
-    return _case(
+    return _indexer_fixture(
         "sglang-0.5.23-dsa-indexer-dcp2",
-        INDEXER_FORMAT,
         make,
         kv_view,
-        {"num_layers": 2, "num_blocks": 4, "block_size": 64, "num_heads": 1, "head_size": 132},
+        4,
         "sglang 0.5.23 memory_pool.py::DSATokenToKVPool.__init__ (dcp_replicated), index_key_cache.py::IndexKeyCache",
-        dtypes=(torch.uint8,),
-        size_constraints={"fixed": ("num_heads", "head_size"), "block_size_choices": (2, 4, 8, 64)},
     )
 
 

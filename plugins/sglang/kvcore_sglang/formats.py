@@ -15,6 +15,8 @@ plugin declares it too (identically: the core's spec reads it, given the scale w
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvcore import KVFormat, Source
 
 __all__ = ["FORMATS", "INDEXER_FORMAT", "MEMORY_POOL", "HOST_MHA", "HOST_MLA"]
@@ -26,17 +28,55 @@ HOST_MLA = "python/sglang/srt/mem_cache/pool_host/mla.py::MLATokenToKVPoolHost.i
 HOST_MLA_053 = "python/sglang/srt/mem_cache/memory_pool_host.py::MLATokenToKVPoolHost.init_kv_buffer"
 
 INDEXER_FORMAT = "NL_X_NB_BSV_BSS"
+#: LMCache's unified SGLang connector, which registers SGLang's buffers one paged component per entry
+LMCACHE_UNIFIED = Source(
+    engine="sglang", version="LMCache 0.5.6", file="lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor"
+)
 
 
 def _src(version: str, file: str) -> Source:
     return Source(engine="sglang", version=version, file=file)
 
 
+def _format(**fields: Any) -> KVFormat:
+    """A format SGLang allocates (``engines=["sglang"]``)."""
+    return KVFormat(engines=["sglang"], **fields)
+
+
+#: SGLang HiCache host pools per ``--hicache-mem-layout`` (``init_kv_buffer``): the MHA pool's
+#: format, the MLA pool's (None: no MLA pool of that layout) and the releases that have the layout.
+_HOST_LAYOUTS: tuple[tuple[str, str, str | None, tuple[str, ...]], ...] = (
+    ("layer_first", "TWO_NL_NBBS_NH_HS", "NL_NBBS_ONE_HS", ("0.5.3", "0.5.23")),
+    ("page_first", "TWO_NBBS_NL_NH_HS", "NBBS_NL_ONE_HS", ("0.5.3", "0.5.23")),
+    ("page_first_direct", "TWO_NB_NL_BS_NH_HS", "NB_NL_BS_ONE_HS", ("0.5.3", "0.5.23")),
+    ("page_head", "TWO_NB_NH_BS_NL_HS", None, ("0.5.23",)),
+)
+#: how ``init_kv_buffer`` names each axis of a host pool's shape (an MLA pool's last axis is its
+#: ``kv_cache_dim``)
+_HOST_AXES = {"TWO": "2", "ONE": "1", "NBBS": "size", "NB": "page_num", "BS": "page_size", "NL": "NL", "NH": "NH", "HS": "HS"}
+#: the pool sources per release, MHA and MLA
+_HOST_SOURCES = {"MHA": {"0.5.3": HOST_MHA_053, "0.5.23": HOST_MHA}, "MLA": {"0.5.3": HOST_MLA_053, "0.5.23": HOST_MLA}}
+
+
+def _host_format(kind: str, layout: str, name: str, releases: tuple[str, ...]) -> KVFormat:
+    """The format of an SGLang HiCache ``kind`` (``MHA`` / ``MLA``) host pool of ``--hicache-mem-layout``
+    ``layout``: its name is the pool's shape, ``(2, NL, size, NH, HS)`` for MHA ``layer_first``."""
+    axes = [_HOST_AXES[t] for t in name.split("_")]
+    if kind == "MLA":
+        axes[-1] = "kv_cache_dim"
+    default = " (the default --hicache-mem-layout)" if kind == "MHA" and layout == "page_first" else ""
+    return _format(
+        name=name,
+        attention_backends=[f"{kind}TokenToKVPoolHost {layout}"],
+        description=f"SGLang HiCache {kind} host pool, {layout}{default}: ({', '.join(axes)})",
+        sources=[_src(r, _HOST_SOURCES[kind][r]) for r in releases],
+    )
+
+
 FORMATS: list[KVFormat] = [
     # -- device pools ------------------------------------------------------------------
-    KVFormat(
+    _format(
         name="TWO_X_NL_X_NBBS_NH_HS",
-        engines=["sglang"],
         attention_backends=["MHATokenToKVPool"],
         description="SGLang MHA device pool, NHD token rows: k_buffer[l], v_buffer[l] each (size + page_size, NH, HS)",
         sources=[
@@ -44,9 +84,8 @@ FORMATS: list[KVFormat] = [
             _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._kv_buffer_shapes / _create_buffers_normal"),
         ],
     ),
-    KVFormat(
+    _format(
         name="TWO_X_NL_X_NB_BS_NH_HS",
-        engines=["sglang"],
         attention_backends=["MHATokenToKVPool"],
         description="SGLang MHA device pool, NHD, token rows split into pages by a page_size hint (views)",
         sources=[
@@ -54,16 +93,14 @@ FORMATS: list[KVFormat] = [
             _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers_normal"),
         ],
     ),
-    KVFormat(
+    _format(
         name="TWO_X_NL_X_NB_NH_BS_HS",
-        engines=["sglang"],
         attention_backends=["MHATokenToKVPool (SGLANG_USE_HND_KVCACHE)"],
         description="SGLang MHA device pool, HND page rows: k_buffer[l], v_buffer[l] each (num_pages, NH, page_size, HS)",
         sources=[_src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._kv_buffer_shapes (use_hnd)")],
     ),
-    KVFormat(
+    _format(
         name="NL_X_NBBS_ONE_HS",
-        engines=["sglang"],
         attention_backends=["MLATokenToKVPool"],
         description="SGLang MLA device pool: kv_buffer[l] (size + page_size, 1, kv_lora_rank + qk_rope_head_dim)",
         sources=[
@@ -71,55 +108,42 @@ FORMATS: list[KVFormat] = [
             _src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers"),
         ],
     ),
-    KVFormat(
+    _format(
         name="NL_X_NB_BS_ONE_HS",
-        engines=["sglang"],
         attention_backends=["MLATokenToKVPool"],
         description="SGLang MLA device pool, token rows split into pages by a page_size hint (views)",
         sources=[_src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers")],
     ),
-    KVFormat(
+    _format(
         name="TWO_NL_NB_BS_NH_HS",
-        engines=["sglang"],
         attention_backends=["AscendTokenToKVPool"],
         description="SGLang Ascend (NPU) MHA device pool: one cross-layer tensor (2, NL, size // page_size + 1, page_size, NH, HS)",
         sources=[_src("0.5.3", f"{MEMORY_POOL}::AscendTokenToKVPool._create_buffers")],
     ),
     # -- LMCache's unified per-component views of SGLang's buffers (kv_list_layout="unified") -----
-    KVFormat(
+    _format(
         name="NL_X_NB_BS_NH_HS",
-        engines=["sglang"],
         attention_backends=["MHATokenToKVPool (LMCache unified views)"],
         description="SGLang MHA buffers as LMCache's unified connector registers them: one list entry per K or V component, "
         "[NB, page_size, NH, HS]",
         sources=[
             _src("0.5.23", f"{MEMORY_POOL}::MHATokenToKVPool._create_buffers_normal (k_buffer, v_buffer)"),
-            Source(
-                engine="sglang",
-                version="LMCache 0.5.6",
-                file="lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor",
-            ),
+            LMCACHE_UNIFIED,
         ],
     ),
-    KVFormat(
+    _format(
         name="NL_X_NB_BS_HS",
-        engines=["sglang"],
         attention_backends=["MLATokenToKVPool (LMCache unified views)"],
         description="SGLang MLA kv_buffer as LMCache's unified connector registers it: [NB, page_size, D] per layer",
         sources=[
             _src("0.5.23", f"{MEMORY_POOL}::MLATokenToKVPool._create_buffers"),
-            Source(
-                engine="sglang",
-                version="LMCache 0.5.6",
-                file="lmcache/integration/sglang/unified_lmcache_mp_connector.py::_to_wire_block_tensor",
-            ),
+            LMCACHE_UNIFIED,
         ],
     ),
     # -- MHA pools whose V has its own head size (v_head_dim != head_dim): K and V planes --
     *[
-        KVFormat(
+        _format(
             name=f"K=NL_X_{t}+V=NL_X_{t}",
-            engines=["sglang"],
             attention_backends=["MHATokenToKVPool (v_head_dim)"],
             description=f"SGLang MHA device pool with V head size v_head_dim != head_dim: k_buffer[l], v_buffer[l] as {what}, "
             "one plane each (staged apart)",
@@ -135,59 +159,11 @@ FORMATS: list[KVFormat] = [
         )
     ],
     # -- HiCache host pools (one pinned tensor, the layer axis inside it) -----------------
-    KVFormat(
-        name="TWO_NL_NBBS_NH_HS",
-        engines=["sglang"],
-        attention_backends=["MHATokenToKVPoolHost layer_first"],
-        description="SGLang HiCache MHA host pool, layer_first: (2, NL, size, NH, HS)",
-        sources=[_src("0.5.3", HOST_MHA_053), _src("0.5.23", HOST_MHA)],
-    ),
-    KVFormat(
-        name="TWO_NBBS_NL_NH_HS",
-        engines=["sglang"],
-        attention_backends=["MHATokenToKVPoolHost page_first"],
-        description="SGLang HiCache MHA host pool, page_first (the default --hicache-mem-layout): (2, size, NL, NH, HS)",
-        sources=[_src("0.5.3", HOST_MHA_053), _src("0.5.23", HOST_MHA)],
-    ),
-    KVFormat(
-        name="TWO_NB_NL_BS_NH_HS",
-        engines=["sglang"],
-        attention_backends=["MHATokenToKVPoolHost page_first_direct"],
-        description="SGLang HiCache MHA host pool, page_first_direct: (2, page_num, NL, page_size, NH, HS)",
-        sources=[_src("0.5.3", HOST_MHA_053), _src("0.5.23", HOST_MHA)],
-    ),
-    KVFormat(
-        name="TWO_NB_NH_BS_NL_HS",
-        engines=["sglang"],
-        attention_backends=["MHATokenToKVPoolHost page_head"],
-        description="SGLang HiCache MHA host pool, page_head: (2, page_num, NH, page_size, NL, HS)",
-        sources=[_src("0.5.23", HOST_MHA)],
-    ),
-    KVFormat(
-        name="NL_NBBS_ONE_HS",
-        engines=["sglang"],
-        attention_backends=["MLATokenToKVPoolHost layer_first"],
-        description="SGLang HiCache MLA host pool, layer_first: (NL, size, 1, kv_cache_dim)",
-        sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
-    ),
-    KVFormat(
-        name="NBBS_NL_ONE_HS",
-        engines=["sglang"],
-        attention_backends=["MLATokenToKVPoolHost page_first"],
-        description="SGLang HiCache MLA host pool, page_first: (size, NL, 1, kv_cache_dim)",
-        sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
-    ),
-    KVFormat(
-        name="NB_NL_BS_ONE_HS",
-        engines=["sglang"],
-        attention_backends=["MLATokenToKVPoolHost page_first_direct"],
-        description="SGLang HiCache MLA host pool, page_first_direct: (page_num, NL, page_size, 1, kv_cache_dim)",
-        sources=[_src("0.5.3", HOST_MLA_053), _src("0.5.23", HOST_MLA)],
-    ),
+    *[_host_format("MHA", layout, mha, releases) for layout, mha, _mla, releases in _HOST_LAYOUTS],
+    *[_host_format("MLA", layout, mla, releases) for layout, _mha, mla, releases in _HOST_LAYOUTS if mla],
     # -- the DSA/NSA indexer pool (also vLLM's DeepSeek-V3.2 indexer layout) ------------------
-    KVFormat(
+    _format(
         name=INDEXER_FORMAT,
-        engines=["sglang"],
         attention_backends=["NSATokenToKVPool", "DSATokenToKVPool"],
         description="SGLang DSA/NSA indexer keys: per layer uint8 (num_pages, page_size * 132), a page's fp8 keys then its fp32 scales",
         sources=[
@@ -198,9 +174,4 @@ FORMATS: list[KVFormat] = [
 ]
 
 #: host pool formats by ``--hicache-mem-layout`` value, MHA then MLA
-HOST_FORMATS: dict[str, tuple[str, str | None]] = {
-    "layer_first": ("TWO_NL_NBBS_NH_HS", "NL_NBBS_ONE_HS"),
-    "page_first": ("TWO_NBBS_NL_NH_HS", "NBBS_NL_ONE_HS"),
-    "page_first_direct": ("TWO_NB_NL_BS_NH_HS", "NB_NL_BS_ONE_HS"),
-    "page_head": ("TWO_NB_NH_BS_NL_HS", None),
-}
+HOST_FORMATS: dict[str, tuple[str, str | None]] = {layout: (mha, mla) for layout, mha, mla, _ in _HOST_LAYOUTS}

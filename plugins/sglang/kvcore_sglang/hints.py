@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -247,16 +248,25 @@ def element_dtype(storage: torch.dtype, hints: SGLangHints) -> torch.dtype | Non
     )
 
 
+#: the pool geometry hints, each a positive int: (name, aliases, meaning, default)
+_POOL_GEOMETRY: tuple[tuple[str, list[str], str, str], ...] = (
+    ("num_kv_heads", [], "the pool's head_num (KV heads per rank)", "from the shapes"),
+    ("head_size", ["head_dim"], "the pool's head_dim (K; MLA: kv_lora_rank + qk_rope_head_dim)", "from the shapes"),
+    ("v_head_size", ["v_head_dim"], "the pool's v_head_dim when V's head size differs from K's", "head_size"),
+    ("num_layers", ["layer_num"], "the pool's layer_num", "from the shapes"),
+)
+
+
 def declared_hints() -> list[Any]:
     """The hints :class:`SGLangHints` reads, declared for ``kvcore hints sglang``
     (``kvcore_register_hints``); meanings as in this module's docstring."""
     from kvcore import Hint, tensor_order_hint
     from kvcore.dtypes import DTYPE_ALIASES, DTYPES
 
+    hint = partial(Hint, engine="sglang")
     pool = "python/sglang/srt/mem_cache/memory_pool.py"
     return [
-        Hint(
-            engine="sglang",
+        hint(
             name="page_size",
             aliases=["tokens_per_block", "block_size"],
             meaning="SGLang's --page-size: splits a device pool's fused token axis into [NB, BS] views; checks the page axis of "
@@ -265,8 +275,7 @@ def declared_hints() -> list[Any]:
             default="1: the fused token axis stays NBBS",
             source="python/sglang/srt/server_args.py::ServerArgs.page_size",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="kv_list_layout",
             meaning="how a list of per-layer tensors is arranged: k_v = all K layers then all V layers (2*NL tensors, MHA), "
             "nested = [k_buffer, v_buffer], pairs = one (k, v) per layer, unified = one paged component per entry (LMCache's "
@@ -274,8 +283,7 @@ def declared_hints() -> list[Any]:
             values=["k_v", "nested", "pairs", "unified"],
             default="read from the nesting",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="layout",
             aliases=["kv_cache_layout"],
             meaning="token rows (NHD, SGLang's default), page rows (num_pages, NH, page_size, HS) with SGLANG_USE_HND_KVCACHE "
@@ -284,8 +292,7 @@ def declared_hints() -> list[Any]:
             default="NHD for a 3-D token-row pool; ambiguous 4-D buffers name this hint",
             source=pool,
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="mem_layout",
             aliases=["hicache_mem_layout"],
             meaning="a HiCache host pool's --hicache-mem-layout",
@@ -293,39 +300,11 @@ def declared_hints() -> list[Any]:
             default="read from the shape where it can; else this hint is named",
             source="python/sglang/srt/mem_cache/pool_host/mha.py::MHATokenToKVPoolHost.init_kv_buffer",
         ),
-        Hint(
-            engine="sglang",
-            name="num_kv_heads",
-            meaning="the pool's head_num (KV heads per rank)",
-            type="int > 0",
-            default="from the shapes",
+        *(
+            hint(name=name, aliases=aliases, meaning=meaning, type="int > 0", default=default)
+            for name, aliases, meaning, default in _POOL_GEOMETRY
         ),
-        Hint(
-            engine="sglang",
-            name="head_size",
-            aliases=["head_dim"],
-            meaning="the pool's head_dim (K; MLA: kv_lora_rank + qk_rope_head_dim)",
-            type="int > 0",
-            default="from the shapes",
-        ),
-        Hint(
-            engine="sglang",
-            name="v_head_size",
-            aliases=["v_head_dim"],
-            meaning="the pool's v_head_dim when V's head size differs from K's",
-            type="int > 0",
-            default="head_size",
-        ),
-        Hint(
-            engine="sglang",
-            name="num_layers",
-            aliases=["layer_num"],
-            meaning="the pool's layer_num",
-            type="int > 0",
-            default="from the shapes",
-        ),
-        Hint(
-            engine="sglang",
+        hint(
             name="dtype",
             aliases=["kv_cache_dtype"],
             meaning="--kv-cache-dtype: fp8 pools are stored as uint8 (store_dtype) and carry fp8 elements",
@@ -334,15 +313,13 @@ def declared_hints() -> list[Any]:
             default="the tensors' own dtype",
             source=f"{pool}::KVCache.__init__",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="is_mla",
             meaning="the model uses MLA (MLATokenToKVPool): one latent head",
             type="bool",
             default="from the shapes",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="device_type",
             aliases=["device"],
             meaning="where SGLang runs: off rocm (hip) fp8_e4m3 / fp8_e5m2 are the OCP types; on rocm they follow "
@@ -352,8 +329,7 @@ def declared_hints() -> list[Any]:
             source="python/sglang/srt/model_executor/model_runner.py::ModelRunner.init_memory_pool (0.5.3); "
             "python/sglang/srt/mem_cache/kv_cache_dtype.py::configure_kv_cache_dtype (0.5.23)",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="gcn_arch",
             aliases=["gfx"],
             meaning="the ROCm GPU's gcnArchName: from SGLang 0.5.6.post2 fp8_e4m3 and fp8_e5m2 are float8_e4m3fnuz on gfx94x "
@@ -363,8 +339,7 @@ def declared_hints() -> list[Any]:
             source="python/sglang/kernels/ops/quantization/fp8_kernel.py::is_fp8_fnuz (0.5.23)",
         ),
         tensor_order_hint("sglang"),
-        Hint(
-            engine="sglang",
+        hint(
             name="index_page_size",
             meaning="the DSA indexer's kernel page in tokens (DSATokenToKVPool.index_page_size): each buffer row of "
             "page_size // index_kpool records is that many kernel pages, token loc -> page loc // index_page_size",
@@ -372,16 +347,14 @@ def declared_hints() -> list[Any]:
             default="from attn_dcp_size/dcp_replicated/index_kpool or sglang_version 0.5.3; else ambiguous",
             source="python/sglang/srt/mem_cache/index_key_cache.py::IndexKeyCache._kernel_view (0.5.23)",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="attn_dcp_size",
             meaning="decode-context-parallel size: divides the DSA indexer's kernel page when dcp_replicated",
             type="int > 0",
             default="with dcp_replicated unknown and attn_dcp_size > 1 the indexer page is ambiguous",
             source=f"{pool}::DSATokenToKVPool.__init__ (0.5.23)",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="dcp_replicated",
             meaning="the DSA pool was built with dcp_replicated=True (a draft worker with attn_dcp_size > 1): the indexer's "
             "kernel page is page_size // index_kpool // attn_dcp_size",
@@ -389,8 +362,7 @@ def declared_hints() -> list[Any]:
             default="unknown",
             source="python/sglang/srt/mem_cache/kv_cache_configurator.py (loc_space_scale > 1) (0.5.23)",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="index_kpool",
             meaning="DSA index-key pooling (one record per index_kpool tokens); only 1 is token-addressed, larger values are "
             "refused (SGLang's own IndexKeyCache.move asserts index_kpool == 1)",
@@ -398,8 +370,7 @@ def declared_hints() -> list[Any]:
             default="1 when any other indexer hint decides",
             source=f"{pool}::DSATokenToKVPool.__init__ (0.5.23)",
         ),
-        Hint(
-            engine="sglang",
+        hint(
             name="sglang_version",
             meaning="layouts are read from the tensors' shapes and strides; on ROCm the version decides fp8_e4m3 / fp8_e5m2 "
             "(up to 0.5.6.post1 FNUZ of the named kind, from 0.5.6.post2 fp8_kernel.fp8_dtype)",
