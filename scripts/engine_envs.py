@@ -9,7 +9,7 @@ the env's python), and the ``kvcore check`` arguments that prove the engine's fo
 writer there. The script is idempotent: an env whose recorded entry (``.venvs/NAME/
 .kvcore-env.json``) equals the current one is left as it is; a changed entry rebuilds it.
 
-    python scripts/engine_envs.py            create or update every env (the README's test command and .ci/run call this)
+    python scripts/engine_envs.py            create or update every env (the README's test command runs this through setup_venv.py --test)
     python scripts/engine_envs.py --check    run each env's kvcore check (exit 1 on any failure)
     python scripts/engine_envs.py --list     the envs and whether each is up to date
     python scripts/engine_envs.py --dry-run  print what would run

@@ -67,12 +67,15 @@ def test_the_collector_reads_markers_and_refuses_malformed_documents(tmp_path):
             blocks(doc)
 
 
-def _editable_installed() -> set[str]:
-    """The paths requirements-dev.txt installs editable (what the test venv already has)."""
+def _editable_installed(req: str = "requirements-dev.txt") -> set[str]:
+    """The paths requirements-dev.txt installs editable, through the files it includes with
+    ``-r`` (what the test venv already has)."""
     out = set()
-    for line in (ROOT / "requirements-dev.txt").read_text().splitlines():
+    for line in (ROOT / req).read_text().splitlines():
         if line.startswith("-e "):
             out.add(line[3:].strip().split("[")[0].rstrip("/") or ".")
+        elif line.startswith("-r "):
+            out |= _editable_installed(line[3:].strip())
     return out
 
 
