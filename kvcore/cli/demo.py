@@ -59,7 +59,12 @@ def run_demo(argv: list[str]) -> int:
         return EXIT_OK
     engine = ns.engine or "vllm"
     if engine not in demos:
-        err(f"no demo named {engine!r} is registered. Registered demos:\n{_demo_listing(demos)}")
+        err(
+            f"no demo named {engine!r} is registered: demos come from plugins, and no installed plugin "
+            f"registers {engine!r} (install the plugin for that engine; in a kvcore checkout "
+            f"`python3 scripts/setup_venv.py --test` installs every in-tree plugin). "
+            f"Registered demos:\n{_demo_listing(demos)}"
+        )
         return EXIT_USAGE
     run, _, plugin = demos[engine]
     try:
