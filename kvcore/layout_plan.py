@@ -44,11 +44,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvcore import transfer_path
-from kvcore.errors import GeometryError, TransferError
+from kvcore.errors import TransferError
 from kvcore.inputs import plain_integers
 from kvcore.kernels import _build, select_kernel, single_threaded
 from kvcore.kernels.native import CPU_KERNEL, CUDA_KERNEL, RC_NEG_CONJ, RC_PAGEABLE, RC_REFUSED, prepare, run_prepared, take_device_error
-from kvcore.transfer_path import _index_tensor, _layers, _run, _scalar_layer, _write_once, slots_for_blocks
+from kvcore.transfer_path import _block_ids, _index_tensor, _layers, _run, _scalar_layer, _write_once, slots_for_blocks
 
 __all__ = ["LayoutPlan", "plan", "synchronize"]
 
@@ -286,15 +286,7 @@ class LayoutPlan:
             # host-validated: errors name the caller's block_ids (the first bad index), not derived slots
             dup = check_duplicates and validate != "none"
             return slots_for_blocks(self.layout, block_ids, check_duplicates=dup, skip_prefix=skip_prefix)
-        try:
-            bs = self.layout.block_size
-            _ = self.layout.num_blocks
-        except GeometryError as e:
-            raise TransferError(f"block transfers need blocks: {e}") from None
-        b = _index_tensor(block_ids, "block_ids")
-        if b.dim() != 1:
-            raise TransferError(f"block_ids must be a 1-D integer tensor, got {b.dtype} of shape {tuple(b.shape)}")
-        b = b.to(device=self.device, dtype=torch.int64)
+        bs, b = _block_ids(self.layout, block_ids)
         slots = (b[:, None] * bs + torch.arange(bs, device=b.device)[None, :]).flatten()
         return torch.where(b.repeat_interleave(bs) < 0, torch.full_like(slots, -1), slots)
 

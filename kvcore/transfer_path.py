@@ -377,6 +377,19 @@ def _write_once(layout: KVLayout, sel: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _block_ids(layout, block_ids) -> tuple[int, torch.Tensor]:
+    """``(block_size, block_ids as int64 [N] on the layout's device)``; raises TransferError when
+    the layout has no blocks (fused NBBS) or ``block_ids`` is not a 1-D integer index."""
+    try:
+        bs, _ = layout.block_size, layout.num_blocks
+    except GeometryError as e:
+        raise TransferError(f"block transfers need blocks: {e}") from None
+    b = _index_tensor(block_ids, "block_ids")
+    if b.dim() != 1:
+        raise TransferError(f"block_ids must be a 1-D integer tensor, got {b.dtype} of shape {tuple(b.shape)}")
+    return bs, b.to(device=layout.device, dtype=torch.int64)
+
+
 def slots_for_blocks(
     layout: KVLayout, block_ids, *, num_tokens: int | None = None, check_duplicates: bool = False, skip_prefix: int = 0
 ) -> torch.Tensor:
@@ -393,14 +406,8 @@ def slots_for_blocks(
             without blocks (fused NBBS). The message names the first offending index of
             ``block_ids`` (``block_ids[1] = 1 repeats block_ids[0]``) and the valid range.
     """
-    try:
-        bs, nb = layout.block_size, layout.num_blocks
-    except GeometryError as e:
-        raise TransferError(f"block transfers need blocks: {e}") from None
-    block_ids = _index_tensor(block_ids, "block_ids")
-    if block_ids.dim() != 1:
-        raise TransferError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
-    b = block_ids.to(device=layout.device, dtype=torch.int64)
+    bs, b = _block_ids(layout, block_ids)
+    nb = layout.num_blocks
     chk = b
     skip_prefix = plain_integers(skip_prefix, "skip_prefix", TransferError)
     whole = skip_prefix // bs if isinstance(skip_prefix, int) and not isinstance(skip_prefix, bool) and skip_prefix > 0 else 0

@@ -29,7 +29,7 @@ from kvcore.errors import TransferError
 from kvcore.kernels import _build
 from kvcore.registry import BoundKernel, _GuardedKernel
 from kvcore.spec import StrideTable, caller_problem
-from kvcore.strides import plane_span
+from kvcore.strides import _extent, plane_span
 
 __all__ = [
     "TransferKernel",
@@ -317,14 +317,6 @@ def guard_rows(tables: Sequence[tuple[str, StrideTable]]) -> tuple[list[torch.Te
             snap_rows.append([ptr, n, off, len(shape), *shape, *pad, *stride, *pad])
     snapshot = torch.tensor(snap_rows, dtype=torch.int64).reshape(len(rows), 4 + 2 * dmax)
     return [r[0] for r in rows], [r[1] for r in rows], snapshot
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    if t.numel() == 0:
-        return (0, 0)
-    esz = t.element_size()
-    lo = t.data_ptr()
-    return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * esz + esz
 
 
 def _self_overlapping(t: torch.Tensor) -> bool:

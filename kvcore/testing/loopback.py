@@ -27,27 +27,10 @@ import weakref
 
 import torch
 
-from kvcore import distributed
 from kvcore import distributed as d
+from kvcore.p2p_graph import EventWork
 
 __all__ = ["LoopbackWire", "LoopbackGroup"]
-
-
-class _Work:
-    """A group's completion: an event after its copies on the posting stream."""
-
-    __slots__ = ("ev", "_kvcore_poll")
-
-    def __init__(self, ev: torch.cuda.Event):
-        self.ev = ev
-        self._kvcore_poll = True
-
-    def is_completed(self) -> bool:
-        return self.ev.query()
-
-    def wait(self, *a) -> bool:
-        torch.cuda.current_stream().wait_event(self.ev)
-        return True
 
 
 class LoopbackGroup:
@@ -68,7 +51,7 @@ class LoopbackGroup:
     def recv(self, tensors, src: int, tag: int):
         self._ops.append((False, tensors[0], src, tag))
 
-    def _end_coalescing(self, device) -> _Work:
+    def _end_coalescing(self, device) -> EventWork:
         ops, self._ops = self._ops, None
         stream = torch.cuda.current_stream(device)
         for send, t, peer, tag in ops:
@@ -77,7 +60,7 @@ class LoopbackGroup:
         self.wire.groups += 1
         ev = torch.cuda.Event()
         ev.record(stream)
-        return _Work(ev)
+        return EventWork(ev)
 
 
 class _Mailboxes:
@@ -116,13 +99,13 @@ class LoopbackWire:
         self.boxes: dict = {}  # (src, dst, tag) -> _Mailboxes
         self.groups = 0
         for rank, pg in enumerate(self.ends):
-            g = distributed._Group.__new__(distributed._Group)
+            g = d._Group.__new__(d._Group)
             g.ref, g.me, g.ranks, g.index, g.backend, g.coalesce = weakref.ref(pg), rank, [0, 1], {0: 0, 1: 1}, "nccl", True
             try:
                 g.graphs = {}
             except AttributeError:  # a kvcore before CUDA-graph replay (a before/after comparison)
                 pass
-            distributed._GROUPS[id(pg)] = g
+            d._GROUPS[id(pg)] = g
 
     def _mailboxes(self, key, nbytes: int) -> _Mailboxes:
         boxes = self.boxes.get(key)

@@ -137,9 +137,7 @@ class WorkerSide:
         if not why and arena is not None:
             t0 = time.perf_counter()
             try:
-                for ga, slots in zip(arena.groups, t.engine_slots):
-                    for a, b, off in _runs(t.ops, self.plan.chunk_size):
-                        kvcore.scatter(ga.layout, slots[off : off + b - a], ga.rows(a, b))
+                self._move(kvcore.scatter, t)
             except KVCoreError as e:
                 why = f"kvcore refused the load: {e}"
             else:
@@ -152,6 +150,14 @@ class WorkerSide:
             report.unusable.update((op.slot, op.key) for op in stale)
         log.warning("kvcore connector: load for request %s failed, it will not use stored KV: %s", t.req_id, why)
         return why
+
+    def _move(self, op, t: Transfer) -> None:
+        """``op`` (``kvcore.gather`` or ``kvcore.scatter``) over every KV-cache group's engine
+        slots of ``t`` and the store rows of its chunks, one call per run of consecutive chunks."""
+        runs = _runs(t.ops, self.plan.chunk_size)
+        for ga, slots in zip(self.arena.groups, t.engine_slots):
+            for a, b, off in runs:
+                op(ga.layout, slots[off : off + b - a], ga.rows(a, b))
 
     def save(self, t: Transfer) -> WorkerReport:
         """Gather a step's chunks into the store. Every chunk of the step lands, or none
@@ -167,9 +173,7 @@ class WorkerSide:
                 arena.forget(op.slot)  # the slot is reused: its old chunk is gone from here on
             t0 = time.perf_counter()
             try:
-                for ga, slots in zip(arena.groups, t.engine_slots):
-                    for a, b, off in _runs(t.ops, self.plan.chunk_size):
-                        kvcore.gather(ga.layout, slots[off : off + b - a], ga.rows(a, b))
+                self._move(kvcore.gather, t)
             except KVCoreError as e:
                 why = f"kvcore refused the save: {e}"
             else:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcore import Source
+from kvcore.errors import FormatError
 from kvcore_vllm.releases import ERAS, layout_physical_order
 
 GPU_FAMILIES = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
@@ -114,7 +115,7 @@ class Rule:
         # an era label that is not an era would silently match nothing
         unknown = [e for e in self.eras if e not in ERAS]
         if unknown:
-            raise ValueError(f"vLLM rule {self.label!r}: eras {unknown} are not layout eras {ERAS} (kvcore_vllm.releases)")
+            raise FormatError(f"vLLM rule {self.label!r}: eras {unknown} are not layout eras {ERAS} (kvcore_vllm.releases)")
 
 
 def _src(version: str, file: str) -> Source:
